@@ -1,0 +1,92 @@
+"""The one interface every attention implementation sits behind.
+
+A step's batch is flattened: T new tokens from many sequences, no padding. Sequences
+that add exactly one token (decodes) come first, then the multi-token chunks (prefills).
+Each backend turns the backend-neutral `StepBatch` into its own metadata once per step,
+and every layer then calls `AttentionContext.attend` with that metadata.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    """Where each sequence's new tokens sit in the flat batch and in the paged cache.
+
+    `query_lens[i]` new tokens of sequence i start at flat index `query_starts[i]`;
+    `context_lens[i]` tokens of it are already in the cache; `block_tables[i]` lists its
+    block ids. The first `num_decodes` sequences have query length 1.
+    """
+
+    query_starts: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per new token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The shape of attention that a model asks of a backend."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None  # attend to at most this many most recent positions
+
+
+class AttentionBackend(ABC):
+    """Computes paged attention for a flat varlen batch.
+
+    The KV cache for one layer is a tensor [2, num_blocks, block_size, num_kv_heads,
+    head_dim]: index 0 holds keys, 1 values.
+    """
+
+    def __init__(self, spec: AttentionSpec, block_size: int) -> None:
+        self.spec = spec
+        self.block_size = block_size
+
+    @abstractmethod
+    def build_metadata(self, batch: StepBatch) -> Any:
+        """Precompute, once per step, whatever every layer's `forward` needs."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """Write the new K/V into their slots, then attend; returns [T, num_heads, head_dim]."""
+
+
+class AttentionContext:
+    """What a model's attention layers need for one step: backend, caches and metadata.
+
+    It is passed to the model's forward explicitly, so no step state lives in globals.
+    """
+
+    def __init__(
+        self, backend: AttentionBackend, kv_caches: list[torch.Tensor], metadata: Any
+    ) -> None:
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.metadata = metadata
+
+    def attend(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        return self.backend.forward(query, key, value, self.kv_caches[layer_idx], self.metadata)

@@ -1,0 +1,145 @@
+"""Block tables for requests: slot allocation, prefix caching, forking and copy-on-write."""
+from __future__ import annotations
+
+from cadence.scheduler.block_pool import BlockKey, BlockPool
+from cadence.scheduler.request import Request
+
+BlockCopy = tuple[int, int]  # (source block id, destination block id)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns the block pool and every request's block table.
+
+    The scheduler asks it for room for new tokens; it never hands out a block that is
+    shared with another request for writing (copy-on-write), and it never writes into a
+    block that the prefix cache serves to others.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids whose cached KV equals the start of the request's tokens.
+
+        At least one token is always left to compute, since its logits give the next
+        token; so a hit covers at most (num_tokens - 1) tokens, in whole blocks.
+        """
+        if not self.enable_prefix_caching or request.skip_prefix_cache:
+            return []
+        tokens = request.token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hits: list[int] = []
+        parent_hash: int | None = None
+        for index in range(max_blocks):
+            start = index * self.block_size
+            key = BlockKey(parent_hash, tuple(tokens[start : start + self.block_size]))
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent_hash = key.hash
+        return hits
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_prefix: list[int] | None = None
+    ) -> list[BlockCopy] | None:
+        """Make room for the request's next `num_new_tokens` tokens.
+
+        `cached_prefix` (from `find_cached_prefix`, for a request that holds no blocks
+        yet) is adopted first and counts as computed. Returns the block copies that must
+        happen before this step writes, or None, changing nothing, when the pool is short.
+        """
+        cached_prefix = cached_prefix or []
+        num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        num_held = len(request.block_ids) + len(cached_prefix)
+        num_needed = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - num_held)
+        write_block_index = num_computed // self.block_size
+        needs_copy = (
+            write_block_index < len(request.block_ids)
+            and self.pool.ref_counts[request.block_ids[write_block_index]] > 1
+        )
+        # Cached blocks sitting free are about to be taken out of the free queue.
+        num_revived = sum(1 for b in cached_prefix if self.pool.ref_counts[b] == 0)
+        if num_needed + needs_copy > self.pool.num_free_blocks - num_revived:
+            return None
+
+        copies: list[BlockCopy] = []
+        if cached_prefix:
+            self.pool.touch(cached_prefix)
+            request.block_ids.extend(cached_prefix)
+            request.num_computed_tokens = num_computed
+            self._register_hashes(request, len(request.block_ids))
+        if needs_copy:
+            shared = request.block_ids[write_block_index]
+            (private,) = self.pool.allocate(1)
+            self.pool.free([shared])
+            request.block_ids[write_block_index] = private
+            copies.append((shared, private))
+            # The private copy is not registered: only hashes of blocks this request owns.
+            del request.block_hashes[write_block_index:]
+        request.block_ids.extend(self.pool.allocate(num_needed))
+        return copies
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        self._register_hashes(request, num_full)
+
+    def _register_hashes(self, request: Request, num_full_blocks: int) -> None:
+        hashes = request.block_hashes
+        tokens = request.token_ids
+        for index in range(len(hashes), num_full_blocks):
+            start = index * self.block_size
+            key = BlockKey(hashes[-1] if hashes else None, tuple(tokens[start : start + self.block_size]))
+            self.pool.cache(request.block_ids[index], key)
+            hashes.append(key.hash)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` shared references to the blocks of the parent's whole prompt.
+
+        The child then recomputes only the last prompt token, for logits of its own; its
+        first write lands in a shared block and is served by copy-on-write.
+        """
+        num_prompt_blocks = cdiv(parent.num_prompt_tokens, self.block_size)
+        shared = parent.block_ids[:num_prompt_blocks]
+        self.pool.touch(shared)
+        child.block_ids = list(shared)
+        child.block_hashes = parent.block_hashes[: parent.num_prompt_tokens // self.block_size]
+        child.num_computed_tokens = parent.num_prompt_tokens - 1
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; the tail goes first so it is evicted first."""
+        self.pool.free(reversed(request.block_ids))
+        request.block_ids = []
+        request.block_hashes = []
+        request.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def check_integrity(self, requests: list[Request]) -> None:
+        """Assert refcounts, the free queue and every block table agree."""
+        expected: dict[int, int] = {}
+        for request in requests:
+            assert len(set(request.block_ids)) == len(request.block_ids), (
+                f"{request.request_id} holds a block twice"
+            )
+            assert len(request.block_ids) * self.block_size >= request.num_computed_tokens, (
+                f"{request.request_id}: {request.num_computed_tokens} computed tokens "
+                f"in {len(request.block_ids)} blocks"
+            )
+            for block_id in request.block_ids:
+                expected[block_id] = expected.get(block_id, 0) + 1
+        self.pool.check_integrity(expected)

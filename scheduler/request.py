@@ -1,0 +1,120 @@
+"""A request as the scheduler sees it: token ids, progress counters and a block table."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI word for how a finished request ended."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class StopConditions:
+    """When the scheduler ends a request on its own, without the detokenizer.
+
+    `max_tokens` is already capped so that prompt + output fits in max_model_len.
+    Stop token ids only count once at least `min_tokens` tokens were generated.
+    """
+
+    max_tokens: int
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class Request:
+    """One sequence being generated.
+
+    `token_ids` holds the prompt followed by every generated token. The KV of the first
+    `num_computed_tokens` of them is in the blocks of `block_ids`. The last generated
+    token is always uncomputed: it becomes the input of the next step.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    stop: StopConditions
+    arrival_seq: int
+    priority: int = 0
+    sampling_params: Any = None  # opaque to the scheduler; the model runner reads it
+    # The request whose prompt KV this one will share (n > 1); None once forked.
+    fork_parent_id: str | None = None
+    skip_prefix_cache: bool = False  # prompt logprobs need every prompt position computed
+
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    # Hashes of this request's leading full blocks that are registered in the prefix cache.
+    block_hashes: list[int] = field(default_factory=list)
+    stop_token_id: int | None = None  # the stop token that finished it, if any
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower sorts first: a smaller priority value, then earlier arrival."""
+        return (self.priority, self.arrival_seq)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status this request has reached after its newest token, if any."""
+        num_output = self.num_output_tokens
+        last = self.token_ids[-1]
+        if num_output >= self.stop.min_tokens and last in self.stop.stop_token_ids:
+            self.stop_token_id = last
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= self.stop.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,228 @@
+"""Scheduler and KV-cache invariants, with a fake model that writes token ids as "KV".
+
+The fake cache stores, per slot, the token id whose KV it holds. After every step each
+scheduled request must read back exactly its own tokens through its block table: that
+catches a shared block written by the wrong request, a stale prefix hit, or a copy that
+did not happen.
+"""
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cadence.scheduler.request import Request, RequestStatus, StopConditions
+from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig, SchedulerOutput
+
+EOS = 0
+
+
+class FakeModel:
+    """Keeps a slot -> token table and checks every request's view of it."""
+
+    def __init__(self, num_blocks: int, block_size: int, rng: random.Random) -> None:
+        self.block_size = block_size
+        self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.rng = rng
+
+    def execute(self, output: SchedulerOutput, vocab: int = 50) -> dict[str, int]:
+        for src, dst in output.block_copies:
+            self.slots[dst] = list(self.slots[src])
+        for item in output.scheduled:
+            request, start = item.request, item.request.num_computed_tokens
+            for pos in range(start, start + item.num_new_tokens):
+                block = request.block_ids[pos // self.block_size]
+                self.slots[block][pos % self.block_size] = request.token_ids[pos]
+        sampled = {}
+        for item in output.scheduled:
+            request = item.request
+            end = request.num_computed_tokens + item.num_new_tokens
+            seen = [self.slots[request.block_ids[p // self.block_size]][p % self.block_size] for p in range(end)]
+            assert seen == request.token_ids[:end], f"{request.request_id} reads wrong KV"
+            if item.samples:
+                sampled[request.request_id] = self.rng.randrange(vocab)
+        return sampled
+
+
+def make_request(rid: str, prompt: list[int], seq: int, max_tokens: int = 8, priority: int = 0, **kw) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        stop=StopConditions(max_tokens=max_tokens, stop_token_ids=frozenset({EOS})),
+        arrival_seq=seq,
+        priority=priority,
+        **kw,
+    )
+
+
+def run_to_completion(scheduler: Scheduler, model: FakeModel, max_steps: int = 20000) -> dict[str, Request]:
+    finished: dict[str, Request] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return finished
+        output = scheduler.schedule()
+        scheduler.check_integrity()
+        assert output.num_batched_tokens <= scheduler.config.max_num_batched_tokens
+        for item in scheduler.update(output, model.execute(output)):
+            finished[item.request.request_id] = item.request
+        scheduler.check_integrity()
+    raise AssertionError("requests did not finish")
+
+
+def test_chunked_prefill_respects_budget_and_finishes() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_model_len=256), CacheConfig(64, 4))
+    model = FakeModel(64, 4, random.Random(0))
+    scheduler.add_request(make_request("a", list(range(1, 30)), 0, max_tokens=5))
+    scheduler.add_request(make_request("b", list(range(1, 4)), 1, max_tokens=5))
+    first = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("a", 8)]
+    assert not first.scheduled[0].samples
+    scheduler.update(first, model.execute(first))
+    finished = run_to_completion(scheduler, model)
+    assert set(finished) == {"a", "b"}
+    assert scheduler.kv_cache.usage == 0.0
+
+
+def test_prefix_cache_hit_reuses_blocks_and_leaves_one_token() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_model_len=256), CacheConfig(64, 4))
+    model = FakeModel(64, 4, random.Random(0))
+    prompt = list(range(1, 17))  # exactly four blocks
+    scheduler.add_request(make_request("a", prompt, 0, max_tokens=1))
+    run_to_completion(scheduler, model)
+    scheduler.add_request(make_request("b", prompt, 1, max_tokens=1))
+    output = scheduler.schedule()
+    # Three blocks hit; the fourth holds the last prompt token, which must be recomputed.
+    assert output.scheduled[0].request.num_computed_tokens == 12
+    assert output.scheduled[0].num_new_tokens == 4
+    scheduler.update(output, model.execute(output))
+    scheduler.check_integrity()
+
+
+def test_prefix_hit_is_confirmed_on_tokens_not_hash() -> None:
+    scheduler = Scheduler(SchedulerConfig(), CacheConfig(16, 4))
+    pool = scheduler.kv_cache.pool
+    scheduler.add_request(make_request("a", [1, 2, 3, 4, 5], 0, max_tokens=1))
+    run_to_completion(scheduler, FakeModel(16, 4, random.Random(0)))
+    (block_id,) = pool.cached_blocks.values()
+    # Forge a colliding hash entry for other tokens: the lookup must refuse it.
+    other = make_request("b", [9, 9, 9, 9, 9], 1)
+    from cadence.scheduler.block_pool import BlockKey
+
+    pool.cached_blocks[BlockKey(None, (9, 9, 9, 9)).hash] = block_id
+    assert scheduler.kv_cache.find_cached_prefix(other) == []
+
+
+def test_preemption_recomputes_and_never_crashes() -> None:
+    # 6 blocks of 4 tokens cannot hold three 10-token prompts growing to 18 tokens.
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(6, 4, enable_prefix_caching=False))
+    model = FakeModel(6, 4, random.Random(1))
+    for i in range(3):
+        scheduler.add_request(make_request(f"r{i}", [5 + i] * 10, i, max_tokens=8))
+    finished = run_to_completion(scheduler, model)
+    assert len(finished) == 3
+    assert sum(r.num_preemptions for r in finished.values()) > 0
+
+
+def test_priority_orders_admission_and_preempts_lowest() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1), CacheConfig(32, 4))
+    scheduler.add_request(make_request("low", [1, 2], 0, priority=5))
+    scheduler.add_request(make_request("high", [3, 4], 1, priority=0))
+    output = scheduler.schedule()
+    assert [s.request.request_id for s in output.scheduled] == ["high"]
+
+
+def test_fork_shares_prompt_blocks_with_copy_on_write() -> None:
+    scheduler = Scheduler(SchedulerConfig(), CacheConfig(32, 4, enable_prefix_caching=False))
+    model = FakeModel(32, 4, random.Random(2))
+    prompt = list(range(1, 11))  # 10 tokens: the third block is partial and shared
+    scheduler.add_request(make_request("p", prompt, 0, max_tokens=4))
+    for i in (1, 2):
+        scheduler.add_request(make_request(f"c{i}", prompt, i, max_tokens=4, fork_parent_id="p"))
+    output = scheduler.schedule()
+    assert [s.request.request_id for s in output.scheduled] == ["p"]
+    scheduler.update(output, model.execute(output))
+    scheduler.check_integrity()
+    pool = scheduler.kv_cache.pool
+    parent = scheduler.requests["p"]
+    assert all(pool.ref_counts[b] == 3 for b in parent.block_ids)
+    output = scheduler.schedule()
+    assert {s.request.request_id: s.num_new_tokens for s in output.scheduled} == {"p": 1, "c1": 1, "c2": 1}
+    assert len(output.block_copies) == 2  # two of the three writers of the last block copy it
+    scheduler.update(output, model.execute(output))
+    scheduler.check_integrity()
+    run_to_completion(scheduler, model)
+    assert pool.num_free_blocks == 32
+
+
+def test_abort_frees_blocks_everywhere() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=4), CacheConfig(32, 4))
+    model = FakeModel(32, 4, random.Random(3))
+    scheduler.add_request(make_request("a", list(range(1, 20)), 0))
+    scheduler.add_request(make_request("b", list(range(1, 20)), 1, fork_parent_id="a"))
+    scheduler.add_request(make_request("c", [3, 3], 2))
+    output = scheduler.schedule()
+    scheduler.update(output, model.execute(output))
+    scheduler.abort_requests(["a", "c", "unknown"])
+    scheduler.check_integrity()
+    assert scheduler.requests.keys() == {"b"}  # the child now computes its own prompt
+    finished = run_to_completion(scheduler, model)
+    assert finished["b"].status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+    assert scheduler.kv_cache.usage == 0.0
+
+
+def test_min_tokens_defers_stop_and_max_model_len_caps() -> None:
+    request = make_request("a", [1, 2], 0, max_tokens=100)
+    request.stop = StopConditions(max_tokens=100, min_tokens=2, stop_token_ids=frozenset({EOS}))
+    request.append_output_token(EOS)
+    assert request.check_stop(max_model_len=100) is None
+    request.append_output_token(EOS)
+    assert request.check_stop(max_model_len=100) == RequestStatus.FINISHED_STOPPED
+    long = make_request("b", [1, 2, 3], 1, max_tokens=100)
+    long.append_output_token(7)
+    assert long.check_stop(max_model_len=4) == RequestStatus.FINISHED_LENGTH
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(6, 40),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    budget=st.integers(4, 64),
+    max_num_seqs=st.integers(1, 8),
+    prefix_caching=st.booleans(),
+)
+def test_random_workloads_keep_invariants(
+    seed: int, num_blocks: int, block_size: int, budget: int, max_num_seqs: int, prefix_caching: bool
+) -> None:
+    rng = random.Random(seed)
+    max_model_len = 48
+    # Every request must fit alone, or it could never run.
+    num_blocks = max(num_blocks, -(-max_model_len // block_size) + 1)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
+        CacheConfig(num_blocks, block_size, prefix_caching),
+    )
+    model = FakeModel(num_blocks, block_size, rng)
+    shared_prefix = [rng.randrange(1, 50) for _ in range(12)]
+    next_id, live = 0, []
+    for _ in range(300):
+        action = rng.random()
+        if action < 0.25 and next_id < 40:
+            prompt = (shared_prefix[: rng.randrange(0, 12)] + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))])
+            rid = f"r{next_id}"
+            scheduler.add_request(make_request(rid, prompt, next_id, max_tokens=rng.randrange(1, 20), priority=rng.randrange(3)))
+            live.append(rid)
+            if rng.random() < 0.3:  # an n>1 sibling
+                scheduler.add_request(make_request(rid + "-fork", prompt, next_id, max_tokens=5, fork_parent_id=rid))
+            next_id += 1
+        elif action < 0.3 and live:
+            scheduler.abort_requests([live.pop(rng.randrange(len(live)))])
+        output = scheduler.schedule()
+        scheduler.check_integrity()
+        assert output.num_batched_tokens <= budget
+        assert len(output.scheduled) <= max_num_seqs
+        scheduler.update(output, model.execute(output))
+        scheduler.check_integrity()
+    run_to_completion(scheduler, model)
+    assert scheduler.kv_cache.pool.num_free_blocks == num_blocks
