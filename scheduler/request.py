@@ -76,6 +76,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     stop_token_id: int | None = None  # the stop token that finished it, if any
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

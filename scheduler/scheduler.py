@@ -169,6 +169,8 @@ class Scheduler:
             if new_copies is None:
                 break
             self.waiting.pop(0)
+            if request.num_preemptions == 0 and cached_prefix:
+                request.num_cached_tokens = len(cached_prefix) * self.kv_cache.block_size
             copies.extend(new_copies)
             request.status = RequestStatus.RUNNING
             self.running.append(request)

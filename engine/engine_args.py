@@ -1,0 +1,80 @@
+"""What a user chooses when starting an engine, and how the KV cache gets its size."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    """Engine options, with vLLM's names (`num_gpu_blocks` counts blocks on any device)."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def _available_host_memory() -> int:
+    """MemAvailable from /proc/meminfo, or a conservative guess where there is none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * GiB
+
+
+def kv_cache_budget_bytes(args: EngineArgs, device: torch.device, max_useful_bytes: int) -> int:
+    """How many bytes the KV cache may take when neither blocks nor bytes were given.
+
+    On CUDA: the free memory left after loading weights, scaled by gpu_memory_utilization.
+    On CPU: a quarter of available RAM, but no more than the cache could ever use
+    (every sequence at max_model_len), since idle host memory helps nobody.
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        reserve = (1.0 - args.gpu_memory_utilization) * total
+        return max(0, int(free - reserve))
+    return min(_available_host_memory() // 4, max_useful_bytes)
+
+
+def resolve_num_blocks(
+    args: EngineArgs, device: torch.device, bytes_per_block: int, max_model_len: int, max_num_seqs: int
+) -> int:
+    """The number of KV blocks, from the user's choice or from memory."""
+    blocks_per_seq = -(-max_model_len // args.block_size)
+    if args.num_gpu_blocks is not None:
+        num_blocks = args.num_gpu_blocks
+    elif args.kv_cache_memory is not None:
+        num_blocks = args.kv_cache_memory // bytes_per_block
+    else:
+        # One spare sequence's worth of blocks keeps freed prefixes around for reuse.
+        useful = (max_num_seqs + 1) * blocks_per_seq * bytes_per_block
+        num_blocks = kv_cache_budget_bytes(args, device, useful) // bytes_per_block
+    if num_blocks < blocks_per_seq:
+        raise ValueError(
+            f"the KV cache has room for {num_blocks} blocks of {args.block_size} tokens, but one "
+            f"sequence of max_model_len={max_model_len} needs {blocks_per_seq}; give more memory "
+            "(num_gpu_blocks / kv_cache_memory) or lower max_model_len"
+        )
+    return num_blocks
+

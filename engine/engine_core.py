@@ -1,0 +1,200 @@
+"""The engine loop: schedule, execute, update. Usable in-process or behind a transport."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from cadence.engine.engine_args import EngineArgs, resolve_num_blocks
+from cadence.engine.loader import load_model, resolve_dtype
+from cadence.engine.model_config import ModelConfig
+from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
+from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats
+from cadence.scheduler.request import Request, StopConditions
+from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig, SchedulerOutput
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each phase of the steps so far, for the overhead benchmark."""
+
+    schedule: float = 0.0
+    execute: float = 0.0
+    update: float = 0.0
+    num_steps: int = 0
+    runner: dict[str, float] = field(default_factory=dict)
+
+
+def generation_eos_ids(model_path: str, config: ModelConfig) -> set[int]:
+    """EOS ids from config.json and, when present, generation_config.json."""
+    eos = set(config.eos_token_id)
+    path = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f).get("eos_token_id")
+        eos.update([value] if isinstance(value, int) else value or [])
+    return eos
+
+
+class EngineCore:
+    """Owns the scheduler and the model runner, and turns steps into per-sequence outputs.
+
+    A request with n > 1 becomes n scheduler requests; the later ones fork the first
+    one's prompt KV instead of computing it again.
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = args.resolve_device()
+        torch.manual_seed(args.seed)
+        config = ModelConfig.from_pretrained(args.model)
+        self.dtype = resolve_dtype(args.dtype, config, self.device)
+        self.model, self.model_config = load_model(args.model, self.dtype, self.device)
+        self.max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        spec = self.model.attention_spec()
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        bytes_per_block = 2 * args.block_size * spec.num_kv_heads * spec.head_dim * element_size * config.num_hidden_layers
+        num_blocks = resolve_num_blocks(args, self.device, bytes_per_block, self.max_model_len, args.max_num_seqs)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens or max(2048, args.max_num_seqs),
+                max_model_len=self.max_model_len,
+            ),
+            CacheConfig(num_blocks, args.block_size, args.enable_prefix_caching),
+        )
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.dtype, self.device)
+        self.eos_token_ids = generation_eos_ids(args.model, config)
+        self.vocab_size = config.vocab_size
+        self.timings = StepTimings()
+        self._arrivals = itertools.count()
+        # Scheduler request id -> (client request id, index among its n sequences).
+        self._sequences: dict[str, tuple[str, int]] = {}
+        self._children: dict[str, list[str]] = {}
+        self._num_preemptions = 0
+
+    # ----- requests ------------------------------------------------------------------
+    def validate(self, request: EngineCoreRequest) -> None:
+        """Raise ValueError for a request the engine cannot serve, before touching state."""
+        tokens = request.prompt_token_ids
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        if len(tokens) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(tokens)} tokens, more than max_model_len={self.max_model_len}"
+            )
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if request.request_id in self._children:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.validate(request)
+        params = request.sampling_params
+        room = self.max_model_len - len(request.prompt_token_ids)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        stop = StopConditions(
+            max_tokens=max(1, min(params.max_tokens or room, room)),
+            min_tokens=params.min_tokens,
+            stop_token_ids=frozenset(stop_ids),
+        )
+        ids = [request.request_id] if params.n == 1 else [f"{request.request_id}#{i}" for i in range(params.n)]
+        self._children[request.request_id] = ids
+        for index, sub_id in enumerate(ids):
+            self._sequences[sub_id] = (request.request_id, index)
+            # Seeded siblings must not draw the same samples.
+            child_params = params if params.seed is None or index == 0 else replace(params, seed=params.seed + index)
+            self.scheduler.add_request(
+                Request(
+                    request_id=sub_id,
+                    prompt_token_ids=list(request.prompt_token_ids),
+                    stop=stop,
+                    arrival_seq=next(self._arrivals),
+                    priority=request.priority,
+                    sampling_params=child_params,
+                    fork_parent_id=ids[0] if index else None,
+                    skip_prefix_cache=params.prompt_logprobs is not None,
+                )
+            )
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort whole requests by their id, or single sequences by (id, index) name."""
+        sub_ids: list[str] = []
+        for request_id in request_ids:
+            sub_ids.extend(self._children.get(request_id, [request_id]))
+        for request in self.scheduler.abort_requests(sub_ids):
+            self._forget(request.request_id)
+
+    def sequence_id(self, request_id: str, index: int) -> str:
+        """The name under which sequence `index` of a request is scheduled."""
+        return self._children[request_id][index]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.scheduler.kv_cache.usage,
+            num_preemptions=self._num_preemptions,
+        )
+
+    # ----- the loop ------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduling step and report what each sequence gained."""
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        scheduled_at = time.perf_counter()
+        runner_output = self.runner.execute(scheduler_output)
+        executed_at = time.perf_counter()
+        outputs = self._update(scheduler_output, runner_output)
+        done = time.perf_counter()
+        self._num_preemptions += len(scheduler_output.preempted_request_ids)
+        t = self.timings
+        t.schedule += scheduled_at - start
+        t.execute += executed_at - scheduled_at
+        t.update += done - executed_at
+        t.num_steps += 1
+        return outputs
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        finished = {f.request.request_id: f for f in self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)}
+        outputs = []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            sub_id = request.request_id
+            token_id = runner_output.sampled_token_ids.get(sub_id)
+            prompt_logprobs = runner_output.prompt_logprobs.get(sub_id)
+            if token_id is None and prompt_logprobs is None:
+                continue
+            request_id, index = self._sequences[sub_id]
+            logprobs = runner_output.logprobs.get(sub_id)
+            end = finished.get(sub_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    index=index,
+                    new_token_ids=[] if token_id is None else [token_id],
+                    new_logprobs=None if logprobs is None else [logprobs],
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=None if end is None else end.status.finish_reason,
+                    stop_reason=None if end is None else request.stop_token_id,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            if end is not None:
+                self._forget(sub_id)
+        return outputs
+
+    def _forget(self, sub_id: str) -> None:
+        request_id, _ = self._sequences.pop(sub_id)
+        siblings = self._children[request_id]
+        if not any(s in self._sequences for s in siblings):
+            del self._children[request_id]

@@ -1,0 +1,113 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from cadence.engine.engine_args import EngineArgs
+from cadence.engine.engine_core import EngineCore
+from cadence.engine.output_processor import OutputProcessor
+from cadence.engine.outputs import RequestOutput
+from cadence.engine.protocol import EngineCoreRequest
+from cadence.engine.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
+    """The folder's tokenizer, or None when it ships none (then prompts must be token ids)."""
+    if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLM:
+    """Batch generation in-process: every prompt is added, then the engine steps until done.
+
+    Keyword arguments are EngineArgs fields (dtype, max_num_seqs, max_num_batched_tokens,
+    block_size, enable_prefix_caching, num_gpu_blocks, kv_cache_memory, max_model_len, ...).
+    """
+
+    def __init__(self, model: str, tokenizer: str | None = None, **engine_options: object) -> None:
+        self.engine = EngineCore(EngineArgs(model=os.fspath(model), **engine_options))  # type: ignore[arg-type]
+        self.tokenizer = load_tokenizer(tokenizer or model)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        Raises ValueError, before anything runs, for a prompt the engine cannot take.
+        """
+        prompt_list = self._normalize_prompts(prompts)
+        params_list = self._per_prompt(sampling_params or SamplingParams(), len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError("priority must have one entry per prompt")
+
+        requests = []
+        for prompt, params, prio in zip(prompt_list, params_list, priorities):
+            token_ids = self._tokenize(prompt)
+            request = EngineCoreRequest(f"offline-{next(self._ids)}", token_ids, params, prio)
+            self.engine.validate(request)
+            requests.append((request, prompt if isinstance(prompt, str) else None))
+
+        processor = OutputProcessor(self.tokenizer)
+        order = {request.request_id: i for i, (request, _) in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        try:
+            for request, text in requests:
+                processor.add_request(request.request_id, text, request.prompt_token_ids, request.sampling_params)
+                self.engine.add_request(request)
+            while self.engine.has_unfinished_requests():
+                finished, to_abort = processor.process(self.engine.step())
+                for request_id, index in to_abort:
+                    self.engine.abort_requests([self.engine.sequence_id(request_id, index)])
+                for output in finished:
+                    results[order[output.request_id]] = output
+        except BaseException:
+            # Leave the engine usable: nothing of this call may stay scheduled.
+            self.engine.abort_requests(order)
+            raise
+        return [r for r in results if r is not None]
+
+    @staticmethod
+    def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(p, int) for p in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    @staticmethod
+    def _per_prompt(
+        params: SamplingParams | Sequence[SamplingParams], count: int
+    ) -> list[SamplingParams]:
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+        return params
+
+    def _tokenize(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as token ids")
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a token-id prompt must be a list of ints")
+        return list(prompt)

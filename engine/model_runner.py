@@ -1,0 +1,183 @@
+"""Turns a SchedulerOutput into one flat forward pass, then samples.
+
+The runner owns the KV cache tensors, the attention backend and the per-request random
+generators. It reads token ids and block tables straight from the scheduler's requests:
+both live in the engine-core process, so nothing needs copying between them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from cadence.engine.attention.backend import AttentionBackend, AttentionContext, StepBatch
+from cadence.engine.attention.torch_sdpa import TorchSDPABackend
+from cadence.engine.protocol import TokenLogprobs
+from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
+from cadence.engine.sampling_params import SamplingParams
+from cadence.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens (and logprobs when asked) by request id."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+def _rows_to_logprobs(ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+    ids_list, values_list, ranks_list = ids.tolist(), values.tolist(), ranks.tolist()
+    return [
+        (ids_list[r][: 1 + num_top], values_list[r][: 1 + num_top], ranks_list[r]) for r in range(len(ids_list))
+    ]
+
+
+class ModelRunner:
+    """Runs the model on the paged KV cache for whatever the scheduler chose."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        spec = model.attention_spec()
+        self.backend: AttentionBackend = TorchSDPABackend(spec, block_size)
+        cache_shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [
+            torch.zeros(cache_shape, dtype=dtype, device=device) for _ in range(model.config.num_hidden_layers)
+        ]
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+
+    @staticmethod
+    def kv_bytes_per_block(model_config: object, block_size: int, dtype: torch.dtype, spec: object) -> int:
+        """Bytes one block takes across all layers, for sizing the cache."""
+        element = torch.empty((), dtype=dtype).element_size()
+        per_layer = 2 * block_size * spec.num_kv_heads * spec.head_dim * element  # type: ignore[attr-defined]
+        return per_layer * model_config.num_hidden_layers  # type: ignore[attr-defined]
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in output.finished_request_ids:
+            self.generators.pop(request_id, None)
+        if output.block_copies:
+            self._copy_blocks(output.block_copies)
+        if output.is_empty:
+            return ModelRunnerOutput()
+
+        # Decodes (one new token) first: the backend batches them into one call.
+        items = sorted(output.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_starts: list[int] = []
+        for item in items:
+            request, start = item.request, item.request.num_computed_tokens
+            query_starts.append(len(input_ids))
+            input_ids.extend(request.token_ids[start : start + item.num_new_tokens])
+            positions.extend(range(start, start + item.num_new_tokens))
+        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        batch = self._step_batch(items, query_starts, positions_t)
+        ctx = AttentionContext(self.backend, self.kv_caches, self.backend.build_metadata(batch))
+        hidden = self.model(input_ids_t, positions_t, ctx)
+
+        result = ModelRunnerOutput()
+        self._prompt_logprobs(items, query_starts, hidden, result)
+        sampling = [(i, item) for i, item in enumerate(items) if item.samples]
+        if sampling:
+            last_rows = torch.tensor(
+                [query_starts[i] + item.num_new_tokens - 1 for i, item in sampling], device=self.device
+            )
+            logits = self.model.compute_logits(hidden[last_rows])
+            self._sample([item for _, item in sampling], logits, result)
+        return result
+
+    def _step_batch(
+        self, items: list[ScheduledRequest], query_starts: list[int], positions: torch.Tensor
+    ) -> StepBatch:
+        block_tables = [item.request.block_ids for item in items]
+        query_lens = [item.num_new_tokens for item in items]
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], device=self.device)
+        seq_index = torch.repeat_interleave(
+            torch.arange(len(items), device=self.device), torch.tensor(query_lens, device=self.device)
+        )
+        block_index = torch.div(positions, self.block_size, rounding_mode="floor")
+        slot_mapping = tables[seq_index, block_index] * self.block_size + positions % self.block_size
+        return StepBatch(
+            query_starts=query_starts,
+            query_lens=query_lens,
+            context_lens=[item.request.num_computed_tokens for item in items],
+            block_tables=block_tables,
+            num_decodes=sum(1 for n in query_lens if n == 1),
+            slot_mapping=slot_mapping,
+        )
+
+    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+        requests = [item.request for item in items]
+        params: list[SamplingParams] = [r.sampling_params for r in requests]
+        metadata = SamplingMetadata.build(
+            params,
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            generators=[self._generator(r.request_id, p) for r, p in zip(requests, params)],
+            stop_token_ids=[set(r.stop.stop_token_ids) for r in requests],
+            device=self.device,
+        )
+        sampled = self.sampler(logits, metadata)
+        token_ids = sampled.sampled_token_ids.tolist()
+        for request, token_id in zip(requests, token_ids):
+            result.sampled_token_ids[request.request_id] = token_id
+        if sampled.logprobs is not None:
+            rows = _rows_to_logprobs(
+                sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_ranks, metadata.max_num_logprobs or 0
+            )
+            for request, p, row in zip(requests, params, rows):
+                if p.logprobs is not None:
+                    result.logprobs[request.request_id] = (row[0][: 1 + p.logprobs], row[1][: 1 + p.logprobs], row[2])
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None or params.greedy:
+            return None
+        generator = self.generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+            self.generators[request_id] = generator
+        return generator
+
+    def _prompt_logprobs(
+        self,
+        items: list[ScheduledRequest],
+        query_starts: list[int],
+        hidden: torch.Tensor,
+        result: ModelRunnerOutput,
+    ) -> None:
+        """Logprobs of each prompt token given the tokens before it, chunk by chunk."""
+        for item, query_start in zip(items, query_starts):
+            request = item.request
+            num_top = request.sampling_params.prompt_logprobs
+            start = request.num_computed_tokens
+            # Position p's logits score token p + 1; only prompt tokens are scored.
+            end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+            if num_top is None or end <= start:
+                continue
+            logits = self.model.compute_logits(hidden[query_start : query_start + end - start])
+            targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=self.device)
+            ids, values, ranks = compute_logprobs(logits, targets, num_top)
+            result.prompt_logprobs[request.request_id] = _rows_to_logprobs(ids, values, ranks, num_top)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
