@@ -1,0 +1,96 @@
+"""Build a model from a Hugging Face folder and stream its safetensors weights into it."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from cadence.engine.model_config import ModelConfig
+from cadence.engine.models import get_model_class
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(
+    name: str | torch.dtype, config: ModelConfig, device: torch.device | str
+) -> torch.dtype:
+    """Turn a user dtype choice into a torch dtype.
+
+    "auto" means the checkpoint's dtype, except that on CPU half precision becomes
+    float32: CPU matmuls in fp16/bf16 are much slower than in fp32 on most hosts.
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    key = name.lower().removeprefix("torch.")
+    if key != "auto":
+        if key not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; use auto, float32, float16 or bfloat16")
+        return _DTYPES[key]
+    stored = (config.torch_dtype or "float32").lower().removeprefix("torch.")
+    dtype = _DTYPES.get(stored, torch.float32)
+    if torch.device(device).type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return dtype
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint's .safetensors files: single file, sharded index, or any present."""
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        return [os.path.join(path, shard) for shard in sorted(set(weight_map.values()))]
+    found = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not found:
+        raise FileNotFoundError(f"no .safetensors weights in {path}")
+    return found
+
+
+def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one tensor at a time, so peak memory stays near one tensor."""
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> tuple[nn.Module, ModelConfig]:
+    """Read config, build the model with uninitialised storage on `device`, load weights.
+
+    Returns the model in eval mode (with grads off) and its ModelConfig. Weights are
+    cast to `dtype` as they are copied in.
+    """
+    path = os.fspath(path)
+    config = ModelConfig.from_pretrained(path)
+    cls = get_model_class(config)
+    device = torch.device(device)
+    # Building on meta skips the random initialisation of every weight; to_empty then
+    # allocates real (uninitialised) storage that load_weights overwrites in full.
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.load_weights(iterate_weights(path))  # type: ignore[operator]
+    model.eval()
+    model.requires_grad_(False)
+    return model, config
