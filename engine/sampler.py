@@ -1,0 +1,367 @@
+"""Turns one step's logits into next tokens (and their logprobs), vectorized over the batch.
+
+Processing order (vLLM's): min_tokens suppression -> penalties -> greedy argmax -> temperature
+-> min_p -> top_k / top_p -> exponential-race sampling. Logprobs come from the raw logits.
+Every stage is skipped when no row of the batch needs it, because this runs once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cadence.engine.sampling_params import SamplingParams
+
+
+def _pad(rows: list[list[int]], pad: list[int], device: torch.device) -> torch.Tensor:
+    """Right-pads token lists into a [B, L] int64 tensor, row i padded with pad[i]."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.tensor(pad, dtype=torch.int64).unsqueeze(1).repeat(1, width)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    return out.to(device)
+
+
+def _distinct_counts(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, each distinct token once with its count: ([B, L] ids, [B, L] float32 counts).
+
+    Repeats and padding get count 0 (and id 0), so a scatter_add of f * count touches each token
+    exactly once with its full count, without a dense [B, V] count tensor.
+    """
+    sentinel = torch.iinfo(torch.int64).max  # sorts after every real id
+    ids = _pad(rows, [sentinel] * len(rows), device).sort(dim=1).values
+    first = torch.searchsorted(ids, ids)
+    count = torch.searchsorted(ids, ids, right=True) - first
+    is_first = (first == torch.arange(ids.shape[1], device=device)) & (ids != sentinel)
+    return torch.where(is_first, ids, 0), torch.where(is_first, count, 0).to(torch.float32)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step batch tensors for the sampler, built once per step by `build`.
+
+    A field left as None means no row of the batch needs that stage, so it is skipped.
+    Greedy rows carry neutral values in temperature/top_k/top_p/min_p so they never make a
+    stage run, and their generators are dropped so they consume no random numbers.
+    """
+
+    all_greedy: bool
+    greedy_rows: torch.Tensor | None = None  # [G] int64; None when no row is greedy
+    temperature: torch.Tensor | None = None  # [B] float32, greedy rows 1.0
+    top_k: torch.Tensor | None = None  # [B] int64, 0 = off
+    top_p: torch.Tensor | None = None  # [B] float32, 1.0 = off
+    min_p: torch.Tensor | None = None  # [B] float32, 0.0 = off
+    repetition_penalty: torch.Tensor | None = None  # [B] float32
+    frequency_penalty: torch.Tensor | None = None  # [B] float32
+    presence_penalty: torch.Tensor | None = None  # [B] float32
+    # Ids seen in prompt or output, padded with a repeat of the row's own first id (rows with
+    # none get id 0 and penalty 1.0), so the gather/scatter never touches an unseen token.
+    seen_token_ids: torch.Tensor | None = None  # [B, S] int64
+    output_distinct_ids: torch.Tensor | None = None  # [B, O] int64, see _distinct_counts
+    output_counts: torch.Tensor | None = None  # [B, O] float32
+    min_tokens_rows: torch.Tensor | None = None  # [M] int64 row index of each suppressed id
+    min_tokens_cols: torch.Tensor | None = None  # [M] int64 token id to suppress
+    seeded_rows: list[int] = field(default_factory=list)  # random rows with their own generator
+    seeded_generators: list[torch.Generator] = field(default_factory=list)
+    unseeded_rows: torch.Tensor | None = None  # [R] int64 random rows using the default RNG
+    max_num_logprobs: int | None = None  # max params.logprobs over rows; None = nobody asked
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        stop_token_ids: list[set[int]],
+        device: torch.device,
+    ) -> "SamplingMetadata":
+        batch = len(params)
+        greedy = [p.greedy for p in params]
+        random_rows = [i for i in range(batch) if not greedy[i]]
+        md = cls(all_greedy=not random_rows)
+
+        def tensor(values: list[float] | list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        if any(greedy):
+            md.greedy_rows = tensor([i for i in range(batch) if greedy[i]], torch.int64)
+
+        # Only random rows decide whether a sampling stage runs; greedy rows get neutral values.
+        rand = [params[i] for i in random_rows]
+        if any(p.temperature != 1.0 for p in rand):
+            md.temperature = tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+        if any(p.top_k > 0 for p in rand):
+            md.top_k = tensor([0 if g else p.top_k for p, g in zip(params, greedy)], torch.int64)
+        if any(p.top_p < 1.0 for p in rand):
+            md.top_p = tensor([1.0 if g else p.top_p for p, g in zip(params, greedy)])
+        if any(p.min_p > 0.0 for p in rand):
+            md.min_p = tensor([0.0 if g else p.min_p for p, g in zip(params, greedy)])
+
+        # Penalties change greedy rows too, so every row counts here.
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = [
+                prompt_token_ids[i] + output_token_ids[i] if p.repetition_penalty != 1.0 else []
+                for i, p in enumerate(params)
+            ]
+            md.repetition_penalty = tensor([p.repetition_penalty if s else 1.0 for p, s in zip(params, seen)])
+            md.seen_token_ids = _pad(seen, [s[0] if s else 0 for s in seen], device)
+        if any(p.frequency_penalty != 0.0 for p in params):
+            md.frequency_penalty = tensor([p.frequency_penalty for p in params])
+        if any(p.presence_penalty != 0.0 for p in params):
+            md.presence_penalty = tensor([p.presence_penalty for p in params])
+        if md.frequency_penalty is not None or md.presence_penalty is not None:
+            md.output_distinct_ids, md.output_counts = _distinct_counts(
+                [
+                    output_token_ids[i] if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 else []
+                    for i, p in enumerate(params)
+                ],
+                device,
+            )
+
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, p in enumerate(params):
+            if len(output_token_ids[i]) < p.min_tokens:
+                rows.extend([i] * len(stop_token_ids[i]))
+                cols.extend(sorted(stop_token_ids[i]))
+        if rows:
+            md.min_tokens_rows = tensor(rows, torch.int64)
+            md.min_tokens_cols = tensor(cols, torch.int64)
+
+        unseeded: list[int] = []
+        for i in random_rows:
+            g = generators[i]
+            if g is None:
+                unseeded.append(i)
+            else:
+                md.seeded_rows.append(i)
+                md.seeded_generators.append(g)
+        if unseeded:
+            md.unseeded_rows = tensor(unseeded, torch.int64)
+
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        md.max_num_logprobs = max(asked) if asked else None
+        return md
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result. Logprob columns past a row's own `params.logprobs` are junk: slice per row."""
+
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprob_token_ids: torch.Tensor | None = None  # [B, 1 + max_k] int64, column 0 = sampled token
+    logprobs: torch.Tensor | None = None  # [B, 1 + max_k] float32
+    sampled_ranks: torch.Tensor | None = None  # [B] int64, 1 = most likely
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log_softmax of raw logits; returns (ids [N,1+num_top], logprobs [N,1+num_top], ranks [N]) with
+    column 0 = token_ids. Used for sampled logprobs and for prompt logprobs.
+
+    Rank counts tokens whose logprob is >= the token's own (vLLM's rule), so ties rank it lower.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    token_ids = token_ids.to(torch.int64).view(-1, 1)
+    token_lp = logprobs.gather(1, token_ids)
+    ranks = (logprobs >= token_lp).sum(dim=-1)
+    if num_top > 0:
+        top_lp, top_ids = logprobs.topk(num_top, dim=-1)
+        return torch.cat([token_ids, top_ids], 1), torch.cat([token_lp, top_lp], 1), ranks
+    return token_ids, token_lp, ranks
+
+
+def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """In place: stop ids get -inf in rows that have not yet produced min_tokens tokens."""
+    rows, cols = md.min_tokens_rows, md.min_tokens_cols
+    if rows is None or cols is None:
+        return logits
+    # A stop id past the logits width cannot be sampled anyway; indexing it would fail.
+    keep = cols < logits.shape[-1]
+    logits[rows[keep], cols[keep]] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """In place: repetition (prompt or output tokens), then frequency, then presence penalty.
+
+    Sparse: only the [B, S] seen / [B, O] output positions are read and written.
+    """
+    if md.repetition_penalty is not None:
+        assert md.seen_token_ids is not None
+        r = md.repetition_penalty.to(logits.dtype).unsqueeze(1)
+        vals = logits.gather(1, md.seen_token_ids)
+        # Divide positives and multiply negatives so the penalty always lowers the logit.
+        # Repeated ids write identical values, so the scatter is deterministic.
+        logits.scatter_(1, md.seen_token_ids, torch.where(vals > 0, vals / r, vals * r))
+    if md.output_counts is not None:
+        assert md.output_distinct_ids is not None
+        counts = md.output_counts.to(logits.dtype)
+        # Repeats and padding carry count 0 and add an exact zero.
+        if md.frequency_penalty is not None:
+            f = md.frequency_penalty.to(logits.dtype).unsqueeze(1)
+            logits.scatter_add_(1, md.output_distinct_ids, -(f * counts))
+        if md.presence_penalty is not None:
+            p = md.presence_penalty.to(logits.dtype).unsqueeze(1)
+            logits.scatter_add_(1, md.output_distinct_ids, -(p * (counts > 0).to(logits.dtype)))
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """In place: divide by each row's temperature (greedy rows carry 1.0)."""
+    if md.temperature is not None:
+        logits.div_(md.temperature.to(logits.dtype).unsqueeze(1))
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """In place: drop tokens whose prob < min_p * max prob.
+
+    Compared in logit space (logit < max_logit + log(min_p)) to avoid a softmax; min_p = 0
+    gives log(0) = -inf, which leaves the row untouched.
+    """
+    if md.min_p is None:
+        return logits
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(md.min_p.to(logits.dtype)).unsqueeze(1)
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+# top_p looks for its nucleus among each row's largest _TOP_P_WINDOW logits (a cheap partial
+# topk); only rows whose nucleus is wider than that are fully sorted.
+_TOP_P_WINDOW = 1024
+
+
+def _thresholds(
+    vals: torch.Tensor, k: torch.Tensor, p: torch.Tensor, z_full: torch.Tensor | None, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row logit threshold for top_k then top_p, from `vals`: each row's largest logits in
+    descending order (a prefix of the sorted row). Also returns the rows whose nucleus may extend
+    past `vals`, which must be redone with the full row.
+
+    Every quantity is either elementwise or a sequential prefix scan (cumsum), so a row's result
+    does not depend on the window width, and so not on the rest of the batch.
+    """
+    neg_inf = float("-inf")
+    width = vals.shape[1]
+    k_on = k > 0
+    kth = vals.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    kth = torch.where(k_on, kth, torch.full_like(kth, neg_inf))
+    if z_full is None:
+        return kth, torch.zeros_like(k_on)
+    # top_p runs on the distribution left by top_k, renormalized (vLLM's order).
+    vals = vals.masked_fill(vals < kth.unsqueeze(1), neg_inf)
+    e = (vals - vals[:, :1]).exp()  # unnormalized probs; vals[:, 0] is the row max
+    c = e.cumsum(dim=-1)
+    # Adding the masked zeros past top_k leaves c[:, -1] exactly the top_k mass.
+    z = torch.where(k_on, c[:, -1], z_full)
+    mass_before = torch.cat([torch.zeros_like(c[:, :1]), c[:, :-1]], dim=1)
+    # Keep a token while the mass strictly above it is < p: the minimal set reaching p.
+    keep = mass_before < (p * z).unsqueeze(1)
+    n_keep = keep.sum(dim=-1)
+    cutoff = vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
+    active = p < 1.0
+    threshold = torch.where(active, torch.maximum(cutoff, kth), kth)
+    open_rows = active & ~k_on & keep[:, -1] & (width < vocab)
+    return threshold, open_rows
+
+
+def apply_top_k_top_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """In place: keep each row's top_k tokens, then the minimal nucleus of mass >= top_p.
+
+    top_p is measured on the distribution renormalized after top_k (vLLM's order). Both are
+    applied as a per-row logit threshold, so tokens tied with the last kept one are kept too.
+    """
+    if md.top_k is None and md.top_p is None:
+        return logits
+    batch, vocab = logits.shape
+    device = logits.device
+    k = md.top_k.clamp(max=vocab) if md.top_k is not None else None
+    k = k if k is not None else torch.zeros(batch, dtype=torch.int64, device=device)
+    width = int(k.max())
+    z_full: torch.Tensor | None = None
+    if md.top_p is not None:
+        p = md.top_p.to(logits.dtype)
+        width = max(width, _TOP_P_WINDOW)
+        # Full-row mass (scaled by exp(-max)), needed by rows without top_k.
+        z_full = (logits - logits.amax(dim=-1, keepdim=True)).exp_().sum(dim=-1)
+    else:
+        p = torch.ones(batch, dtype=logits.dtype, device=device)
+    vals = logits.topk(min(width, vocab), dim=-1).values
+    threshold, open_rows = _thresholds(vals, k, p, z_full, vocab)
+    if bool(open_rows.any()):
+        assert z_full is not None
+        rows = open_rows.nonzero().squeeze(1)
+        full = logits[rows].sort(dim=-1, descending=True).values
+        threshold[rows] = _thresholds(full, k[rows], p[rows], z_full[rows], vocab)[0]
+    return logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
+
+
+def _exponentials(md: SamplingMetadata, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """q ~ Exp(1) per token.
+
+    Seeded rows draw `exponential_(generator=g)` into their own row, one row at a time, so their
+    samples never depend on batch composition or position. Other random rows share one batched
+    draw from the default RNG as -log(U), U ~ U[0, 1): also exactly Exp(1), but about 4x faster
+    than exponential_ on CPU, and never 0. Greedy rows are left uninitialized: the caller
+    overrides their result.
+    """
+    batch, vocab = shape
+    q = torch.empty(shape, dtype=torch.float32, device=device)
+    if md.unseeded_rows is not None:
+        n = md.unseeded_rows.numel()
+        if n == batch:
+            q.uniform_().log_().neg_()
+        else:
+            draws = torch.empty((n, vocab), dtype=torch.float32, device=device)
+            q[md.unseeded_rows] = draws.uniform_().log_().neg_()
+    tiny = torch.finfo(torch.float32).tiny
+    for row, gen in zip(md.seeded_rows, md.seeded_generators):
+        # In place on the (contiguous) row view: the same numbers as torch.empty(V).exponential_(g),
+        # without a per-row copy. The clamp guards a drawn 0 (p / 0 would always win).
+        q[row].exponential_(generator=gen).clamp_min_(tiny)
+    return q
+
+
+class Sampler:
+    """Picks each row's next token from one step's logits and, if asked, its logprobs.
+
+    Call with logits [B, V] of the rows needing a token and the step's SamplingMetadata.
+    The caller's logits tensor is never modified.
+    """
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        md = metadata
+        raw = logits
+        edits = (md.min_tokens_rows, md.repetition_penalty, md.output_counts)
+        if md.all_greedy and all(e is None for e in edits):
+            sampled = raw.argmax(dim=-1)
+        else:
+            # One float32 copy that every stage then edits in place; raw stays for logprobs.
+            work = raw.to(torch.float32, copy=True)
+            apply_min_tokens(work, md)
+            apply_penalties(work, md)
+            if md.all_greedy:
+                sampled = work.argmax(dim=-1)
+            else:
+                # Greedy rows pick now, before temperature and truncation touch them.
+                greedy_rows = md.greedy_rows
+                greedy_tokens = work[greedy_rows].argmax(dim=-1) if greedy_rows is not None else None
+                apply_temperature(work, md)
+                apply_min_p(work, md)
+                apply_top_k_top_p(work, md)
+                q = _exponentials(md, (work.shape[0], work.shape[1]), work.device)
+                # Exponential race: argmax(p / q) with q ~ Exp(1) is an exact sample from p. The
+                # per-row normalizer of p cannot change the argmax, so exp(l - max) stands in for
+                # softmax, in place.
+                probs = work.sub_(work.amax(dim=-1, keepdim=True)).exp_()
+                sampled = probs.div_(q).argmax(dim=-1)
+                if greedy_rows is not None and greedy_tokens is not None:
+                    sampled[greedy_rows] = greedy_tokens
+        sampled = sampled.to(torch.int64)
+        if md.max_num_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        ids, lps, ranks = compute_logprobs(raw, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled, ids, lps, ranks)

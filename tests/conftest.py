@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny random checkpoints saved once per test session."""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tiny_models import make_tiny_model  # noqa: E402
+from tiny_tokenizer import save_tiny_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    """`tiny_model_dir(kind)` -> folder with config, safetensors and a tokenizer."""
+    made: dict[str, str] = {}
+
+    def make(kind: str) -> str:
+        if kind not in made:
+            path = make_tiny_model(kind, tmp_path_factory.mktemp(kind))
+            save_tiny_tokenizer(path)
+            made[kind] = path
+        return made[kind]
+
+    return make
