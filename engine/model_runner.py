@@ -58,13 +58,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
 
-    @staticmethod
-    def kv_bytes_per_block(model_config: object, block_size: int, dtype: torch.dtype, spec: object) -> int:
-        """Bytes one block takes across all layers, for sizing the cache."""
-        element = torch.empty((), dtype=dtype).element_size()
-        per_layer = 2 * block_size * spec.num_kv_heads * spec.head_dim * element  # type: ignore[attr-defined]
-        return per_layer * model_config.num_hidden_layers  # type: ignore[attr-defined]
-
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in output.finished_request_ids:

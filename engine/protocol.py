@@ -5,7 +5,7 @@ exactly these dataclasses, so nothing else may cross the boundary.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cadence.engine.sampling_params import SamplingParams
 
@@ -51,4 +51,3 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
-    step_seconds: dict[str, float] = field(default_factory=dict)
