@@ -67,8 +67,9 @@ class ModelRunner:
         if output.is_empty:
             return ModelRunnerOutput()
 
-        # Decodes (one new token) first: the backend batches them into one call.
-        items = sorted(output.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Decodes (one new token) first, shortest context first: the backend batches
+        # decodes of similar length into one attention call.
+        items = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.request.num_computed_tokens))
         input_ids: list[int] = []
         positions: list[int] = []
         query_starts: list[int] = []

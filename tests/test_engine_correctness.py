@@ -15,7 +15,7 @@ from cadence.engine.engine_args import EngineArgs
 from cadence.engine.engine_core import EngineCore
 from cadence.engine.protocol import EngineCoreRequest
 
-KINDS = ["llama", "qwen2", "qwen3"]
+KINDS = ["llama", "qwen2", "qwen3", "mistral"]  # mistral: sliding window of 8
 MAX_TOKENS = 12
 # Lengths chosen to straddle block boundaries (block_size 4 below).
 PROMPTS = [

@@ -1,8 +1,10 @@
 """Paged attention in plain torch: scatter new K/V into slots, gather blocks, run SDPA.
 
-It serves the CPU, and any device until a faster kernel backend is chosen. All decodes of
-a step share one padded SDPA call (a validity mask hides the padding), so the number of
-attention calls per layer is 1 + the number of prefill chunks, not the batch size.
+It serves the CPU, and any device until a faster kernel backend is chosen. Decodes are
+answered a group at a time with one padded SDPA call (a validity mask hides the padding),
+so the number of attention calls per layer does not grow with the batch size. Grouping
+decodes of similar length keeps the padded gather, the dominant cost of CPU decode, near
+the real context size when lengths are mixed.
 """
 from __future__ import annotations
 
@@ -26,12 +28,36 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [start, end) of the flat batch, padded to the longest of them."""
+
+    start: int
+    end: int
+    gather_slots: torch.Tensor  # [rows, max_len] slots, padded
+    attn_mask: torch.Tensor  # [rows, 1, 1, max_len] bool, True = attend
+
+
+@dataclass
 class TorchSDPAMetadata:
     slot_mapping: torch.Tensor
-    num_decodes: int
-    decode_gather_slots: torch.Tensor | None  # [D, max_len] slots, padded
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_len] bool
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+
+
+# A decode group ends where a row's context is this many times the group's first one.
+# Rows arrive sorted by length, so padding waste stays under half of each group.
+_DECODE_GROUP_SPREAD = 2
+
+
+def group_by_length(lengths: list[int]) -> list[tuple[int, int]]:
+    """Contiguous [start, end) runs whose lengths stay within the spread of their first."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or lengths[i] > _DECODE_GROUP_SPREAD * lengths[start]:
+            groups.append((start, i))
+            start = i
+    return groups
 
 
 def gather_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -52,16 +78,17 @@ class TorchSDPABackend(AttentionBackend):
             [t + [0] * (width - len(t)) for t in batch.block_tables], dtype=torch.long, device=device
         )
 
-        decode_slots = decode_mask = None
-        if num_decodes:
-            seq_lens = torch.tensor(batch.context_lens[:num_decodes], device=device) + 1
-            max_len = int(seq_lens.max())
-            positions = torch.arange(max_len, device=device).expand(num_decodes, max_len)
-            decode_slots = gather_slots(tables[:num_decodes], positions, self.block_size)
-            decode_mask = positions < seq_lens[:, None]
+        decode_lens = [n + 1 for n in batch.context_lens[:num_decodes]]
+        decode_groups = []
+        for start, end in group_by_length(decode_lens):
+            max_len = max(decode_lens[start:end])
+            seq_lens = torch.tensor(decode_lens[start:end], device=device)[:, None]
+            positions = torch.arange(max_len, device=device).expand(end - start, max_len)
+            mask = positions < seq_lens
             if window is not None:
-                decode_mask &= positions >= (seq_lens[:, None] - window)
-            decode_mask = decode_mask[:, None, None, :]
+                mask &= positions >= seq_lens - window
+            slots = gather_slots(tables[start:end], positions, self.block_size)
+            decode_groups.append(DecodeGroup(start, end, slots, mask[:, None, None, :]))
 
         prefills = []
         for i in range(num_decodes, batch.num_seqs):
@@ -78,7 +105,7 @@ class TorchSDPABackend(AttentionBackend):
                 if window is not None:
                     mask &= key_pos > query_pos - window
             prefills.append(PrefillChunk(batch.query_starts[i], query_len, slots, mask))
-        return TorchSDPAMetadata(batch.slot_mapping, num_decodes, decode_slots, decode_mask, prefills)
+        return TorchSDPAMetadata(batch.slot_mapping, decode_groups, prefills)
 
     def forward(
         self,
@@ -96,20 +123,18 @@ class TorchSDPABackend(AttentionBackend):
 
         out = torch.empty_like(query)
         scale = self.spec.scale
-        num_decodes = metadata.num_decodes
-        if num_decodes:
-            slots = metadata.decode_gather_slots
-            keys = key_cache[slots].transpose(1, 2)  # [D, kv_heads, max_len, head_dim]
-            values = value_cache[slots].transpose(1, 2)
+        for group in metadata.decode_groups:
+            keys = key_cache[group.gather_slots].transpose(1, 2)  # [rows, kv_heads, max_len, head_dim]
+            values = value_cache[group.gather_slots].transpose(1, 2)
             decoded = F.scaled_dot_product_attention(
-                query[:num_decodes].unsqueeze(2),
+                query[group.start : group.end].unsqueeze(2),
                 keys,
                 values,
-                attn_mask=metadata.decode_mask,
+                attn_mask=group.attn_mask,
                 scale=scale,
                 enable_gqa=True,
             )
-            out[:num_decodes] = decoded.squeeze(2)
+            out[group.start : group.end] = decoded.squeeze(2)
         for chunk in metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             if chunk.gather_slots is None:
