@@ -66,6 +66,12 @@ def gather_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size:
     return torch.gather(block_table, -1, block_index) * block_size + positions % block_size
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for a [slots, heads, dim] cache; index_select copies rows about twice
+    as fast as advanced indexing on CPU, and this copy is the main cost of decode."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 class TorchSDPABackend(AttentionBackend):
     """The reference paged attention: exact, portable, and fast enough on CPU."""
 
@@ -124,8 +130,8 @@ class TorchSDPABackend(AttentionBackend):
         out = torch.empty_like(query)
         scale = self.spec.scale
         for group in metadata.decode_groups:
-            keys = key_cache[group.gather_slots].transpose(1, 2)  # [rows, kv_heads, max_len, head_dim]
-            values = value_cache[group.gather_slots].transpose(1, 2)
+            keys = _gather(key_cache, group.gather_slots).transpose(1, 2)  # [rows, kv_heads, max_len, head_dim]
+            values = _gather(value_cache, group.gather_slots).transpose(1, 2)
             decoded = F.scaled_dot_product_attention(
                 query[group.start : group.end].unsqueeze(2),
                 keys,
@@ -140,7 +146,7 @@ class TorchSDPABackend(AttentionBackend):
             if chunk.gather_slots is None:
                 keys, values = key[rows], value[rows]
             else:
-                keys, values = key_cache[chunk.gather_slots], value_cache[chunk.gather_slots]
+                keys, values = _gather(key_cache, chunk.gather_slots), _gather(value_cache, chunk.gather_slots)
             attended = F.scaled_dot_product_attention(
                 query[rows].transpose(0, 1),
                 keys.transpose(0, 1),
