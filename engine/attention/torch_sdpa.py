@@ -147,14 +147,15 @@ class TorchSDPABackend(AttentionBackend):
                 keys, values = key[rows], value[rows]
             else:
                 keys, values = _gather(key_cache, chunk.gather_slots), _gather(value_cache, chunk.gather_slots)
+            # A batch dimension of 1 matters: 3-D inputs miss the CPU flash kernel.
             attended = F.scaled_dot_product_attention(
-                query[rows].transpose(0, 1),
-                keys.transpose(0, 1),
-                values.transpose(0, 1),
+                query[rows].transpose(0, 1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
                 attn_mask=chunk.attn_mask,
                 is_causal=chunk.attn_mask is None,
                 scale=scale,
                 enable_gqa=True,
             )
-            out[rows] = attended.transpose(0, 1)
+            out[rows] = attended[0].transpose(0, 1)
         return out
