@@ -1,0 +1,91 @@
+"""Request lifecycle through the engine: aborts, stop rules, penalties, cache sizing."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from cadence import LLM, SamplingParams
+from cadence.engine.engine_args import EngineArgs
+from cadence.engine.engine_core import EngineCore
+from cadence.engine.protocol import EngineCoreRequest
+
+PROMPT = [11, 42, 7, 99, 23, 5, 64]
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, ignore_eos=True, **{"max_tokens": 10, **kw})
+
+
+def make_engine(path: str, **kw) -> EngineCore:
+    options = dict(dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks=64)
+    options.update(kw)
+    return EngineCore(EngineArgs(path, **options))
+
+
+def test_abort_mid_flight_frees_blocks_and_spares_the_rest(tiny_model_dir) -> None:
+    path = tiny_model_dir("llama")
+    engine = make_engine(path)
+    engine.add_request(EngineCoreRequest("keep", PROMPT, greedy()))
+    engine.add_request(EngineCoreRequest("drop", PROMPT[:3], greedy(max_tokens=30)))
+    engine.add_request(EngineCoreRequest("pair", PROMPT, greedy(n=2, max_tokens=30)))
+    produced: dict[str, list[int]] = {}
+    for step in range(40):
+        if step == 3:
+            engine.abort_requests(["drop", engine.sequence_id("pair", 1)])
+        if step == 6:
+            engine.abort_requests(["pair"])
+        for out in engine.step():
+            produced.setdefault(f"{out.request_id}/{out.index}", []).extend(out.new_token_ids)
+        engine.scheduler.check_integrity()
+        if not engine.has_unfinished_requests():
+            break
+    assert engine.scheduler.kv_cache.usage == 0.0
+    reference = LLM(path, dtype="float32", max_model_len=64).generate(PROMPT, greedy())[0].outputs[0].token_ids
+    assert produced["keep/0"] == reference
+    assert len(produced["drop/0"]) < 30 and len(produced["pair/0"]) < 30
+    assert engine.stats().num_running == engine.stats().num_waiting == 0
+
+
+def test_min_tokens_holds_stop_tokens_back(tiny_model_dir) -> None:
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64)
+    plain = llm.generate(PROMPT, greedy())[0].outputs[0].token_ids
+    stop_id = plain[0]
+    stopped = llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_id]))
+    assert stopped[0].outputs[0].token_ids == [stop_id]
+    held = llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_id], min_tokens=3))
+    tokens = held[0].outputs[0].token_ids
+    assert len(tokens) >= 3 and stop_id not in tokens[:3]
+    assert (tokens[-1] == stop_id) == (held[0].outputs[0].finish_reason == "stop")
+
+
+def test_repetition_penalty_matches_transformers(tiny_model_dir) -> None:
+    # Below 1 the penalty favours seen tokens, which visibly changes this model's greedy
+    # path (it never repeats on its own, so a penalty above 1 would change nothing).
+    penalty = 0.7
+    path = tiny_model_dir("qwen2")
+    llm = LLM(path, dtype="float32", max_model_len=64)
+    ours = llm.generate(PROMPT, greedy(max_tokens=16, repetition_penalty=penalty))
+    assert ours[0].outputs[0].token_ids != llm.generate(PROMPT, greedy(max_tokens=16))[0].outputs[0].token_ids
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = model.generate(
+        torch.tensor([PROMPT]),
+        max_new_tokens=16,
+        do_sample=False,
+        repetition_penalty=penalty,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(PROMPT) :].tolist()
+    assert ours[0].outputs[0].token_ids == expected
+
+
+def test_kv_cache_is_sized_from_memory(tiny_model_dir) -> None:
+    path = tiny_model_dir("llama")  # 3 layers, 2 KV heads of 16 dims, float32
+    bytes_per_block = 2 * 4 * 2 * 16 * 4 * 3
+    engine = make_engine(path, num_gpu_blocks=None, kv_cache_memory=100 * bytes_per_block + 7)
+    assert engine.scheduler.kv_cache.pool.num_blocks == 100
+    automatic = make_engine(path, num_gpu_blocks=None, max_num_seqs=4)
+    # Sized from free memory, but never past what max_num_seqs sequences could use.
+    assert 16 <= automatic.scheduler.kv_cache.pool.num_blocks <= 5 * 16
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_engine(path, num_gpu_blocks=None, kv_cache_memory=3 * bytes_per_block)
