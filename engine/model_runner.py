@@ -57,11 +57,15 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        # Prompt positions whose logprobs were already reported: a preempted request
+        # recomputes its prompt, and must not report those positions twice.
+        self.prompt_logprobs_reported: dict[str, int] = {}
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
+            self.prompt_logprobs_reported.pop(request_id, None)
         if output.block_copies:
             self._copy_blocks(output.block_copies)
         if output.is_empty:
@@ -160,12 +164,17 @@ class ModelRunner:
         for item, query_start in zip(items, query_starts):
             request = item.request
             num_top = request.sampling_params.prompt_logprobs
-            start = request.num_computed_tokens
-            # Position p's logits score token p + 1; only prompt tokens are scored.
-            end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
-            if num_top is None or end <= start:
+            if num_top is None:
                 continue
-            logits = self.model.compute_logits(hidden[query_start : query_start + end - start])
+            chunk_start = request.num_computed_tokens
+            start = max(chunk_start, self.prompt_logprobs_reported.get(request.request_id, 0))
+            # Position p's logits score token p + 1; only prompt tokens are scored.
+            end = min(chunk_start + item.num_new_tokens, request.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            self.prompt_logprobs_reported[request.request_id] = end
+            rows = slice(query_start + start - chunk_start, query_start + end - chunk_start)
+            logits = self.model.compute_logits(hidden[rows])
             targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=self.device)
             ids, values, ranks = compute_logprobs(logits, targets, num_top)
             result.prompt_logprobs[request.request_id] = _rows_to_logprobs(ids, values, ranks, num_top)

@@ -89,3 +89,20 @@ def test_kv_cache_is_sized_from_memory(tiny_model_dir) -> None:
     assert 16 <= automatic.scheduler.kv_cache.pool.num_blocks <= 5 * 16
     with pytest.raises(ValueError, match="max_model_len"):
         make_engine(path, num_gpu_blocks=None, kv_cache_memory=3 * bytes_per_block)
+
+
+def test_prompt_logprobs_survive_preemption_once_each(tiny_model_dir) -> None:
+    path = tiny_model_dir("llama")
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(13 + 5 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    plain = LLM(path, dtype="float32", max_model_len=48, block_size=4).generate(prompts, params)
+    tight = LLM(path, dtype="float32", max_model_len=48, block_size=4, num_gpu_blocks=12, max_num_batched_tokens=8)
+    squeezed = tight.generate(prompts, params)
+    assert tight.engine.stats().num_preemptions > 0
+    for a, b in zip(plain, squeezed):
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for expected, got in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert got.keys() == expected.keys()
+            for token_id, logprob in got.items():
+                assert logprob.logprob == pytest.approx(expected[token_id].logprob, abs=1e-4)
