@@ -102,10 +102,13 @@ class ModelRunner:
     def _step_batch(
         self, items: list[ScheduledRequest], query_starts: list[int], positions: torch.Tensor
     ) -> StepBatch:
-        block_tables = [item.request.block_ids for item in items]
         query_lens = [item.num_new_tokens for item in items]
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], device=self.device)
+        width = max(len(item.request.block_ids) for item in items)
+        tables = torch.tensor(
+            [item.request.block_ids + [0] * (width - len(item.request.block_ids)) for item in items],
+            dtype=torch.long,
+            device=self.device,
+        )
         seq_index = torch.repeat_interleave(
             torch.arange(len(items), device=self.device), torch.tensor(query_lens, device=self.device)
         )
@@ -115,7 +118,7 @@ class ModelRunner:
             query_starts=query_starts,
             query_lens=query_lens,
             context_lens=[item.request.num_computed_tokens for item in items],
-            block_tables=block_tables,
+            block_tables=tables,
             num_decodes=sum(1 for n in query_lens if n == 1),
             slot_mapping=slot_mapping,
         )

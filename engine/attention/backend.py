@@ -19,14 +19,15 @@ class StepBatch:
     """Where each sequence's new tokens sit in the flat batch and in the paged cache.
 
     `query_lens[i]` new tokens of sequence i start at flat index `query_starts[i]`;
-    `context_lens[i]` tokens of it are already in the cache; `block_tables[i]` lists its
-    block ids. The first `num_decodes` sequences have query length 1.
+    `context_lens[i]` tokens of it are already in the cache; row i of `block_tables`
+    holds its block ids, padded with 0. The first `num_decodes` sequences have query
+    length 1.
     """
 
     query_starts: list[int]
     query_lens: list[int]
     context_lens: list[int]
-    block_tables: list[list[int]]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
     num_decodes: int
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per new token
 

@@ -79,10 +79,7 @@ class TorchSDPABackend(AttentionBackend):
         device = batch.slot_mapping.device
         window = self.spec.sliding_window
         num_decodes = batch.num_decodes
-        width = max(len(t) for t in batch.block_tables)
-        tables = torch.tensor(
-            [t + [0] * (width - len(t)) for t in batch.block_tables], dtype=torch.long, device=device
-        )
+        tables = batch.block_tables
 
         decode_lens = [n + 1 for n in batch.context_lens[:num_decodes]]
         decode_groups = []
