@@ -40,10 +40,10 @@ def max_model_len_for(work: Workload) -> int:
     return max(len(p) + m for p, m in zip(work.prompts, work.max_tokens)) + 16
 
 
-def cadence_llm(path: str, work_blocks: int, max_num_batched_tokens: int, max_model_len: int) -> LLM:
+def cadence_llm(path: str, work_blocks: int, max_num_batched_tokens: int, max_model_len: int, dtype: str) -> LLM:
     return LLM(
         model=path,
-        dtype="float32",
+        dtype=dtype,
         max_num_seqs=256,
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=BLOCK_SIZE,

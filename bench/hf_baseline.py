@@ -24,8 +24,8 @@ class HFResult:
         return self.useful_tokens / self.seconds
 
 
-def hf_load(path: str) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def hf_load(path: str, dtype: str) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model.eval()
     return model
 

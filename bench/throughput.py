@@ -48,6 +48,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Cadence token budgets to try; the best is reported (default: 512 2048)",
     )
     ap.add_argument("--profile", action="store_true", help="also profile 10 decode steps at full batch")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and activations of both engines (bfloat16 uses AMX where the CPU has it)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     return ap.parse_args(argv)
 
@@ -77,11 +83,11 @@ def time_hf(model: PreTrainedModel, work: Workload) -> HFResult:
     return hf
 
 
-def time_cadence(path: str, work: Workload, budgets: list[int], label: str) -> list[CadenceResult]:
+def time_cadence(path: str, work: Workload, budgets: list[int], label: str, dtype: str) -> list[CadenceResult]:
     """One fresh, warmed-up engine per max_num_batched_tokens in `budgets`, each timed on `work`."""
     results: list[CadenceResult] = []
     for mbt in budgets:
-        llm = cadence_llm(path, blocks_needed(work), mbt, max_model_len_for(work))
+        llm = cadence_llm(path, blocks_needed(work), mbt, max_model_len_for(work), dtype)
         probe = StepProbe(llm)
         warm_up(llm)
         print(f"   cadence max_num_batched_tokens={mbt} ...", flush=True)
@@ -115,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {info['cores']} cores, {info['cpu']}; torch {info['torch']}, transformers {info['transformers']}, "
         f"Python {info['python']}; torch.get_num_threads() = {info['threads']}",
         weights_note,
-        "float32 everywhere, greedy, ignore_eos; both engines run in this one process, each warmed up first.",
+        f"{args.dtype} everywhere, greedy, ignore_eos; both engines run in this one process, each warmed up first.",
         "",
     ]
     print("\n".join(report), flush=True)
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_model = None
     if not args.skip_hf:
-        hf_model = hf_load(path)
+        hf_model = hf_load(path, args.dtype)
         hf_generate(hf_model, [[1, 2, 3, 4, 5, 6, 7, 8]] * 2, 4)  # warm-up
 
     rows: list[str] = []
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         work = make_workload(name, num_prompts, vocab_size, args.quick)
         print(f"== scenario {name}: {work.description}", flush=True)
         hf = time_hf(hf_model, work) if hf_model is not None else None
-        results = time_cadence(path, work, args.max_num_batched_tokens, f"{name}{'-quick' if args.quick else ''}")
+        results = time_cadence(path, work, args.max_num_batched_tokens, f"{name}{'-quick' if args.quick else ''}", args.dtype)
         best = max(results, key=lambda r: r.tok_per_s)
         rows.append(scenario_row(work, hf, results, best))
         details += scenario_details(work, hf, results, best)
