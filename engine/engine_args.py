@@ -46,15 +46,17 @@ def _available_host_memory() -> int:
 def kv_cache_budget_bytes(args: EngineArgs, device: torch.device, max_useful_bytes: int) -> int:
     """How many bytes the KV cache may take when neither blocks nor bytes were given.
 
-    On CUDA: the free memory left after loading weights, scaled by gpu_memory_utilization.
-    On CPU: a quarter of available RAM, but no more than the cache could ever use
-    (every sequence at max_model_len), since idle host memory helps nobody.
+    On CUDA: the free memory left after loading weights, less the share that
+    gpu_memory_utilization keeps back. On CPU: a quarter of available RAM. Either way no
+    more than the cache could ever use (every sequence at max_model_len): memory nobody
+    can use would only starve the next engine in the same process.
     """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        reserve = (1.0 - args.gpu_memory_utilization) * total
-        return max(0, int(free - reserve))
-    return min(_available_host_memory() // 4, max_useful_bytes)
+        available = max(0, int(free - (1.0 - args.gpu_memory_utilization) * total))
+    else:
+        available = _available_host_memory() // 4
+    return min(available, max_useful_bytes)
 
 
 def resolve_num_blocks(
