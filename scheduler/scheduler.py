@@ -167,6 +167,10 @@ class Scheduler:
             num_new = min(request.num_tokens - num_computed, budget)
             new_copies = self.kv_cache.allocate_slots(request, num_new, cached_prefix)
             if new_copies is None:
+                # Children further back may pin the blocks this one needs; with nothing
+                # running, nobody else would ever free them.
+                if self._reclaim_waiting_blocks():
+                    continue
                 break
             self.waiting.pop(0)
             if request.num_preemptions == 0 and cached_prefix:

@@ -226,3 +226,30 @@ def test_random_workloads_keep_invariants(
         scheduler.check_integrity()
     run_to_completion(scheduler, model)
     assert scheduler.kv_cache.pool.num_free_blocks == num_blocks
+
+
+def test_waiting_children_cannot_pin_the_cache() -> None:
+    # The parent fills all four blocks and finishes; the two children share them, and the
+    # first one's copy-on-write block can only come from its sibling's references.
+    scheduler = Scheduler(SchedulerConfig(max_model_len=16), CacheConfig(4, 4, enable_prefix_caching=False))
+    model = FakeModel(4, 4, random.Random(4))
+    prompt = list(range(3, 18))  # 15 tokens: the last block is partial
+    scheduler.add_request(make_request("p", prompt, 0, max_tokens=1))
+    for i in (1, 2):
+        scheduler.add_request(make_request(f"c{i}", prompt, i, max_tokens=1, fork_parent_id="p"))
+    finished = run_to_completion(scheduler, model, max_steps=50)
+    assert set(finished) == {"p", "c1", "c2"}
+
+
+def test_higher_priority_arrival_does_not_strand_forked_children() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_model_len=16), CacheConfig(4, 4, enable_prefix_caching=False))
+    model = FakeModel(4, 4, random.Random(5))
+    prompt = list(range(3, 11))  # two full blocks
+    scheduler.add_request(make_request("a", prompt, 0, max_tokens=1, priority=1))
+    scheduler.add_request(make_request("a#1", prompt, 1, max_tokens=1, priority=1, fork_parent_id="a"))
+    output = scheduler.schedule()
+    (done,) = scheduler.update(output, model.execute(output))  # a finishes; a#1 waits holding blocks
+    assert done.request.request_id == "a" and scheduler.requests["a#1"].block_ids
+    scheduler.add_request(make_request("x", list(range(20, 34)), 2, max_tokens=1, priority=0))
+    finished = run_to_completion(scheduler, model, max_steps=50)
+    assert set(finished) == {"a#1", "x"}
