@@ -31,6 +31,7 @@ class IncrementalDetokenizer:
     skip_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # stop strings count only once more tokens than this exist
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     _prefix_offset: int = 0
@@ -57,7 +58,7 @@ class IncrementalDetokenizer:
         return self.text[before:], match
 
     def _find_stop(self, new_text_start: int) -> StopMatch | None:
-        if not self.stop:
+        if not self.stop or len(self.token_ids) <= self.min_tokens:
             return None
         longest = max(len(s) for s in self.stop)
         search_from = max(0, new_text_start - longest + 1)

@@ -91,8 +91,16 @@ class EngineCore:
         bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if request.request_id in self._children:
+        taken = [i for i in self._sequence_ids(request) if i in self._sequences]
+        if request.request_id in self._children or taken:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+
+    @staticmethod
+    def _sequence_ids(request: EngineCoreRequest) -> list[str]:
+        """The scheduler ids of a request's n sequences."""
+        if request.sampling_params.n == 1:
+            return [request.request_id]
+        return [f"{request.request_id}#{i}" for i in range(request.sampling_params.n)]
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.validate(request)
@@ -104,12 +112,16 @@ class EngineCore:
             min_tokens=params.min_tokens,
             stop_token_ids=frozenset(stop_ids),
         )
-        ids = [request.request_id] if params.n == 1 else [f"{request.request_id}#{i}" for i in range(params.n)]
+        ids = self._sequence_ids(request)
         self._children[request.request_id] = ids
         for index, sub_id in enumerate(ids):
             self._sequences[sub_id] = (request.request_id, index)
-            # Seeded siblings must not draw the same samples.
-            child_params = params if params.seed is None or index == 0 else replace(params, seed=params.seed + index)
+            child_params = params
+            if index:
+                # Seeded siblings must not draw the same samples, and only the first
+                # sequence scores the prompt they share.
+                seed = None if params.seed is None else params.seed + index
+                child_params = replace(params, seed=seed, prompt_logprobs=None)
             self.scheduler.add_request(
                 Request(
                     request_id=sub_id,
@@ -119,7 +131,7 @@ class EngineCore:
                     priority=request.priority,
                     sampling_params=child_params,
                     fork_parent_id=ids[0] if index else None,
-                    skip_prefix_cache=params.prompt_logprobs is not None,
+                    skip_prefix_cache=child_params.prompt_logprobs is not None,
                 )
             )
 
@@ -177,6 +189,9 @@ class EngineCore:
             request_id, index = self._sequences[sub_id]
             logprobs = runner_output.logprobs.get(sub_id)
             end = finished.get(sub_id)
+            # Like vLLM, EOS ends a request with no stop reason; a user's stop id is named.
+            stop_id = request.stop_token_id
+            stop_reason = stop_id if stop_id in request.sampling_params.stop_token_ids else None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
@@ -185,7 +200,7 @@ class EngineCore:
                     new_logprobs=None if logprobs is None else [logprobs],
                     new_prompt_logprobs=prompt_logprobs,
                     finish_reason=None if end is None else end.status.finish_reason,
-                    stop_reason=None if end is None else request.stop_token_id,
+                    stop_reason=None if end is None else stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )

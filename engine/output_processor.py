@@ -66,6 +66,7 @@ class OutputProcessor:
                     skip_special_tokens=params.skip_special_tokens,
                     stop=list(params.stop or []),
                     include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
                 )
                 for _ in range(params.n)
             ]
@@ -104,7 +105,10 @@ class OutputProcessor:
                     completion.cumulative_logprob += row[1][0]  # type: ignore[operator]
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if state.detokenizers is not None:
-                _, match = state.detokenizers[out.index].add_tokens(out.new_token_ids)
+                text_ids = out.new_token_ids
+                if finish_reason == "stop" and not state.params.include_stop_str_in_output:
+                    text_ids = text_ids[:-1]  # the stop token stays in token_ids, not in text
+                _, match = state.detokenizers[out.index].add_tokens(text_ids)
                 completion.text = state.detokenizers[out.index].text
                 if match is not None and finish_reason is None:
                     finish_reason, stop_reason = "stop", match.stop

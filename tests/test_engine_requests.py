@@ -106,3 +106,37 @@ def test_prompt_logprobs_survive_preemption_once_each(tiny_model_dir) -> None:
             assert got.keys() == expected.keys()
             for token_id, logprob in got.items():
                 assert logprob.logprob == pytest.approx(expected[token_id].logprob, abs=1e-4)
+
+
+def test_stop_strings_wait_for_min_tokens_and_stop_tokens_leave_no_text(tiny_model_dir) -> None:
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64)
+    prompt = "Paris is the capital"
+    plain = llm.generate(prompt, greedy(max_tokens=12))[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    early = tokenizer.decode(plain.token_ids[:1])
+    assert early.strip()
+    cut = llm.generate(prompt, greedy(max_tokens=12, stop=[early.strip()]))[0].outputs[0]
+    assert len(cut.token_ids) <= 2 and cut.finish_reason == "stop"
+    held = llm.generate(prompt, greedy(max_tokens=12, min_tokens=6, stop=[early.strip()]))[0].outputs[0]
+    assert len(held.token_ids) >= 6
+    by_token = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[plain.token_ids[3]]))
+    out = by_token[0].outputs[0]
+    assert out.token_ids == plain.token_ids[:4] and out.stop_reason == plain.token_ids[3]
+    # An incomplete UTF-8 character at the very end is held back, as in streaming.
+    assert out.text == tokenizer.decode(plain.token_ids[:3]).rstrip("\ufffd")
+
+
+def test_request_ids_cannot_collide_with_sequence_names(tiny_model_dir) -> None:
+    engine = make_engine(tiny_model_dir("llama"))
+    engine.add_request(EngineCoreRequest("x", PROMPT, greedy(n=2, max_tokens=4)))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(EngineCoreRequest("x#1", PROMPT, greedy(max_tokens=4)))
+    indices: dict[int, list[int]] = {0: [], 1: []}
+    finished = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == "x"
+            indices[out.index].extend(out.new_token_ids)
+            if out.finished:
+                finished.add(out.index)
+    assert finished == {0, 1} and len(indices[0]) == len(indices[1]) == 4
