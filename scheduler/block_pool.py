@@ -3,23 +3,28 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+import hashlib
+from array import array
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class BlockKey:
-    """What a cached full block holds: its tokens, chained on the previous block's hash.
+    """What a cached full block holds: its tokens, chained on the previous block's digest.
 
-    The hash is only an index; a hit is confirmed by comparing the whole key, so a hash
-    collision can never serve another prompt's KV.
+    The digest is SHA-256 over the parent's digest and the token ids, so it stands for
+    the whole prefix: equal digests mean equal prefixes unless SHA-256 collides. Python's
+    own hash would not do, since colliding prompts can be constructed on purpose to read
+    another user's KV. A hit is also confirmed on this block's own tokens.
     """
 
-    parent_hash: int | None
+    parent_digest: bytes | None
     token_ids: tuple[int, ...]
+    digest: bytes = field(init=False, repr=False)
 
-    @property
-    def hash(self) -> int:
-        return hash((self.parent_hash, self.token_ids))
+    def __post_init__(self) -> None:
+        payload = (self.parent_digest or b"") + array("q", self.token_ids).tobytes()
+        object.__setattr__(self, "digest", hashlib.sha256(payload).digest())
 
 
 class BlockPool:
@@ -36,7 +41,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self.cached_blocks: dict[bytes, int] = {}  # block digest -> block id
         self.block_keys: list[BlockKey | None] = [None] * num_blocks
 
     @property
@@ -78,7 +83,7 @@ class BlockPool:
 
     def lookup(self, key: BlockKey) -> int | None:
         """The block holding exactly `key`, if one is cached."""
-        block_id = self.cached_blocks.get(key.hash)
+        block_id = self.cached_blocks.get(key.digest)
         if block_id is None or self.block_keys[block_id] != key:
             return None
         return block_id
@@ -88,15 +93,15 @@ class BlockPool:
         if self.block_keys[block_id] is not None:
             return
         self.block_keys[block_id] = key
-        self.cached_blocks.setdefault(key.hash, block_id)
+        self.cached_blocks.setdefault(key.digest, block_id)
 
     def _uncache(self, block_id: int) -> None:
         key = self.block_keys[block_id]
         if key is None:
             return
         self.block_keys[block_id] = None
-        if self.cached_blocks.get(key.hash) == block_id:
-            del self.cached_blocks[key.hash]
+        if self.cached_blocks.get(key.digest) == block_id:
+            del self.cached_blocks[key.digest]
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents)."""
@@ -115,6 +120,6 @@ class BlockPool:
             assert (block_id in self.free_queue) == (actual == 0), (
                 f"block {block_id}: refcount {actual} but in free queue: {block_id in self.free_queue}"
             )
-        for block_hash, block_id in self.cached_blocks.items():
+        for digest, block_id in self.cached_blocks.items():
             key = self.block_keys[block_id]
-            assert key is not None and key.hash == block_hash, f"cache entry for block {block_id} is stale"
+            assert key is not None and key.digest == digest, f"cache entry for block {block_id} is stale"

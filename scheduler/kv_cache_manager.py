@@ -39,15 +39,15 @@ class KVCacheManager:
         tokens = request.token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
-        parent_hash: int | None = None
+        parent_digest: bytes | None = None
         for index in range(max_blocks):
             start = index * self.block_size
-            key = BlockKey(parent_hash, tuple(tokens[start : start + self.block_size]))
+            key = BlockKey(parent_digest, tuple(tokens[start : start + self.block_size]))
             block_id = self.pool.lookup(key)
             if block_id is None:
                 break
             hits.append(block_id)
-            parent_hash = key.hash
+            parent_digest = key.digest
         return hits
 
     def allocate_slots(
@@ -104,7 +104,7 @@ class KVCacheManager:
             start = index * self.block_size
             key = BlockKey(hashes[-1] if hashes else None, tuple(tokens[start : start + self.block_size]))
             self.pool.cache(request.block_ids[index], key)
-            hashes.append(key.hash)
+            hashes.append(key.digest)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` shared references to the blocks of the parent's whole prompt.

@@ -49,7 +49,7 @@ class StopConditions:
     stop_token_ids: frozenset[int] = frozenset()
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """One sequence being generated.
 
@@ -72,8 +72,8 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
-    # Hashes of this request's leading full blocks that are registered in the prefix cache.
-    block_hashes: list[int] = field(default_factory=list)
+    # Digests of this request's leading full blocks that are registered in the prefix cache.
+    block_hashes: list[bytes] = field(default_factory=list)
     stop_token_id: int | None = None  # the stop token that finished it, if any
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission

@@ -99,17 +99,17 @@ def test_prefix_cache_hit_reuses_blocks_and_leaves_one_token() -> None:
     scheduler.check_integrity()
 
 
-def test_prefix_hit_is_confirmed_on_tokens_not_hash() -> None:
+def test_prefix_hit_is_confirmed_on_tokens_not_digest() -> None:
     scheduler = Scheduler(SchedulerConfig(), CacheConfig(16, 4))
     pool = scheduler.kv_cache.pool
     scheduler.add_request(make_request("a", [1, 2, 3, 4, 5], 0, max_tokens=1))
     run_to_completion(scheduler, FakeModel(16, 4, random.Random(0)))
     (block_id,) = pool.cached_blocks.values()
-    # Forge a colliding hash entry for other tokens: the lookup must refuse it.
+    # Forge a colliding digest entry for other tokens: the lookup must refuse it.
     other = make_request("b", [9, 9, 9, 9, 9], 1)
     from cadence.scheduler.block_pool import BlockKey
 
-    pool.cached_blocks[BlockKey(None, (9, 9, 9, 9)).hash] = block_id
+    pool.cached_blocks[BlockKey(None, (9, 9, 9, 9)).digest] = block_id
     assert scheduler.kv_cache.find_cached_prefix(other) == []
 
 
