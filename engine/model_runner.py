@@ -129,9 +129,13 @@ class ModelRunner:
         metadata = SamplingMetadata.build(
             params,
             prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
+            # Slicing out every history each step would cost O(length); only penalties
+            # and min_tokens read it.
+            output_token_ids=[
+                r.output_token_ids if p.needs_penalties or p.min_tokens else [] for r, p in zip(requests, params)
+            ],
             generators=[self._generator(r.request_id, p) for r, p in zip(requests, params)],
-            stop_token_ids=[set(r.stop.stop_token_ids) for r in requests],
+            stop_token_ids=[r.stop.stop_token_ids for r in requests],
             device=self.device,
         )
         sampled = self.sampler(logits, metadata)

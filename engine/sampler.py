@@ -6,6 +6,7 @@ Every stage is skipped when no row of the batch needs it, because this runs once
 """
 from __future__ import annotations
 
+from collections.abc import Sequence, Set as AbstractSet
 from dataclasses import dataclass, field
 
 import torch
@@ -74,7 +75,7 @@ class SamplingMetadata:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         generators: list[torch.Generator | None],
-        stop_token_ids: list[set[int]],
+        stop_token_ids: Sequence[AbstractSet[int]],
         device: torch.device,
     ) -> "SamplingMetadata":
         batch = len(params)
