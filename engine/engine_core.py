@@ -184,8 +184,8 @@ class EngineCore:
             sub_id = request.request_id
             token_id = runner_output.sampled_token_ids.get(sub_id)
             prompt_logprobs = runner_output.prompt_logprobs.get(sub_id)
-            if token_id is None and prompt_logprobs is None:
-                continue
+            if (token_id is None and prompt_logprobs is None) or sub_id not in self._sequences:
+                continue  # nothing new, or aborted while the step ran
             request_id, index = self._sequences[sub_id]
             logprobs = runner_output.logprobs.get(sub_id)
             end = finished.get(sub_id)
