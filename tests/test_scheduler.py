@@ -197,8 +197,8 @@ def test_random_workloads_keep_invariants(
 ) -> None:
     rng = random.Random(seed)
     max_model_len = 48
-    # Every request must fit alone, or it could never run.
-    num_blocks = max(num_blocks, -(-max_model_len // block_size) + 1)
+    # Every request must fit alone, or it could never run; exactly that is the tightest case.
+    num_blocks = max(num_blocks, -(-max_model_len // block_size))
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
         CacheConfig(num_blocks, block_size, prefix_caching),
