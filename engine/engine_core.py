@@ -6,7 +6,7 @@ import json
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,7 +27,6 @@ class StepTimings:
     execute: float = 0.0
     update: float = 0.0
     num_steps: int = 0
-    runner: dict[str, float] = field(default_factory=dict)
 
 
 def generation_eos_ids(model_path: str, config: ModelConfig) -> set[int]:
