@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -14,7 +15,8 @@ from cadence.engine.outputs import RequestOutput
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.sampling_params import SamplingParams
 
-PromptType = str | list[int]
+# Text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids}.
+PromptType = str | list[int] | dict[str, Any]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
@@ -62,7 +64,8 @@ class LLM:
             token_ids = self._tokenize(prompt)
             request = EngineCoreRequest(f"offline-{next(self._ids)}", token_ids, params, prio)
             self.engine.validate(request)
-            requests.append((request, prompt if isinstance(prompt, str) else None))
+            text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+            requests.append((request, text if isinstance(text, str) else None))
 
         processor = OutputProcessor(self.tokenizer)
         order = {request.request_id: i for i, (request, _) in enumerate(requests)}
@@ -85,7 +88,7 @@ class LLM:
 
     @staticmethod
     def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, dict)):
             return [prompts]
         prompts = list(prompts)
         if prompts and all(isinstance(p, int) for p in prompts):
@@ -104,6 +107,13 @@ class LLM:
         return params
 
     def _tokenize(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as token ids")

@@ -140,3 +140,16 @@ def test_request_ids_cannot_collide_with_sequence_names(tiny_model_dir) -> None:
             if out.finished:
                 finished.add(out.index)
     assert finished == {0, 1} and len(indices[0]) == len(indices[1]) == 4
+
+
+def test_prompts_in_every_accepted_form_give_the_same_tokens(tiny_model_dir) -> None:
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64)
+    text = "Paris is the capital"
+    ids = llm.get_tokenizer().encode(text)
+    forms = [text, ids, {"prompt": text}, {"prompt_token_ids": ids}]
+    outputs = llm.generate(forms, greedy(max_tokens=6))
+    assert all(o.prompt_token_ids == ids for o in outputs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
+    assert [o.prompt for o in outputs] == [text, None, text, None]
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate({"text": text}, greedy())
