@@ -36,19 +36,22 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.skip_prefix_cache:
             return []
-        tokens = request.token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
+        max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        parent_digest: bytes | None = None
-        for index in range(max_blocks):
-            start = index * self.block_size
-            key = BlockKey(parent_digest, tuple(tokens[start : start + self.block_size]))
+        for key in self.block_keys(request, max_blocks):
             block_id = self.pool.lookup(key)
             if block_id is None:
                 break
             hits.append(block_id)
-            parent_digest = key.digest
         return hits
+
+    def block_keys(self, request: Request, num_blocks: int) -> list[BlockKey]:
+        """Keys of the request's first `num_blocks` full blocks, computing only new ones."""
+        keys, tokens, size = request.block_keys, request.token_ids, self.block_size
+        while len(keys) < num_blocks:
+            start = len(keys) * size
+            keys.append(BlockKey(keys[-1].digest if keys else None, tuple(tokens[start : start + size])))
+        return keys[:num_blocks]
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_prefix: list[int] | None = None
@@ -78,15 +81,15 @@ class KVCacheManager:
             self.pool.touch(cached_prefix)
             request.block_ids.extend(cached_prefix)
             request.num_computed_tokens = num_computed
-            self._register_hashes(request, len(request.block_ids))
+            self._register(request, len(request.block_ids))
         if needs_copy:
             shared = request.block_ids[write_block_index]
             (private,) = self.pool.allocate(1)
             self.pool.free([shared])
             request.block_ids[write_block_index] = private
             copies.append((shared, private))
-            # The private copy is not registered: only hashes of blocks this request owns.
-            del request.block_hashes[write_block_index:]
+            # The private copy is registered again once it is full.
+            request.num_registered_blocks = min(request.num_registered_blocks, write_block_index)
         request.block_ids.extend(self.pool.allocate(num_needed))
         return copies
 
@@ -95,16 +98,15 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        self._register_hashes(request, num_full)
+        self._register(request, num_full)
 
-    def _register_hashes(self, request: Request, num_full_blocks: int) -> None:
-        hashes = request.block_hashes
-        tokens = request.token_ids
-        for index in range(len(hashes), num_full_blocks):
-            start = index * self.block_size
-            key = BlockKey(hashes[-1] if hashes else None, tuple(tokens[start : start + self.block_size]))
-            self.pool.cache(request.block_ids[index], key)
-            hashes.append(key.digest)
+    def _register(self, request: Request, num_full_blocks: int) -> None:
+        if num_full_blocks <= request.num_registered_blocks:
+            return
+        keys = self.block_keys(request, num_full_blocks)
+        for index in range(request.num_registered_blocks, num_full_blocks):
+            self.pool.cache(request.block_ids[index], keys[index])
+        request.num_registered_blocks = num_full_blocks
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` shared references to the blocks of the parent's whole prompt.
@@ -116,14 +118,14 @@ class KVCacheManager:
         shared = parent.block_ids[:num_prompt_blocks]
         self.pool.touch(shared)
         child.block_ids = list(shared)
-        child.block_hashes = parent.block_hashes[: parent.num_prompt_tokens // self.block_size]
+        child.num_registered_blocks = min(parent.num_registered_blocks, parent.num_prompt_tokens // self.block_size)
         child.num_computed_tokens = parent.num_prompt_tokens - 1
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; the tail goes first so it is evicted first."""
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
-        request.block_hashes = []
+        request.num_registered_blocks = 0
         request.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:

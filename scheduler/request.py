@@ -5,6 +5,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from cadence.scheduler.block_pool import BlockKey
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -72,8 +74,11 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
-    # Digests of this request's leading full blocks that are registered in the prefix cache.
-    block_hashes: list[bytes] = field(default_factory=list)
+    # Prefix-cache keys of the leading full blocks of token_ids, filled in lazily. Tokens
+    # are only ever appended, so a full block's key never changes.
+    block_keys: list[BlockKey] = field(default_factory=list)
+    # How many of this request's leading blocks it has registered in the prefix cache.
+    num_registered_blocks: int = 0
     stop_token_id: int | None = None  # the stop token that finished it, if any
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
