@@ -32,20 +32,16 @@ SMOLLM2_135M: dict[str, Any] = dict(
     eos_token_id=0,
 )
 # For --quick: the same architecture, small enough to run in seconds.
-TINY: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=1024,
-    tie_word_embeddings=True,
-    rope_theta=100000.0,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    bos_token_id=0,
-    eos_token_id=0,
-)
+TINY: dict[str, Any] = {
+    **SMOLLM2_135M,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 2048,
+}
 
 
 def build_random_model(name: str, shape: dict[str, Any]) -> str:

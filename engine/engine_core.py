@@ -188,9 +188,10 @@ class EngineCore:
             request_id, index = self._sequences[sub_id]
             logprobs = runner_output.logprobs.get(sub_id)
             end = finished.get(sub_id)
+            stop_reason = None
             # Like vLLM, EOS ends a request with no stop reason; a user's stop id is named.
-            stop_id = request.stop_token_id
-            stop_reason = stop_id if stop_id in request.sampling_params.stop_token_ids else None
+            if end is not None and request.stop_token_id in request.sampling_params.stop_token_ids:
+                stop_reason = request.stop_token_id
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
@@ -199,7 +200,7 @@ class EngineCore:
                     new_logprobs=None if logprobs is None else [logprobs],
                     new_prompt_logprobs=prompt_logprobs,
                     finish_reason=None if end is None else end.status.finish_reason,
-                    stop_reason=None if end is None else stop_reason,
+                    stop_reason=stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )

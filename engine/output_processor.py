@@ -89,8 +89,7 @@ class OutputProcessor:
             if state is None:
                 continue
             request_output = state.output
-            # Siblings share the prompt; a preempted sibling recomputing it would repeat them.
-            if out.new_prompt_logprobs and out.index == 0:
+            if out.new_prompt_logprobs:
                 request_output.prompt_logprobs.extend(  # type: ignore[union-attr]
                     to_position_logprobs(row, self.tokenizer) for row in out.new_prompt_logprobs
                 )
