@@ -67,6 +67,7 @@ class EngineCore:
             ),
             CacheConfig(num_blocks, args.block_size, args.enable_prefix_caching),
         )
+        self.num_kv_blocks = num_blocks
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.dtype, self.device)
         self.eos_token_ids = generation_eos_ids(args.model, config)
         self.vocab_size = config.vocab_size
@@ -141,6 +142,11 @@ class EngineCore:
             sub_ids.extend(self._children.get(request_id, [request_id]))
         for request in self.scheduler.abort_requests(sub_ids):
             self._forget(request.request_id)
+
+    def has_sequence(self, request_id: str, index: int) -> bool:
+        """Whether sequence `index` of a request is still scheduled."""
+        ids = self._children.get(request_id)
+        return ids is not None and index < len(ids) and ids[index] in self._sequences
 
     def sequence_id(self, request_id: str, index: int) -> str:
         """The name under which sequence `index` of a request is scheduled."""

@@ -156,7 +156,8 @@ class ModelRunner:
         generator = self.generators.get(request_id)
         if generator is None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
+            # Any int is a valid seed; torch takes the low 64 bits (siblings use seed + index).
+            generator.manual_seed(params.seed % (1 << 64))
             self.generators[request_id] = generator
         return generator
 

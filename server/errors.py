@@ -1,0 +1,107 @@
+"""OpenAI-style error bodies and the exception handlers that produce them.
+
+Every error leaves the server as `{"error": {"message", "type", "param", "code"}}` with
+the status OpenAI would use, so SDKs raise the exception class their users expect.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# Seconds a client should wait before retrying a request refused for load.
+RETRY_AFTER_SECONDS = 1
+
+
+class APIError(Exception):
+    """An error a handler raises to answer with a given status and OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def sse_event(self) -> str:
+        """The error as one server-sent event, for failures in mid-stream."""
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def overloaded(message: str) -> APIError:
+    return APIError(
+        429,
+        message,
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(
+        503,
+        message,
+        type="service_unavailable",
+        code="service_unavailable",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
+
+
+def _validation_param(error: dict[str, Any]) -> str | None:
+    # loc is ("body", "messages", 0, "content", ...); OpenAI names the field as a path.
+    parts = [str(p) for p in error.get("loc", ()) if p != "body"]
+    return ".".join(parts) or None
+
+
+async def _on_api_error(_: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, APIError)
+    return error.response()
+
+
+async def _on_validation_error(_: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, RequestValidationError)
+    errors = error.errors()
+    first = errors[0] if errors else {}
+    message = "; ".join(
+        f"{_validation_param(e) or 'body'}: {e.get('msg', 'invalid')}".replace("Value error, ", "")
+        for e in errors
+    )
+    return bad_request(message or "invalid request", _validation_param(first)).response()
+
+
+async def _on_http_error(_: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, StarletteHTTPException)
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return APIError(error.status_code, str(error.detail), type=kind, headers=error.headers).response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)

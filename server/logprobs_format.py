@@ -1,0 +1,62 @@
+"""Logprobs in the two shapes OpenAI uses: legacy completions and chat."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cadence.engine.outputs import Logprob, PositionLogprobs
+
+
+def _token_text(entry: Logprob) -> str:
+    return entry.decoded_token or ""
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    positions: list[PositionLogprobs | None],
+    text_offset: int,
+    token_text: Callable[[int], str],
+) -> tuple[dict[str, Any], int]:
+    """`{tokens, token_logprobs, top_logprobs, text_offset}` and the offset after them.
+
+    A position without logprobs (the first prompt token, when echoed) gets None, as in
+    OpenAI's answers, and `token_text` names its token. `top_logprobs` holds the chosen
+    token and the top alternatives.
+    """
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for token_id, position in zip(token_ids, positions):
+        offsets.append(text_offset)
+        if position is None:
+            text = token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            text_offset += len(text)
+            continue
+        chosen = position[token_id]
+        text = _token_text(chosen)
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        top_logprobs.append({_token_text(e): e.logprob for e in position.values()})
+        text_offset += len(text)
+    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    return body, text_offset
+
+
+def _chat_entry(entry: Logprob) -> dict[str, Any]:
+    text = _token_text(entry)
+    return {"token": text, "logprob": entry.logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n: int) -> list[dict[str, Any]]:
+    """The `content` list of a chat choice's logprobs: each token with its top `top_n`."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        ranked = sorted((e for e in position.values() if e.rank is not None and e.rank <= top_n), key=lambda e: e.rank)
+        entry = _chat_entry(position[token_id])
+        entry["top_logprobs"] = [_chat_entry(e) for e in ranked[:top_n]]
+        content.append(entry)
+    return content

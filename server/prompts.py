@@ -1,0 +1,141 @@
+"""From API request to engine request: tokenization, chat templates, limits, sampling.
+
+Everything here raises `APIError` (400) for input the engine could not serve, so a bad
+request is refused before it reaches the engine and nothing is queued for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from cadence.engine.sampling_params import SamplingParams
+from cadence.server.api_models import ChatMessage, SamplingFields
+from cadence.server.errors import APIError, bad_request
+
+
+@dataclass
+class Prompt:
+    """A prompt as the engine sees it (token ids) and as the caller wrote it (text)."""
+
+    token_ids: list[int]
+    text: str | None
+
+
+class PromptBuilder:
+    """Turns text, token ids and chat messages into validated prompts for one model."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer; send prompts as token ids", "prompt")
+        return self.tokenizer
+
+    def from_completion_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> Prompt:
+        if isinstance(prompt, str):
+            ids = self._require_tokenizer().encode(prompt, add_special_tokens=add_special_tokens)
+            return Prompt(ids, prompt)
+        self.check_token_ids(prompt, "prompt")
+        text = None if self.tokenizer is None else self.tokenizer.decode(prompt)
+        return Prompt(list(prompt), text)
+
+    def from_messages(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
+        tokenizer = self._require_tokenizer()
+        if tokenizer.chat_template is None:
+            raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        try:
+            conversation = [self._message_dict(m) for m in messages]
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except ValueError as error:
+            raise bad_request(str(error), "messages") from error
+        except Exception as error:  # noqa: BLE001 - jinja raises many kinds for bad input
+            raise bad_request(f"the chat template could not render these messages: {error}", "messages") from error
+        assert isinstance(text, str)
+        # The template already holds any BOS it wants; encoding must not add another.
+        return Prompt(tokenizer.encode(text, add_special_tokens=False), text)
+
+    @staticmethod
+    def _message_dict(message: ChatMessage) -> dict[str, str]:
+        entry = {"role": message.role, "content": message.text()}
+        if message.name is not None:
+            entry["name"] = message.name
+        return entry
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, for logprobs ("" when there is no tokenizer)."""
+        return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def decode(self, token_ids: list[int]) -> str:
+        self.check_token_ids(token_ids, "tokens")
+        return self._require_tokenizer().decode(token_ids)
+
+    def max_tokens(self, prompt: Prompt, requested: int | None, default: int | None) -> int:
+        """How many tokens a request may generate; 400 when the context cannot hold them."""
+        prompt_len = len(prompt.token_ids)
+        if prompt_len == 0:
+            raise bad_request("the prompt is empty", "prompt")
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {prompt_len} tokens, which leaves no room to generate.",
+                param="messages" if prompt.text is not None else "prompt",
+                code="context_length_exceeded",
+            )
+        if requested is not None:
+            if requested > room:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                    f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                    f"{requested} for the completion). Reduce the prompt or the completion length.",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            return requested
+        return room if default is None else min(default, room)
+
+
+def to_sampling_params(
+    request: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
+    """The engine's SamplingParams for an API request; OpenAI's defaults where unset."""
+    if request.stop_token_ids:
+        bad = [t for t in request.stop_token_ids if t < 0]
+        if bad:
+            raise bad_request(f"stop_token_ids must be non-negative, got {bad[0]}", "stop_token_ids")
+    try:
+        return SamplingParams(
+            n=request.n,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=0 if request.top_k is None else request.top_k,
+            min_p=request.min_p or 0.0,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=list(request.stop_token_ids or []),
+            ignore_eos=request.ignore_eos,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+        )
+    except ValueError as error:
+        raise bad_request(str(error)) from error

@@ -1,0 +1,214 @@
+"""What completions and chat share: submitting prompts, waiting, disconnects, SSE.
+
+A handler submits one engine request per prompt into a `RequestGroup`, which wakes once
+per engine step in which any of them changed. Whether the answer is streamed or not, the
+group ends by aborting whatever did not finish, so a disconnect, a cancelled task or an
+error frees the engine's KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from cadence.engine.outputs import PositionLogprobs, RequestOutput
+from cadence.engine.protocol import EngineCoreRequest
+from cadence.engine.sampling_params import SamplingParams
+from cadence.server.engine_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestRejectedError,
+    RequestStream,
+)
+from cadence.server.errors import APIError, bad_request, overloaded, unavailable
+from cadence.server.prompts import Prompt
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event, exactly as OpenAI frames it."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def as_api_error(error: Exception) -> APIError:
+    """The HTTP answer for an error raised while a request is in the engine."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, EngineOverloadedError):
+        return overloaded(str(error))
+    if isinstance(error, EngineDeadError):
+        return unavailable(str(error))
+    if isinstance(error, (RequestRejectedError, ValueError)):
+        return bad_request(str(error))
+    return APIError(500, f"internal error: {error}", type="server_error")
+
+
+@dataclass
+class ChoiceCursor:
+    """How much of one choice a stream has already sent."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    text_offset: int = 0  # characters sent, for completions' logprobs text_offset
+    started: bool = False
+    finished: bool = False
+
+
+@dataclass
+class ChoiceDelta:
+    """What a choice gained since the stream last sent it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    first: bool
+
+
+def take_delta(stream: RequestStream, index: int, cursor: ChoiceCursor, with_logprobs: bool) -> ChoiceDelta | None:
+    """The next piece of choice `index` worth sending, or None; advances the cursor.
+
+    Text a stop string might still claim is held back. Tokens go out with the text they
+    made, except that a caller who wants logprobs gets every token as it comes.
+    """
+    completion = stream.output.outputs[index]
+    if cursor.finished:
+        return None
+    end = max(stream.streamable_text_length(index), cursor.text_sent)
+    text = completion.text[cursor.text_sent : end]
+    token_ids = completion.token_ids[cursor.tokens_sent :]
+    if not text and not completion.finished and not (with_logprobs and token_ids):
+        return None
+    logprobs = None
+    if with_logprobs and completion.logprobs is not None:
+        logprobs = completion.logprobs[cursor.tokens_sent :]
+    delta = ChoiceDelta(
+        text=text,
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+        first=not cursor.started,
+    )
+    cursor.started = True
+    cursor.finished = completion.finished
+    cursor.text_sent = end
+    cursor.tokens_sent = len(completion.token_ids)
+    return delta
+
+
+class RequestGroup:
+    """The engine requests behind one API call (one per prompt), woken together."""
+
+    def __init__(self, client: AsyncEngineClient, priority: int) -> None:
+        self.client = client
+        self.priority = priority
+        self.request_id = ""
+        self.streams: list[RequestStream] = []
+        self.created = int(time.time())
+        self._changed = asyncio.Event()
+
+    def submit(self, request_id: str, prompts: list[Prompt], params: list[SamplingParams]) -> None:
+        """Queue every prompt, or none: a refusal part-way aborts the ones already queued."""
+        self.request_id = request_id
+        try:
+            for i, (prompt, sampling) in enumerate(zip(prompts, params)):
+                engine_request = EngineCoreRequest(f"{request_id}-{i}", prompt.token_ids, sampling, self.priority)
+                self.streams.append(self.client.add_request(engine_request, prompt.text, self._changed))
+        except Exception as error:
+            self.abort()
+            raise as_api_error(error) from error
+
+    @property
+    def finished(self) -> bool:
+        return all(s.output.finished for s in self.streams)
+
+    async def wait(self) -> None:
+        """Wait for the next step that changed any request; raise the first failure."""
+        await self._changed.wait()
+        self._changed.clear()
+        for stream in self.streams:
+            stream.raise_if_failed()
+
+    async def run_to_end(self, request: Request) -> list[RequestOutput]:
+        """Wait until every request finishes, aborting them all if the client goes away."""
+        watcher = asyncio.create_task(wait_for_disconnect(request))
+        try:
+            while not self.finished:
+                waiter = asyncio.create_task(self.wait())
+                done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if watcher in done:
+                    waiter.cancel()
+                    # Nobody reads this answer; 499 is what proxies log for it.
+                    raise APIError(499, "the client closed the connection", type="client_closed_request")
+                waiter.result()
+            return [s.output for s in self.streams]
+        except Exception as error:
+            raise as_api_error(error) from error
+        finally:
+            watcher.cancel()
+            self.abort()
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+    def usage(self) -> dict[str, int]:
+        prompt_tokens = sum(len(s.output.prompt_token_ids) for s in self.streams)
+        completion_tokens = sum(len(c.token_ids) for s in self.streams for c in s.output.outputs)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return once the client has closed the connection."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def stream_events(
+    group: RequestGroup, on_update: Callable[[], list[str]], on_finish: Callable[[], list[str]]
+) -> AsyncIterator[str]:
+    """SSE frames for a group: `on_update` after each step, `on_finish` at the end.
+
+    An error part-way is sent as an error event before [DONE]. Starlette cancels this
+    generator when the client disconnects, and the finally clause then aborts the
+    requests in the engine.
+    """
+    try:
+        for frame in on_update():
+            yield frame
+        while not group.finished:
+            try:
+                await group.wait()
+            except Exception as error:  # noqa: BLE001 - reported to the client in-band
+                yield as_api_error(error).sse_event()
+                break
+            for frame in on_update():
+                yield frame
+        else:
+            for frame in on_finish():
+                yield frame
+        yield SSE_DONE
+    finally:
+        group.abort()
+

@@ -1,0 +1,112 @@
+"""POST /v1/chat/completions: messages through the chat template, n, logprobs, streaming."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cadence.engine.outputs import CompletionOutput
+from cadence.server.api_models import ChatCompletionRequest
+from cadence.server.engine_client import AsyncEngineClient
+from cadence.server.logprobs_format import chat_logprobs
+from cadence.server.prompts import PromptBuilder, to_sampling_params
+from cadence.server.serving import ChoiceCursor, RequestGroup, new_id, sse, stream_events, take_delta
+
+
+class ChatHandler:
+    """Serves one model's chat completions endpoint."""
+
+    def __init__(self, client: AsyncEngineClient, prompts: PromptBuilder, model_name: str) -> None:
+        self.client = client
+        self.prompts = prompts
+        self.model_name = model_name
+
+    async def create(self, body: ChatCompletionRequest, raw_request: Request) -> JSONResponse | StreamingResponse:
+        prompt = self.prompts.from_messages(body.messages, body.add_generation_prompt)
+        # Chat has no default cap: the answer may use whatever context is left.
+        max_tokens = self.prompts.max_tokens(prompt, body.requested_max_tokens, None)
+        top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = to_sampling_params(body, max_tokens, top_logprobs)
+        group = RequestGroup(self.client, body.priority)
+        group.submit(new_id("chatcmpl"), [prompt], [params])
+        if body.stream:
+            stream = _ChatStream(self, body, group)
+            return StreamingResponse(
+                stream_events(group, stream.on_update, stream.on_finish), media_type="text/event-stream"
+            )
+        (output,) = await group.run_to_end(raw_request)
+        return JSONResponse(
+            {
+                "id": group.request_id,
+                "object": "chat.completion",
+                "created": group.created,
+                "model": self.model_name,
+                "choices": [self._choice(body, c) for c in output.outputs],
+                "usage": group.usage(),
+            }
+        )
+
+    @staticmethod
+    def _choice(body: ChatCompletionRequest, completion: CompletionOutput) -> dict[str, Any]:
+        logprobs = None
+        if body.logprobs:
+            content = chat_logprobs(completion.token_ids, completion.logprobs or [], body.top_logprobs or 0)
+            logprobs = {"content": content, "refusal": None}
+        return {
+            "index": completion.index,
+            "message": {"role": "assistant", "content": completion.text, "refusal": None},
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
+
+
+class _ChatStream:
+    """Builds the SSE frames of one streamed chat call."""
+
+    def __init__(self, handler: ChatHandler, body: ChatCompletionRequest, group: RequestGroup) -> None:
+        self.handler = handler
+        self.body = body
+        self.group = group
+        self.cursors = [ChoiceCursor() for _ in range(body.n)]
+        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        payload: dict[str, Any] = {
+            "id": self.group.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.group.created,
+            "model": self.handler.model_name,
+            "choices": choices,
+        }
+        if self.include_usage:
+            payload["usage"] = usage
+        return sse(payload)
+
+    def on_update(self) -> list[str]:
+        frames = []
+        (stream,) = self.group.streams
+        for cursor, completion in zip(self.cursors, stream.output.outputs):
+            delta = take_delta(stream, completion.index, cursor, self.body.logprobs)
+            if delta is None:
+                continue
+            message: dict[str, Any] = {"content": delta.text}
+            if delta.first:
+                message = {"role": "assistant", **message}
+            logprobs = None
+            if self.body.logprobs:
+                content = chat_logprobs(delta.token_ids, delta.logprobs or [], self.body.top_logprobs or 0)
+                logprobs = {"content": content, "refusal": None}
+            choice = {
+                "index": completion.index,
+                "delta": message,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason if cursor.finished else None,
+                "stop_reason": delta.stop_reason if cursor.finished else None,
+            }
+            frames.append(self._chunk([choice]))
+        return frames
+
+    def on_finish(self) -> list[str]:
+        return [self._chunk([], self.group.usage())] if self.include_usage else []

@@ -1,0 +1,140 @@
+"""POST /v1/completions: prompts as text or token ids, echo, logprobs, n, streaming."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cadence.engine.outputs import RequestOutput
+from cadence.server.api_models import CompletionRequest
+from cadence.server.engine_client import AsyncEngineClient
+from cadence.server.logprobs_format import completion_logprobs
+from cadence.server.prompts import Prompt, PromptBuilder, to_sampling_params
+from cadence.server.serving import ChoiceCursor, RequestGroup, new_id, sse, stream_events, take_delta
+
+# OpenAI's default when a completions request names no max_tokens.
+DEFAULT_MAX_TOKENS = 16
+
+
+class CompletionHandler:
+    """Serves one model's legacy completions endpoint."""
+
+    def __init__(self, client: AsyncEngineClient, prompts: PromptBuilder, model_name: str) -> None:
+        self.client = client
+        self.prompts = prompts
+        self.model_name = model_name
+
+    async def create(self, body: CompletionRequest, raw_request: Request) -> JSONResponse | StreamingResponse:
+        prompts = [self.prompts.from_completion_prompt(p) for p in body.prompts()]
+        requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
+        # Echo with logprobs scores the prompt too, as OpenAI does.
+        prompt_logprobs = body.logprobs if body.echo else None
+        params = [
+            to_sampling_params(
+                body, self.prompts.max_tokens(p, requested, DEFAULT_MAX_TOKENS), body.logprobs, prompt_logprobs
+            )
+            for p in prompts
+        ]
+        group = RequestGroup(self.client, body.priority)
+        group.submit(new_id("cmpl"), prompts, params)
+        if body.stream:
+            stream = _CompletionStream(self, body, group, prompts)
+            return StreamingResponse(
+                stream_events(group, stream.on_update, stream.on_finish), media_type="text/event-stream"
+            )
+        outputs = await group.run_to_end(raw_request)
+        choices = []
+        for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+            choices.extend(self._choices(body, i, prompt, output))
+        return JSONResponse(
+            {
+                "id": group.request_id,
+                "object": "text_completion",
+                "created": group.created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": group.usage(),
+            }
+        )
+
+    def _choices(self, body: CompletionRequest, prompt_index: int, prompt: Prompt, output: RequestOutput) -> list[dict[str, Any]]:
+        choices = []
+        for completion in output.outputs:
+            text = completion.text
+            logprobs = None
+            if body.logprobs is not None:
+                token_ids, positions = list(completion.token_ids), list(completion.logprobs or [])
+                if body.echo:
+                    token_ids = output.prompt_token_ids + token_ids
+                    positions = list(output.prompt_logprobs or []) + positions
+                logprobs, _ = completion_logprobs(token_ids, positions, 0, self.prompts.token_text)
+            if body.echo:
+                text = (prompt.text or "") + text
+            choices.append(
+                {
+                    "index": prompt_index * body.n + completion.index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                }
+            )
+        return choices
+
+
+class _CompletionStream:
+    """Builds the SSE frames of one streamed completions call."""
+
+    def __init__(self, handler: CompletionHandler, body: CompletionRequest, group: RequestGroup, prompts: list[Prompt]) -> None:
+        self.handler = handler
+        self.body = body
+        self.group = group
+        self.prompts = prompts
+        self.cursors = [[ChoiceCursor() for _ in range(body.n)] for _ in prompts]
+        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        payload: dict[str, Any] = {
+            "id": self.group.request_id,
+            "object": "text_completion",
+            "created": self.group.created,
+            "model": self.handler.model_name,
+            "choices": choices,
+        }
+        if self.include_usage:
+            payload["usage"] = usage
+        return sse(payload)
+
+    def on_update(self) -> list[str]:
+        frames = []
+        want_logprobs = self.body.logprobs is not None
+        for i, (stream, prompt) in enumerate(zip(self.group.streams, self.prompts)):
+            output = stream.output
+            for cursor, completion in zip(self.cursors[i], output.outputs):
+                delta = take_delta(stream, completion.index, cursor, want_logprobs)
+                if delta is None:
+                    continue
+                text = delta.text
+                token_ids, positions = delta.token_ids, list(delta.logprobs or [])
+                if self.body.echo and delta.first:
+                    text = (prompt.text or "") + text
+                    token_ids = output.prompt_token_ids + token_ids
+                    positions = list(output.prompt_logprobs or []) + positions
+                logprobs = None
+                if want_logprobs:
+                    logprobs, cursor.text_offset = completion_logprobs(
+                        token_ids, positions, cursor.text_offset, self.handler.prompts.token_text
+                    )
+                choice = {
+                    "index": i * self.body.n + completion.index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason if cursor.finished else None,
+                    "stop_reason": delta.stop_reason if cursor.finished else None,
+                }
+                frames.append(self._chunk([choice]))
+        return frames
+
+    def on_finish(self) -> list[str]:
+        return [self._chunk([], self.group.usage())] if self.include_usage else []

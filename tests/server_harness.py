@@ -1,0 +1,125 @@
+"""Start `cadence serve` as a real subprocess on a free port, and stop it for sure."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of a process, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class ServerProcess:
+    """One `cadence serve` subprocess; use as a context manager."""
+
+    def __init__(self, model: str | None, *extra_args: str, startup_timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "cadence.server.cli", "serve"]
+        if model is not None:
+            command.append(model)
+        command += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *extra_args]
+        self.log_path = f"/tmp/cadence-test-server-{self.port}.log"
+        self._log = open(self.log_path, "w+b")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait_healthy(startup_timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server did not become healthy in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-5000:]
+
+    @property
+    def engine_pid(self) -> int:
+        """The EngineCore process (the server's child that is not multiprocessing's helper)."""
+        for child in _children(self.process.pid):
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmdline = f.read()
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                return child
+        raise RuntimeError("no engine process found")
+
+    def metric(self, name: str) -> float:
+        """The value of one `cadence:` metric (summed over label sets)."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+        if not values:
+            raise KeyError(name)
+        return sum(values)
+
+    def wait_for_metric(self, name: str, expected: float, timeout: float = 20.0) -> float:
+        deadline = time.monotonic() + timeout
+        value = self.metric(name)
+        while value != expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+            value = self.metric(name)
+        return value
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal the server, wait, and kill it and its children if it lingers."""
+        children = _children(self.process.pid)
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        for child in children:
+            if pid_alive(child):
+                os.kill(child, signal.SIGKILL)
+        self._log.close()
+        return self.process.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
