@@ -5,6 +5,7 @@ the model is loaded, and stops after uvicorn has drained in-flight requests.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator
@@ -14,9 +15,9 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from transformers import PreTrainedTokenizerBase
 
 from cadence.engine.engine_args import EngineArgs
+from cadence.engine.llm import load_tokenizer
 from cadence.server.api_models import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.errors import APIError, install_error_handlers, unavailable
@@ -99,26 +100,28 @@ class Serving:
     chat: ChatHandler
 
 
-def build_app(engine_args: EngineArgs, tokenizer: PreTrainedTokenizerBase | None, config: ServerConfig) -> FastAPI:
+def build_app(engine_args: EngineArgs, config: ServerConfig) -> FastAPI:
     """The app for one model; the engine process starts when the app does."""
-    client = AsyncEngineClient(tokenizer, config.max_waiting)
+    client = AsyncEngineClient(config.max_waiting)
     model_name = config.served_model_names[0]
     serving: list[Serving] = []  # filled once the engine has said what it can take
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        info = await client.start(engine_args, config.engine_start_timeout)
-        prompts = PromptBuilder(tokenizer, info.max_model_len, info.vocab_size)
-        serving.append(
-            Serving(prompts, CompletionHandler(client, prompts, model_name), ChatHandler(client, prompts, model_name))
-        )
+        client.spawn(engine_args)
         try:
+            # The tokenizer loads here while the engine process loads the model.
+            tokenizer = await asyncio.to_thread(load_tokenizer, engine_args.model)
+            info = await client.wait_ready(config.engine_start_timeout, tokenizer)
+            prompts = PromptBuilder(tokenizer, info.max_model_len, info.vocab_size)
+            serving.append(
+                Serving(prompts, CompletionHandler(client, prompts, model_name), ChatHandler(client, prompts, model_name))
+            )
             yield
         finally:
             await client.shutdown(config.engine_stop_timeout)
 
     app = FastAPI(title="Cadence", version=VERSION, lifespan=lifespan)
-    app.state.engine_client = client
     install_error_handlers(app)
     registry = build_registry(client, model_name)
     created = int(time.time())

