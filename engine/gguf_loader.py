@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,6 +25,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from cadence.engine.gguf_tokenizer import save_tokenizer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_ROOT = os.path.join("~", ".cache", "cadence")
 # Part of every cache key: bump it when the converted layout changes, so that folders
@@ -89,6 +92,7 @@ def convert_gguf(gguf_path: str, cache_root: str = DEFAULT_CACHE_ROOT) -> str:
     _remove_orphaned_partials(final)
     # The pid in the name lets a later run tell a crashed conversion from a live one.
     partial = tempfile.mkdtemp(prefix=f"{os.path.basename(final)}{_PARTIAL}{os.getpid()}-", dir=parent)
+    logger.info("converting %s once into %s", gguf_path, final)
     try:
         write_hf_folder(gguf_path, partial)
         try:

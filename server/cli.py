@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import signal
 import sys
 
 from cadence.engine.engine_args import EngineArgs
@@ -88,6 +89,8 @@ def serve(args: argparse.Namespace) -> None:
     )
     app = build_app(engine_args, config)
     logger.info("serving %s as %s on http://%s:%d", model_path, names[0], args.host, args.port)
+    # uvicorn drains on SIGTERM, then re-raises it under the handler it found; make that a clean exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(
         app,
         host=args.host,

@@ -204,6 +204,12 @@ class AsyncEngineClient:
 
     # ----- requests ------------------------------------------------------------------
     @property
+    def max_sequences(self) -> int:
+        """The most sequences in flight at once: running plus waiting."""
+        assert self.info is not None
+        return self.info.max_num_seqs + self.max_waiting
+
+    @property
     def num_unfinished_sequences(self) -> int:
         return self._num_sequences
 

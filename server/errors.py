@@ -73,9 +73,19 @@ def unavailable(message: str) -> APIError:
     )
 
 
-def _validation_param(error: dict[str, Any]) -> str | None:
+def _validation_param(error: dict[str, Any], errors: list[dict[str, Any]] | None = None) -> str | None:
     # loc is ("body", "messages", 0, "content", ...); OpenAI names the field as a path.
-    parts = [str(p) for p in error.get("loc", ()) if p != "body"]
+    # A union adds one error per member, each with the member's tag ("str", "list[int]")
+    # in its loc: keep only what the errors about the same field have in common.
+    loc = tuple(error.get("loc", ()))
+    for other in errors or ():
+        other_loc = tuple(other.get("loc", ()))
+        if other_loc[:2] == loc[:2]:
+            common = 0
+            while common < min(len(loc), len(other_loc)) and loc[common] == other_loc[common]:
+                common += 1
+            loc = loc[:common]
+    parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts) or None
 
 
@@ -88,11 +98,15 @@ async def _on_validation_error(_: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, RequestValidationError)
     errors = error.errors()
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        # loc is ("body", byte offset): no field is at fault.
+        offset = first.get("loc", ("body", "?"))[-1]
+        return bad_request(f"the body is not valid JSON ({first.get('msg')} at byte {offset})").response()
     message = "; ".join(
         f"{_validation_param(e) or 'body'}: {e.get('msg', 'invalid')}".replace("Value error, ", "")
         for e in errors
     )
-    return bad_request(message or "invalid request", _validation_param(first)).response()
+    return bad_request(message or "invalid request", _validation_param(first, errors)).response()
 
 
 async def _on_http_error(_: Request, error: Exception) -> JSONResponse:

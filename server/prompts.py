@@ -80,7 +80,9 @@ class PromptBuilder:
         self.check_token_ids(token_ids, "tokens")
         return self._require_tokenizer().decode(token_ids)
 
-    def max_tokens(self, prompt: Prompt, requested: int | None, default: int | None) -> int:
+    def max_tokens(
+        self, prompt: Prompt, requested: int | None, default: int | None, prompt_param: str = "prompt"
+    ) -> int:
         """How many tokens a request may generate; 400 when the context cannot hold them."""
         prompt_len = len(prompt.token_ids)
         if prompt_len == 0:
@@ -91,7 +93,7 @@ class PromptBuilder:
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your prompt has {prompt_len} tokens, which leaves no room to generate.",
-                param="messages" if prompt.text is not None else "prompt",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         if requested is not None:

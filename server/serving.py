@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from cadence.engine.outputs import PositionLogprobs, RequestOutput
 from cadence.engine.protocol import EngineCoreRequest
@@ -41,6 +43,24 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that always closes its event generator, however the response ends.
+
+    Starlette cancels the response on a client disconnect; if that lands while a frame
+    is being sent, the generator is left suspended at its `yield` and its `finally`
+    (which aborts the engine requests) would only run when it is garbage-collected.
+    """
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 def as_api_error(error: Exception) -> APIError:
@@ -125,6 +145,13 @@ class RequestGroup:
     def submit(self, request_id: str, prompts: list[Prompt], params: list[SamplingParams]) -> None:
         """Queue every prompt, or none: a refusal part-way aborts the ones already queued."""
         self.request_id = request_id
+        needed = sum(p.n for p in params)
+        if needed > self.client.max_sequences:
+            raise bad_request(
+                f"this request needs {needed} sequences, more than this server ever holds "
+                f"({self.client.max_sequences})",
+                "n",
+            )
         try:
             for i, (prompt, sampling) in enumerate(zip(prompts, params)):
                 engine_request = EngineCoreRequest(f"{request_id}-{i}", prompt.token_ids, sampling, self.priority)

@@ -11,7 +11,7 @@ from cadence.server.api_models import ChatCompletionRequest
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.logprobs_format import chat_logprobs
 from cadence.server.prompts import PromptBuilder, to_sampling_params
-from cadence.server.serving import ChoiceCursor, RequestGroup, new_id, sse, stream_events, take_delta
+from cadence.server.serving import ChoiceCursor, EventStreamResponse, RequestGroup, new_id, sse, stream_events, take_delta
 
 
 class ChatHandler:
@@ -25,16 +25,14 @@ class ChatHandler:
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> JSONResponse | StreamingResponse:
         prompt = self.prompts.from_messages(body.messages, body.add_generation_prompt)
         # Chat has no default cap: the answer may use whatever context is left.
-        max_tokens = self.prompts.max_tokens(prompt, body.requested_max_tokens, None)
+        max_tokens = self.prompts.max_tokens(prompt, body.requested_max_tokens, None, prompt_param="messages")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = to_sampling_params(body, max_tokens, top_logprobs)
         group = RequestGroup(self.client, body.priority)
         group.submit(new_id("chatcmpl"), [prompt], [params])
         if body.stream:
             stream = _ChatStream(self, body, group)
-            return StreamingResponse(
-                stream_events(group, stream.on_update, stream.on_finish), media_type="text/event-stream"
-            )
+            return EventStreamResponse(stream_events(group, stream.on_update, stream.on_finish))
         (output,) = await group.run_to_end(raw_request)
         return JSONResponse(
             {

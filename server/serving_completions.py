@@ -11,7 +11,7 @@ from cadence.server.api_models import CompletionRequest
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.logprobs_format import completion_logprobs
 from cadence.server.prompts import Prompt, PromptBuilder, to_sampling_params
-from cadence.server.serving import ChoiceCursor, RequestGroup, new_id, sse, stream_events, take_delta
+from cadence.server.serving import ChoiceCursor, EventStreamResponse, RequestGroup, new_id, sse, stream_events, take_delta
 
 # OpenAI's default when a completions request names no max_tokens.
 DEFAULT_MAX_TOKENS = 16
@@ -40,9 +40,7 @@ class CompletionHandler:
         group.submit(new_id("cmpl"), prompts, params)
         if body.stream:
             stream = _CompletionStream(self, body, group, prompts)
-            return StreamingResponse(
-                stream_events(group, stream.on_update, stream.on_finish), media_type="text/event-stream"
-            )
+            return EventStreamResponse(stream_events(group, stream.on_update, stream.on_finish))
         outputs = await group.run_to_end(raw_request)
         choices = []
         for i, (prompt, output) in enumerate(zip(prompts, outputs)):

@@ -1,0 +1,103 @@
+"""Shared checks for the server's error and load tests: OpenAI error bodies, idleness."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+from server_harness import ServerProcess
+
+MODEL = "tiny"
+API_KEY = "secret"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+STRICT_MAX_MODEL_LEN = 64
+BODY_LIMIT = 4096
+VOCAB_SIZE = 512
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+# A long generation: the tiny model's context minus room for the prompt.
+LONG = 480
+
+RUNNING = "cadence:num_requests_running"
+WAITING = "cadence:num_requests_waiting"
+KV_USAGE = "cadence:kv_cache_usage_perc"
+GENERATED = "cadence:generation_tokens_total"
+FINISHED = "cadence:request_success_total"
+CMPL = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+def assert_error(
+    response: httpx.Response,
+    status: int,
+    *,
+    type: str | None = None,
+    param: Any = ...,
+    code: Any = ...,
+) -> dict[str, Any]:
+    """Assert an OpenAI-shaped error answer with this status; return its error object."""
+    assert response.status_code == status, f"{response.status_code}: {response.text}"
+    assert response.headers["content-type"].startswith("application/json"), response.headers
+    return assert_error_body(response.json(), type=type, param=param, code=code)
+
+
+def assert_error_body(body: Any, *, type: str | None = None, param: Any = ..., code: Any = ...) -> dict[str, Any]:
+    """Assert `{"error": {"message": str, "type": str, "param": str|None, "code": str|None}}` exactly."""
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["type"], str) and error["type"], error
+    assert error["param"] is None or isinstance(error["param"], str), error
+    assert error["code"] is None or isinstance(error["code"], str), error
+    if type is not None:
+        assert error["type"] == type, error
+    if param is not ...:
+        assert error["param"] == param, error
+    if code is not ...:
+        assert error["code"] == code, error
+    return error
+
+
+def sse_data(lines: Iterator[str]) -> Iterator[str]:
+    """The payloads of the `data:` lines of a server-sent event stream."""
+    for line in lines:
+        if line.startswith("data: "):
+            yield line[len("data: ") :]
+
+
+def assert_idle(server: ServerProcess, timeout: float = 10.0) -> None:
+    """Nothing running or waiting and no KV block in use."""
+    for name in (RUNNING, WAITING, KV_USAGE):
+        assert server.wait_for_metric(name, 0.0, timeout) == 0.0, (name, server.log())
+
+
+def assert_serves(server: ServerProcess, headers: dict[str, str] | None = None) -> None:
+    """A normal completions and chat request still succeed."""
+    completion = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"model": MODEL, "prompt": "The quick brown", "max_tokens": 5, "ignore_eos": True},
+        headers=headers,
+        timeout=30,
+    )
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["completion_tokens"] == 5
+    chat = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "ignore_eos": True},
+        headers=headers,
+        timeout=30,
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["finish_reason"] == "length"
+
+
+def finished_count(server: ServerProcess) -> float:
+    try:
+        return server.metric(FINISHED)
+    except KeyError:  # no request has finished yet, so the family has no samples
+        return 0.0
+
+
+def post(server: ServerProcess, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+    headers = {**AUTH, **kwargs.pop("headers", {})}
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=30, **kwargs)

@@ -1,0 +1,291 @@
+"""`cadence serve` under load and when things go away, end to end against real servers.
+
+- `busy`: two sequence slots and no waiting room (429 with Retry-After);
+- `roomy`: default limits, for long wide requests whose clients go away (disconnects),
+  then SIGTERM mid-stream (graceful drain) as its last test;
+- `doomed`: its engine is killed (503s, an error event mid-stream).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_checks import (
+    CHAT,
+    CMPL,
+    GENERATED,
+    LONG,
+    MESSAGES,
+    MODEL,
+    RUNNING,
+    assert_error,
+    assert_error_body,
+    assert_idle,
+    assert_serves,
+    finished_count,
+    sse_data,
+)
+from server_harness import ServerProcess, pid_alive
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def busy(model_dir: str) -> Iterator[ServerProcess]:
+    with ServerProcess(model_dir, "--served-model-name", MODEL, "--max-num-seqs", "2", "--max-waiting", "0") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def doomed(model_dir: str) -> Iterator[ServerProcess]:
+    with ServerProcess(model_dir, "--served-model-name", MODEL) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def roomy(model_dir: str) -> Iterator[ServerProcess]:
+    with ServerProcess(model_dir, "--served-model-name", MODEL) as server:
+        yield server
+
+
+# ----- 429 --------------------------------------------------------------------------------
+def _long_stream_body(max_tokens: int = LONG) -> dict[str, Any]:
+    """A streamed request that takes both seats of the busy server for a second or more.
+
+    The penalties and top-p/top-k only slow the sampler down, to widen the window.
+    """
+    return {
+        "model": MODEL,
+        "prompt": "The quick brown",
+        "n": 2,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "presence_penalty": 0.5,
+        "top_p": 0.9,
+        "top_k": 50,
+    }
+
+
+def test_overload_gives_429_with_retry_after(busy: ServerProcess) -> None:
+    url = busy.base_url
+    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
+    with httpx.Client(timeout=30) as holder, httpx.Client(base_url=url, timeout=30) as client:
+        with holder.stream("POST", f"{url}{CMPL}", json=_long_stream_body()) as held:
+            assert held.status_code == 200
+            events = sse_data(held.iter_lines())
+            assert json.loads(next(events))["choices"]
+            # Both seats are taken now; every new request is refused at once.
+            for path, body in (
+                (CMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+                (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}),
+                (CMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}),
+            ):
+                response = client.post(path, json=body)
+                assert_error(response, 429, type="rate_limit_error", code="rate_limit_exceeded")
+                assert response.headers["retry-after"] == "1"
+            with pytest.raises(openai.RateLimitError) as caught:
+                sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert caught.value.response.headers["retry-after"] == "1"
+            with pytest.raises(openai.RateLimitError):
+                sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+            assert busy.metric(RUNNING) == 2.0, "the held request ended too soon for this test"
+        # Closing the held stream aborts it and frees both seats.
+        assert_idle(busy)
+        completion = sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert completion.choices[0].finish_reason in ("length", "stop")
+        response = client.post(CMPL, json={"model": MODEL, "prompt": "hi", "n": 2, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+
+
+def test_429_after_a_finished_request_frees_its_seats(busy: ServerProcess) -> None:
+    """Seats held by a request that finishes on its own (not aborted) are given back."""
+    finished_before = finished_count(busy)
+    with httpx.Client(timeout=30) as holder, holder.stream(
+        "POST", f"{busy.base_url}{CMPL}", json=_long_stream_body(max_tokens=300)
+    ) as held:
+        events = sse_data(held.iter_lines())
+        next(events)
+        response = httpx.post(
+            f"{busy.base_url}{CMPL}", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30
+        )
+        assert_error(response, 429, type="rate_limit_error")
+        rest = list(events)
+    assert rest[-1] == "[DONE]"
+    choices = [c for e in rest[:-1] for c in json.loads(e)["choices"]]
+    finishes = {c["index"]: c["finish_reason"] for c in choices if c["finish_reason"]}
+    assert finishes == {0: "length", 1: "length"}
+    assert_idle(busy)
+    assert finished_count(busy) == finished_before + 2
+    response = httpx.post(
+        f"{busy.base_url}{CMPL}", json={"model": MODEL, "prompt": "hi", "n": 2, "max_tokens": 2}, timeout=30
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_request_the_server_can_never_hold_is_400_not_429(busy: ServerProcess) -> None:
+    """n above max_num_seqs + max_waiting can never be admitted: retrying (429) cannot help."""
+    assert_idle(busy)
+    response = httpx.post(
+        f"{busy.base_url}{CMPL}", json={"model": MODEL, "prompt": "hi", "n": 3, "max_tokens": 2}, timeout=30
+    )
+    assert_error(response, 400, type="invalid_request_error", param="n")
+    assert "retry-after" not in response.headers
+
+
+def test_busy_server_still_serves_and_is_idle(busy: ServerProcess) -> None:
+    assert_serves(busy)
+    assert_idle(busy)
+
+
+# ----- disconnects ------------------------------------------------------------------------
+# Many sequences at once, so that one request takes seconds even on a fast machine.
+WIDE = 64
+
+
+def _assert_aborted(server: ServerProcess, generated_before: float, finished_before: float, budget: int) -> None:
+    """The engine dropped the request: idle soon, and the token counter stopped well short."""
+    started = time.monotonic()
+    assert_idle(server, timeout=5.0)
+    assert time.monotonic() - started < 5.0
+    generated = server.metric(GENERATED)
+    time.sleep(0.5)
+    assert server.metric(GENERATED) == generated, "tokens are still being generated"
+    assert generated - generated_before < budget / 2, (generated - generated_before, budget)
+    # An aborted request is not a finished one.
+    assert finished_count(server) == finished_before
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_streaming_client_disconnect_aborts(roomy: ServerProcess, path: str) -> None:
+    body = {"model": MODEL, "n": WIDE, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    body.update({"prompt": "The quick brown"} if path == CMPL else {"messages": MESSAGES})
+    # The client reads one event, stalls (so the server is blocked sending, not waiting for
+    # the engine, when the connection goes) and then hangs up. A few times, since what
+    # the server is doing at that moment still varies.
+    for _ in range(4):
+        assert_idle(roomy)
+        generated_before, finished_before = roomy.metric(GENERATED), finished_count(roomy)
+        with httpx.Client(timeout=30) as client, client.stream(
+            "POST", f"{roomy.base_url}{path}", json=body
+        ) as response:
+            assert response.status_code == 200
+            events = sse_data(response.iter_lines())
+            assert json.loads(next(events))["choices"]
+            assert roomy.wait_for_metric(RUNNING, WIDE) == WIDE
+            time.sleep(0.5)
+            # Leaving the block closes the connection with the answer half read.
+        _assert_aborted(roomy, generated_before, finished_before, budget=WIDE * LONG)
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_non_streaming_client_timeout_aborts(roomy: ServerProcess, path: str) -> None:
+    assert_idle(roomy)
+    generated_before, finished_before = roomy.metric(GENERATED), finished_count(roomy)
+    body = {"model": MODEL, "n": WIDE, "max_tokens": LONG, "ignore_eos": True}
+    body.update({"prompt": "The quick brown"} if path == CMPL else {"messages": MESSAGES})
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{roomy.base_url}{path}", json=body, timeout=1.0)
+    _assert_aborted(roomy, generated_before, finished_before, budget=WIDE * LONG)
+
+
+def test_roomy_server_still_serves_and_is_idle(roomy: ServerProcess) -> None:
+    assert_serves(roomy)
+    assert_idle(roomy)
+
+
+# ----- engine death -----------------------------------------------------------------------
+def test_engine_death_fails_requests_with_503(doomed: ServerProcess) -> None:
+    url = doomed.base_url
+    engine_pid = doomed.engine_pid
+    # 16 sequences each, so that both are still generating when the engine dies.
+    body = {"model": MODEL, "n": 16, "max_tokens": LONG, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as client, client.stream(
+        "POST", f"{url}{CMPL}", json={**body, "prompt": "The quick brown", "stream": True}
+    ) as streamed:
+        events = sse_data(streamed.iter_lines())
+        assert json.loads(next(events))["choices"]
+        plain = pool.submit(httpx.post, f"{url}{CHAT}", json={**body, "messages": MESSAGES}, timeout=30)
+        assert doomed.wait_for_metric(RUNNING, 32.0) == 32.0, "both requests should be in the engine"
+
+        os.kill(engine_pid, signal.SIGKILL)
+
+        rest = list(events)
+        response = plain.result(timeout=30)
+    # The stream ends with an error event, then [DONE].
+    assert rest[-1] == "[DONE]", rest[-3:]
+    error_event = json.loads(rest[-2])
+    assert_error_body(error_event, type="service_unavailable", code="service_unavailable")
+    assert all("error" not in json.loads(e) for e in rest[:-2])
+    # The non-streaming request is answered 503 with Retry-After.
+    assert_error(response, 503, type="service_unavailable")
+    assert response.headers["retry-after"] == "1"
+
+    health = httpx.get(f"{url}/health", timeout=30)
+    assert_error(health, 503, type="service_unavailable")
+    assert health.headers["retry-after"] == "1"
+    assert doomed.metric("cadence:engine_healthy") == 0.0
+
+    for path, request in (
+        (CMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+        (CMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}),
+        (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}),
+        (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True}),
+    ):
+        response = httpx.post(f"{url}{path}", json=request, timeout=30)
+        assert_error(response, 503, type="service_unavailable")
+        assert response.headers["retry-after"] == "1"
+    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
+    with pytest.raises(openai.InternalServerError) as caught:
+        sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert caught.value.status_code == 503
+    # The HTTP side itself stays up to say so.
+    assert doomed.process.poll() is None
+
+
+# ----- SIGTERM drain ----------------------------------------------------------------------
+def test_sigterm_drains_in_flight_stream(roomy: ServerProcess) -> None:
+    draining = roomy  # the last test on this server: it does not survive this one
+    assert_idle(draining)
+    engine_pid = draining.engine_pid
+    body = {
+        "model": MODEL,
+        "prompt": "The quick brown",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.Client(timeout=30) as client, client.stream("POST", f"{draining.base_url}{CMPL}", json=body) as response:
+        assert response.status_code == 200
+        events = sse_data(response.iter_lines())
+        first = json.loads(next(events))
+        assert first["choices"][0]["finish_reason"] is None
+        draining.process.send_signal(signal.SIGTERM)
+        rest = list(events)
+    assert rest[-1] == "[DONE]", rest[-3:]
+    chunks = [json.loads(e) for e in rest[:-1]]
+    assert all("error" not in c for c in chunks), chunks[-2:]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 200
+    text = first["choices"][0]["text"] + "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text
+
+    returncode = draining.process.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while pid_alive(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(engine_pid), "the engine process outlived the server"
+    assert returncode == 0, f"server exited with {returncode} after SIGTERM:\n{draining.log()}"
