@@ -91,6 +91,11 @@ class EngineCore:
         bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        params = request.sampling_params
+        # Ids past the vocabulary can never be sampled; the min_tokens mask would index with them.
+        bad_stop = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad_stop is not None:
+            raise ValueError(f"stop token id {bad_stop} is outside the vocabulary [0, {self.vocab_size})")
         taken = [i for i in self._sequence_ids(request) if i in self._sequences]
         if request.request_id in self._children or taken:
             raise ValueError(f"request id {request.request_id!r} is already in use")

@@ -262,7 +262,8 @@ def _thresholds(
     # Keep a token while the mass strictly above it is < p: the minimal set reaching p.
     keep = mass_before < (p * z).unsqueeze(1)
     n_keep = keep.sum(dim=-1)
-    cutoff = vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
+    # At least the top token survives, even when p * z underflows to 0.
+    cutoff = vals.gather(1, (n_keep - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
     active = p < 1.0
     threshold = torch.where(active, torch.maximum(cutoff, kth), kth)
     open_rows = active & ~k_on & keep[:, -1] & (width < vocab)

@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Below this temperature sampling is greedy: dividing logits by it would overflow (vLLM
+# uses the same cut-off).
+GREEDY_TEMPERATURE = 1e-5
+INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -61,7 +65,7 @@ class SamplingParams:
         )
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        check(self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}")
+        check(0 <= self.top_k <= INT64_MAX, f"top_k must be -1, 0 or positive, got {self.top_k}")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         check(
             -2.0 <= self.presence_penalty <= 2.0,
@@ -82,10 +86,14 @@ class SamplingParams:
                 f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}",
             )
         check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        check(
+            all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
+            f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}",
+        )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

@@ -12,20 +12,33 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cadence.engine.sampling_params import MAX_LOGPROBS
+from cadence.engine.sampling_params import INT64_MAX, MAX_LOGPROBS
 
 # Enough for any sane use, small enough that one request cannot fill the server alone.
 MAX_N = 128
+# Stop strings are checked on every new token of every choice; bound that work.
+MAX_STOPS = 64
+MAX_STOP_LENGTH = 512
 
 NonNegativeFloat = Annotated[float, Field(ge=0.0)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
 
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI's schema lets clients send null for any optional field; it means "unset".
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the usage so far.
     continuous_usage_stats: bool = False
 
 
@@ -36,19 +49,19 @@ class SamplingFields(_Lenient):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: NonNegativeFloat | None = None
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(None, max_length=MAX_STOPS)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=-INT64_MAX - 1, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -82,6 +82,30 @@ class BodySizeLimit:
         await error.response()(scope, receive, send)
 
 
+class APIKeyCheck:
+    """Answers 401 unless a protected route carries `Authorization: Bearer <key>`.
+
+    Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would pass every
+    streamed chunk through an extra task and memory stream.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str, protected_prefixes: tuple[str, ...]) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+        self.protected_prefixes = protected_prefixes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.protected_prefixes):
+            header = dict(scope["headers"]).get(b"authorization", b"").strip()
+            scheme, _, token = header.partition(b" ")
+            # Bytes, not str: compare_digest refuses non-ASCII strings.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                error = APIError(401, "missing or invalid API key", type="authentication_error", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _replay(messages: list[Message], receive: Receive) -> Receive:
     pending = list(messages)
 
@@ -126,17 +150,8 @@ def build_app(engine_args: EngineArgs, config: ServerConfig) -> FastAPI:
     registry = build_registry(client, model_name)
     created = int(time.time())
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if config.api_key is not None and request.url.path.startswith(config.protected_prefixes):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), config.api_key):
-                return APIError(
-                    401, "missing or invalid API key", type="authentication_error", code="invalid_api_key"
-                ).response()
-        return await call_next(request)
-
+    if config.api_key is not None:
+        app.add_middleware(APIKeyCheck, api_key=config.api_key, protected_prefixes=config.protected_prefixes)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
 
     def check_model(name: str | None) -> None:

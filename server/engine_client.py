@@ -8,6 +8,7 @@ only ever await their own stream, so a slow client never delays anyone else.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import tempfile
@@ -28,11 +29,13 @@ from cadence.engine.protocol import (
     EngineDead,
     EngineReady,
     EngineStats,
-    Message,
     Shutdown,
     decode,
     encode,
 )
+
+
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -117,9 +120,12 @@ class AsyncEngineClient:
         self.dead_reason: str | None = None
         self._in_flight: dict[str, _InFlight] = {}
         self._num_sequences = 0
-        self._context = zmq.asyncio.Context()
         self._socket_dir = tempfile.mkdtemp(prefix="cadence-")
-        self._inputs = self._context.socket(zmq.PUSH)
+        # A plain (blocking-API) socket for sends: with no high-water mark a send never
+        # waits, and an error is raised right here instead of in a Future nobody reads.
+        self._send_context = zmq.Context()
+        self._inputs = self._send_context.socket(zmq.PUSH)
+        self._context = zmq.asyncio.Context()
         self._outputs = self._context.socket(zmq.PULL)
         # No high-water marks: admission control bounds the traffic, and a send must
         # never wait or drop (an abort that waited could arrive after its request ended).
@@ -152,6 +158,10 @@ class AsyncEngineClient:
         assert self._process is not None, "spawn() first"
         self.processor.tokenizer = tokenizer
         self.info = await self._wait_ready(timeout)
+        logger.info(
+            "engine ready on %s (%s): %d KV blocks, max_model_len %d, max_num_seqs %d",
+            self.info.device, self.info.dtype, self.info.num_kv_blocks, self.info.max_model_len, self.info.max_num_seqs,
+        )
         self._output_task = asyncio.create_task(self._read_outputs(), name="cadence-engine-outputs")
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_process_exit)
         return self.info
@@ -177,7 +187,7 @@ class AsyncEngineClient:
         self._stopping = True
         process = self._process
         if process is not None and process.is_alive():
-            await self._send(Shutdown())
+            self._inputs.send(encode(Shutdown()))
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, process.join, timeout)
             if process.is_alive():
@@ -189,6 +199,7 @@ class AsyncEngineClient:
             self._output_task.cancel()
         self._inputs.close(linger=0)
         self._outputs.close(linger=0)
+        self._send_context.term()
         self._context.term()
         for name in ("inputs", "outputs"):
             try:
@@ -209,10 +220,6 @@ class AsyncEngineClient:
         assert self.info is not None
         return self.info.max_num_seqs + self.max_waiting
 
-    @property
-    def num_unfinished_sequences(self) -> int:
-        return self._num_sequences
-
     def add_request(
         self, request: EngineCoreRequest, prompt: str | None, changed: asyncio.Event | None = None
     ) -> RequestStream:
@@ -221,25 +228,28 @@ class AsyncEngineClient:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         assert self.info is not None
         num_sequences = request.sampling_params.n
-        capacity = self.info.max_num_seqs + self.max_waiting
-        if self._num_sequences + num_sequences > capacity:
+        if self._num_sequences + num_sequences > self.max_sequences:
             raise EngineOverloadedError(
                 f"the server is full: {self._num_sequences} sequences are in flight "
                 f"(max_num_seqs {self.info.max_num_seqs} + max_waiting {self.max_waiting})"
             )
+        # Encode before any bookkeeping: a value msgpack cannot carry must leave no trace.
+        message = encode(request)
         self.processor.add_request(request.request_id, prompt, request.prompt_token_ids, request.sampling_params)
         output = self.processor.states[request.request_id].output
         stream = RequestStream(self, output, self.processor, changed or asyncio.Event())
         self._in_flight[request.request_id] = _InFlight(stream, num_sequences)
         self._num_sequences += num_sequences
         self.counters.prompt_tokens += len(request.prompt_token_ids)
-        self._inputs.send(encode(request))  # a PUSH to a bound socket does not block
+        self._inputs.send(message)
         return stream
 
     def abort(self, request_id: str) -> None:
-        if self._release(request_id) is None:
+        entry = self._release(request_id)
+        if entry is None:
             return
         self.processor.abort(request_id)
+        self._count_finished("abort", entry.num_sequences)
         if self.is_healthy:
             self._inputs.send(encode(AbortRequests(request_ids=[request_id])))
 
@@ -249,18 +259,24 @@ class AsyncEngineClient:
             self._num_sequences -= entry.num_sequences
         return entry
 
-    async def _send(self, message: Message) -> None:
-        await self._inputs.send(encode(message))
+    def _count_finished(self, reason: str, num_sequences: int = 1) -> None:
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + num_sequences
 
     # ----- outputs -------------------------------------------------------------------
     async def _read_outputs(self) -> None:
-        while True:
-            message = decode(await self._outputs.recv())
-            if isinstance(message, EngineCoreOutputs):
-                self._apply(message)
-            elif isinstance(message, EngineDead):
-                self._die(message.message)
-                return
+        try:
+            while True:
+                message = decode(await self._outputs.recv())
+                if isinstance(message, EngineCoreOutputs):
+                    self._apply(message)
+                elif isinstance(message, EngineDead):
+                    self._die(message.message)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - without this task nothing is served
+            logger.exception("processing engine outputs failed")
+            self._die(f"processing engine outputs failed: {error!r}")
 
     def _apply(self, message: EngineCoreOutputs) -> None:
         self.stats = message.stats
@@ -273,8 +289,7 @@ class AsyncEngineClient:
         self.counters.generation_tokens += sum(len(o.new_token_ids) for o in message.outputs)
         for output in finished:
             for completion in output.outputs:
-                reason = completion.finish_reason or "abort"
-                self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+                self._count_finished(completion.finish_reason or "abort")
         if to_abort:
             self._inputs.send(encode(AbortRequests(sequences=to_abort)))
         for request_id in {o.request_id for o in message.outputs}:

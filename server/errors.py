@@ -6,12 +6,15 @@ the status OpenAI would use, so SDKs raise the exception class their users expec
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
 
 # Seconds a client should wait before retrying a request refused for load.
 RETRY_AFTER_SECONDS = 1
@@ -115,7 +118,13 @@ async def _on_http_error(_: Request, error: Exception) -> JSONResponse:
     return APIError(error.status_code, str(error.detail), type=kind, headers=error.headers).response()
 
 
+async def _on_unexpected_error(_: Request, error: Exception) -> JSONResponse:
+    logger.exception("unhandled error", exc_info=error)
+    return APIError(500, f"internal server error: {type(error).__name__}", type="server_error").response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(Exception, _on_unexpected_error)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

@@ -42,7 +42,7 @@ class EngineCollector(Collector):
         yield self._counter("cadence:prompt_tokens", "Prompt tokens of admitted requests.", counters.prompt_tokens)
         yield self._counter("cadence:generation_tokens", "Tokens generated.", counters.generation_tokens)
         success = CounterMetricFamily(
-            "cadence:request_success", "Requests that finished, by reason.", labels=["model_name", "finished_reason"]
+            "cadence:request_success", "Sequences that ended, by finish reason (abort included).", labels=["model_name", "finished_reason"]
         )
         for reason, count in sorted(counters.finished.items()):
             success.add_metric([self.model_name, reason], count)

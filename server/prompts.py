@@ -109,35 +109,31 @@ class PromptBuilder:
             return requested
         return room if default is None else min(default, room)
 
-
-def to_sampling_params(
-    request: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
-) -> SamplingParams:
-    """The engine's SamplingParams for an API request; OpenAI's defaults where unset."""
-    if request.stop_token_ids:
-        bad = [t for t in request.stop_token_ids if t < 0]
-        if bad:
-            raise bad_request(f"stop_token_ids must be non-negative, got {bad[0]}", "stop_token_ids")
-    try:
-        return SamplingParams(
-            n=request.n,
-            max_tokens=max_tokens,
-            min_tokens=request.min_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=0 if request.top_k is None else request.top_k,
-            min_p=request.min_p or 0.0,
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-            seed=request.seed,
-            stop=request.stop,
-            stop_token_ids=list(request.stop_token_ids or []),
-            ignore_eos=request.ignore_eos,
-            include_stop_str_in_output=request.include_stop_str_in_output,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=request.skip_special_tokens,
-        )
-    except ValueError as error:
-        raise bad_request(str(error)) from error
+    def sampling_params(
+        self, request: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """The engine's SamplingParams for an API request; OpenAI's defaults where unset."""
+        self.check_token_ids(request.stop_token_ids or [], "stop_token_ids")
+        try:
+            return SamplingParams(
+                n=request.n,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=0 if request.top_k is None else request.top_k,
+                min_p=request.min_p or 0.0,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=list(request.stop_token_ids or []),
+                ignore_eos=request.ignore_eos,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+            )
+        except ValueError as error:
+            raise bad_request(str(error)) from error

@@ -53,14 +53,17 @@ class EventStreamResponse(StreamingResponse):
     (which aborts the engine requests) would only run when it is garbage-collected.
     """
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncIterator[str], group: RequestGroup) -> None:
         super().__init__(events, media_type="text/event-stream")
+        self.group = group
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            # A generator that never started skips its own finally when closed.
+            self.group.abort()
 
 
 def as_api_error(error: Exception) -> APIError:
@@ -217,25 +220,25 @@ async def stream_events(
 ) -> AsyncIterator[str]:
     """SSE frames for a group: `on_update` after each step, `on_finish` at the end.
 
-    An error part-way is sent as an error event before [DONE]. Starlette cancels this
-    generator when the client disconnects, and the finally clause then aborts the
-    requests in the engine.
+    `finished` is read before the frames are built: a yield may suspend this generator
+    (a slow client), and a request that finishes meanwhile must still get its last
+    frames. An error part-way is sent as an error event before [DONE].
     """
     try:
-        for frame in on_update():
-            yield frame
-        while not group.finished:
+        while True:
+            finished = group.finished
+            for frame in on_update():
+                yield frame
+            if finished:
+                break
             try:
                 await group.wait()
             except Exception as error:  # noqa: BLE001 - reported to the client in-band
                 yield as_api_error(error).sse_event()
-                break
-            for frame in on_update():
-                yield frame
-        else:
-            for frame in on_finish():
-                yield frame
+                yield SSE_DONE
+                return
+        for frame in on_finish():
+            yield frame
         yield SSE_DONE
     finally:
         group.abort()
-

@@ -10,7 +10,7 @@ from cadence.engine.outputs import CompletionOutput
 from cadence.server.api_models import ChatCompletionRequest
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.logprobs_format import chat_logprobs
-from cadence.server.prompts import PromptBuilder, to_sampling_params
+from cadence.server.prompts import PromptBuilder
 from cadence.server.serving import ChoiceCursor, EventStreamResponse, RequestGroup, new_id, sse, stream_events, take_delta
 
 
@@ -27,12 +27,12 @@ class ChatHandler:
         # Chat has no default cap: the answer may use whatever context is left.
         max_tokens = self.prompts.max_tokens(prompt, body.requested_max_tokens, None, prompt_param="messages")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = to_sampling_params(body, max_tokens, top_logprobs)
+        params = self.prompts.sampling_params(body, max_tokens, top_logprobs)
         group = RequestGroup(self.client, body.priority)
         group.submit(new_id("chatcmpl"), [prompt], [params])
         if body.stream:
             stream = _ChatStream(self, body, group)
-            return EventStreamResponse(stream_events(group, stream.on_update, stream.on_finish))
+            return EventStreamResponse(stream_events(group, stream.on_update, stream.on_finish), group)
         (output,) = await group.run_to_end(raw_request)
         return JSONResponse(
             {
@@ -68,7 +68,10 @@ class _ChatStream:
         self.body = body
         self.group = group
         self.cursors = [ChoiceCursor() for _ in range(body.n)]
-        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
+        options = body.stream_options
+        self.include_usage = options is not None and options.include_usage
+        # vLLM's rule: usage on every chunk only when usage was asked for at all.
+        self.continuous_usage = self.include_usage and options is not None and options.continuous_usage_stats
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         payload: dict[str, Any] = {
@@ -79,7 +82,7 @@ class _ChatStream:
             "choices": choices,
         }
         if self.include_usage:
-            payload["usage"] = usage
+            payload["usage"] = self.group.usage() if self.continuous_usage else usage
         return sse(payload)
 
     def on_update(self) -> list[str]:

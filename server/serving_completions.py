@@ -10,7 +10,7 @@ from cadence.engine.outputs import RequestOutput
 from cadence.server.api_models import CompletionRequest
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.logprobs_format import completion_logprobs
-from cadence.server.prompts import Prompt, PromptBuilder, to_sampling_params
+from cadence.server.prompts import Prompt, PromptBuilder
 from cadence.server.serving import ChoiceCursor, EventStreamResponse, RequestGroup, new_id, sse, stream_events, take_delta
 
 # OpenAI's default when a completions request names no max_tokens.
@@ -31,7 +31,7 @@ class CompletionHandler:
         # Echo with logprobs scores the prompt too, as OpenAI does.
         prompt_logprobs = body.logprobs if body.echo else None
         params = [
-            to_sampling_params(
+            self.prompts.sampling_params(
                 body, self.prompts.max_tokens(p, requested, DEFAULT_MAX_TOKENS), body.logprobs, prompt_logprobs
             )
             for p in prompts
@@ -40,7 +40,7 @@ class CompletionHandler:
         group.submit(new_id("cmpl"), prompts, params)
         if body.stream:
             stream = _CompletionStream(self, body, group, prompts)
-            return EventStreamResponse(stream_events(group, stream.on_update, stream.on_finish))
+            return EventStreamResponse(stream_events(group, stream.on_update, stream.on_finish), group)
         outputs = await group.run_to_end(raw_request)
         choices = []
         for i, (prompt, output) in enumerate(zip(prompts, outputs)):
@@ -90,7 +90,10 @@ class _CompletionStream:
         self.group = group
         self.prompts = prompts
         self.cursors = [[ChoiceCursor() for _ in range(body.n)] for _ in prompts]
-        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
+        options = body.stream_options
+        self.include_usage = options is not None and options.include_usage
+        # vLLM's rule: usage on every chunk only when usage was asked for at all.
+        self.continuous_usage = self.include_usage and options is not None and options.continuous_usage_stats
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         payload: dict[str, Any] = {
@@ -101,7 +104,7 @@ class _CompletionStream:
             "choices": choices,
         }
         if self.include_usage:
-            payload["usage"] = usage
+            payload["usage"] = self.group.usage() if self.continuous_usage else usage
         return sse(payload)
 
     def on_update(self) -> list[str]:

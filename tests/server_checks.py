@@ -91,11 +91,14 @@ def assert_serves(server: ServerProcess, headers: dict[str, str] | None = None) 
     assert chat.json()["choices"][0]["finish_reason"] == "length"
 
 
-def finished_count(server: ServerProcess) -> float:
-    try:
-        return server.metric(FINISHED)
-    except KeyError:  # no request has finished yet, so the family has no samples
-        return 0.0
+def finished_count(server: ServerProcess, aborted: bool = False) -> float:
+    """Sequences that ended by finishing (stop/length), or by abort with `aborted=True`."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(FINISHED + "{") and ('finished_reason="abort"' in line) == aborted:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def post(server: ServerProcess, path: str, body: Any, **kwargs: Any) -> httpx.Response:

@@ -153,3 +153,36 @@ def test_prompts_in_every_accepted_form_give_the_same_tokens(tiny_model_dir) -> 
     assert [o.prompt for o in outputs] == [text, None, text, None]
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate({"text": text}, greedy())
+
+
+def test_extreme_sampling_values_never_crash_the_engine(tiny_model_dir) -> None:
+    """Values the server lets through must sample something, never raise inside a step."""
+    engine = make_engine(tiny_model_dir("llama"))
+    extremes = {
+        "tiny_top_p": SamplingParams(top_p=1e-300, max_tokens=4, ignore_eos=True),
+        "tiny_temperature": SamplingParams(temperature=1e-320, top_p=0.9, max_tokens=4, ignore_eos=True),
+        "huge_top_k": SamplingParams(top_k=2**63 - 1, max_tokens=4, ignore_eos=True),
+        "huge_seed": SamplingParams(seed=2**64 - 1, n=2, max_tokens=4, ignore_eos=True),
+        "stop_id_with_min_tokens": SamplingParams(stop_token_ids=[511], min_tokens=2, max_tokens=4, ignore_eos=True),
+    }
+    for name, params in extremes.items():
+        engine.add_request(EngineCoreRequest(name, PROMPT, params))
+    counts: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+    assert counts == {"tiny_top_p": 4, "tiny_temperature": 4, "huge_top_k": 4, "huge_seed": 8, "stop_id_with_min_tokens": 4}
+    engine.scheduler.check_integrity()
+    # A temperature too small to divide by is greedy, not NaN sampling.
+    (out,) = LLM(tiny_model_dir("llama")).generate([PROMPT], SamplingParams(temperature=1e-9, max_tokens=6))
+    (ref,) = LLM(tiny_model_dir("llama")).generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6))
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_model_dir) -> None:
+    engine = make_engine(tiny_model_dir("llama"))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request(EngineCoreRequest("bad", PROMPT, SamplingParams(stop_token_ids=[512], min_tokens=1)))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[2**64])
+    assert not engine.has_unfinished_requests()

@@ -83,6 +83,13 @@ BAD_REQUESTS = [
     ("cmpl-empty-stop-string", CMPL, {"model": MODEL, "prompt": "hi", "stop": ""}, ...),
     ("chat-empty-stop-string", CHAT, {"model": MODEL, "messages": MESSAGES, "stop": [""]}, ...),
     ("cmpl-logit-bias", CMPL, {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 10}}, ...),
+    # Integers msgpack cannot carry, or the sampler cannot hold, stop at the edge.
+    ("cmpl-priority-over-int64", CMPL, {"model": MODEL, "prompt": "hi", "priority": 2**64}, "priority"),
+    ("chat-priority-under-int64", CHAT, {"model": MODEL, "messages": MESSAGES, "priority": -(2**63) - 1}, "priority"),
+    ("cmpl-top-k-over-int64", CMPL, {"model": MODEL, "prompt": "hi", "top_k": 2**63}, "top_k"),
+    ("cmpl-stop-id-over-int64", CMPL, {"model": MODEL, "prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids.0"),
+    ("cmpl-stop-id-outside-vocab", CMPL, {"model": MODEL, "prompt": "hi", "stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids"),
+    ("chat-too-many-stops", CHAT, {"model": MODEL, "messages": MESSAGES, "stop": ["x"] * 65}, "stop"),
     ("chat-logit-bias", CHAT, {"model": MODEL, "messages": MESSAGES, "logit_bias": {"5": -100}}, ...),
     (
         "chat-tools",
@@ -217,6 +224,16 @@ def test_unknown_fields_are_ignored(strict: ServerProcess) -> None:
     assert response.json()["object"] == "chat.completion"
 
 
+def test_null_means_unset(strict: ServerProcess) -> None:
+    """OpenAI's schema allows null for optional fields, and some clients send it."""
+    nulls = {"n": None, "stream": None, "echo": None, "ignore_eos": None, "min_tokens": None, "priority": None}
+    response = post(strict, CMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stop": None, "seed": None, **nulls})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1
+    chat = post(strict, CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "logprobs": None, **nulls})
+    assert chat.status_code == 200, chat.text
+
+
 # ----- 401 --------------------------------------------------------------------------------
 PROTECTED = [
     ("GET", "/v1/models", None),
@@ -235,6 +252,7 @@ def test_api_key_is_required(strict: ServerProcess, method: str, path: str, body
         {"Authorization": f"Bearer {API_KEY}x"},
         {"Authorization": API_KEY},  # no scheme
         {"Authorization": f"Basic {API_KEY}"},
+        {"Authorization": "Bearer caf\u00e9".encode()},  # not ASCII: still a 401, not a 500
     ):
         response = httpx.request(method, url, json=body, headers=headers, timeout=30)
         assert_error(response, 401, type="authentication_error", code="invalid_api_key")

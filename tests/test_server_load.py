@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 from server_checks import (
+    VOCAB_SIZE,
     CHAT,
     CMPL,
     GENERATED,
@@ -144,6 +145,20 @@ def test_request_the_server_can_never_hold_is_400_not_429(busy: ServerProcess) -
     assert "retry-after" not in response.headers
 
 
+def test_refusals_leave_no_seat_taken(busy: ServerProcess) -> None:
+    """Requests refused at the edge or by the engine must not keep admission slots."""
+    for extra in ({"priority": 2**64}, {"top_k": 2**64}, {"stop_token_ids": [2**64]}, {"stop_token_ids": [VOCAB_SIZE]}):
+        response = httpx.post(
+            f"{busy.base_url}{CMPL}", json={"model": MODEL, "prompt": "hi", "max_tokens": 3, "n": 2, **extra}, timeout=30
+        )
+        assert_error(response, 400)
+    # Both seats are free: a request that needs both is served.
+    response = httpx.post(
+        f"{busy.base_url}{CMPL}", json={"model": MODEL, "prompt": "hi", "max_tokens": 3, "n": 2}, timeout=30
+    )
+    assert response.status_code == 200, response.text
+
+
 def test_busy_server_still_serves_and_is_idle(busy: ServerProcess) -> None:
     assert_serves(busy)
     assert_idle(busy)
@@ -164,7 +179,7 @@ def _assert_aborted(server: ServerProcess, generated_before: float, finished_bef
     assert server.metric(GENERATED) == generated, "tokens are still being generated"
     assert generated - generated_before < budget / 2, (generated - generated_before, budget)
     # An aborted request is not a finished one.
-    assert finished_count(server) == finished_before
+    assert finished_count(server) == finished_before, "no aborted sequence may count as finished"
 
 
 @pytest.mark.parametrize("path", [CMPL, CHAT])
@@ -193,11 +208,13 @@ def test_streaming_client_disconnect_aborts(roomy: ServerProcess, path: str) -> 
 def test_non_streaming_client_timeout_aborts(roomy: ServerProcess, path: str) -> None:
     assert_idle(roomy)
     generated_before, finished_before = roomy.metric(GENERATED), finished_count(roomy)
+    aborted_before = finished_count(roomy, aborted=True)
     body = {"model": MODEL, "n": WIDE, "max_tokens": LONG, "ignore_eos": True}
     body.update({"prompt": "The quick brown"} if path == CMPL else {"messages": MESSAGES})
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{roomy.base_url}{path}", json=body, timeout=1.0)
     _assert_aborted(roomy, generated_before, finished_before, budget=WIDE * LONG)
+    assert finished_count(roomy, aborted=True) == aborted_before + WIDE
 
 
 def test_roomy_server_still_serves_and_is_idle(roomy: ServerProcess) -> None:
