@@ -1,9 +1,10 @@
 """Serving overhead: `cadence serve` at saturation against the offline `LLM.generate`.
 
-One run measures both on the same model, prompts and engine settings: first the offline
-engine in this process, then a `cadence serve` subprocess that receives every prompt at
-once over HTTP (streamed, as benchmarking tools send them). The difference is what HTTP,
-ZMQ/msgpack and the front end's detokenization cost. Greedy outputs are compared too.
+One run measures both on the same model, prompts and engine settings, alternating: the
+offline engine in this process, then a `cadence serve` subprocess that receives every
+prompt at once over HTTP (streamed, as benchmarking tools send them), and again. The
+difference is what HTTP, ZMQ/msgpack, the front end's detokenization and the load
+generator (which shares this machine's cores) cost. Greedy outputs are compared too.
 
     python bench/serve.py                      # the default SmolLM2-135M-Instruct, 64 prompts
     python bench/serve.py --model PATH         # an HF folder or .gguf file
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating offline/served runs (default 2)")
     return ap.parse_args(argv)
 
 
@@ -64,17 +66,51 @@ def engine_options(args: argparse.Namespace, work: Workload) -> dict[str, object
     )
 
 
-def run_offline(path: str, options: dict[str, object], work: Workload) -> tuple[float, list[str]]:
-    llm = LLM(path, **options)  # type: ignore[arg-type]
-    llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far, from /proc."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _HZ
+
+
+@dataclass
+class Run:
+    """One timed pass over the workload."""
+
+    seconds: float
+    texts: list[str]
+    cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds in the run
+    steps: int = 0
+    ttfts: list[float] = field(default_factory=list)
+
+
+def run_offline(llm: LLM, work: Workload) -> Run:
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in work.max_tokens]
+    steps, cpu = llm.engine.timings.num_steps, time.process_time()
     start = time.perf_counter()
     outputs = llm.generate(work.prompts, params)
     seconds = time.perf_counter() - start
-    texts = [o.outputs[0].text for o in outputs]
-    del llm
-    gc.collect()
-    return seconds, texts
+    run = Run(seconds, [o.outputs[0].text for o in outputs], {"engine": time.process_time() - cpu})
+    run.steps = llm.engine.timings.num_steps - steps
+    return run
+
+
+def run_served(server: ServerProcess, work: Workload) -> Run:
+    pids = {"api": server.process.pid, "engine": server.engine_pid}
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    steps, client_cpu = server.metric("cadence:engine_steps_total"), time.process_time()
+    seconds, results = asyncio.run(_saturate(server.base_url, work))
+    tokens = sum(int(r["tokens"]) for r in results)
+    assert tokens == work.useful_tokens, f"the server generated {tokens} tokens, expected {work.useful_tokens}"
+    cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    cpu["client"] = time.process_time() - client_cpu
+    run = Run(seconds, [str(r["text"]) for r in results], cpu)
+    run.steps = int(server.metric("cadence:engine_steps_total") - steps)
+    run.ttfts = sorted(float(r["ttft"]) for r in results if r["ttft"] is not None)
+    return run
 
 
 async def _one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, sent: float) -> dict[str, object]:
@@ -105,17 +141,22 @@ async def _one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens:
 async def _saturate(base_url: str, work: Workload) -> tuple[float, list[dict[str, object]]]:
     limits = httpx.Limits(max_connections=len(work.prompts) + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as client:
-        await _one_request(client, [5, 6, 7, 8], 4, time.perf_counter())  # warm-up
         start = time.perf_counter()
         results = await asyncio.gather(*(_one_request(client, p, m, start) for p, m in zip(work.prompts, work.max_tokens)))
         return time.perf_counter() - start, list(results)
 
 
-def run_server(path: str, options: dict[str, object]) -> tuple[ServerProcess, list[str]]:
+def server_flags(options: dict[str, object]) -> list[str]:
     flags = []
     for name, value in options.items():
         flags += [f"--{name.replace('_', '-')}", str(value)]
-    return ServerProcess(path, *flags, startup_timeout=600), flags
+    return flags
+
+
+def row(label: str, run: Run, baseline: Run, work: Workload) -> str:
+    cpu = ", ".join(f"{name} {seconds:.1f}" for name, seconds in run.cpu.items())
+    tps, base = work.useful_tokens / run.seconds, work.useful_tokens / baseline.seconds
+    return f"| {label} | {run.seconds:.2f} | {tps:.1f} | {tps / base:.2f} | {run.steps} | {cpu} |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,30 +165,41 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(path).vocab_size
-    work = make_workload(args.scenario, args.num_prompts or (8 if args.quick else 64), vocab, args.quick)
+    num_prompts = args.num_prompts or (8 if args.quick else 64)
+    # Fresh prompts each round: a repeat would be served from the prefix cache.
+    rounds = [make_workload(args.scenario, num_prompts, vocab, args.quick, seed=1234 + i) for i in range(args.rounds)]
+    work = rounds[0]
     options = engine_options(args, work)
     info = machine_info()
     print(f"# cadence serve vs offline LLM.generate ({time.strftime('%Y-%m-%d %H:%M')})")
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}")
-    print(f"model: {path}\nworkload: {work.description}\nengine: {options}\n")
+    print(f"model: {path}\nworkload: {work.description}\nengine: {options}, {args.rounds} interleaved rounds\n")
 
-    offline_s, offline_texts = run_offline(path, options, work)
-    server, flags = run_server(path, options)
-    with server:
-        server_s, results = asyncio.run(_saturate(server.base_url, work))
-    tokens = sum(int(r["tokens"]) for r in results)
-    assert tokens == work.useful_tokens, f"the server generated {tokens} tokens, expected {work.useful_tokens}"
-    same = sum(r["text"] == t for r, t in zip(results, offline_texts))
-    offline_tps, server_tps = work.useful_tokens / offline_s, work.useful_tokens / server_s
-    ttfts = sorted(float(r["ttft"]) for r in results if r["ttft"] is not None)
-    print("| run | seconds | output tok/s | ratio |")
-    print("|---|---|---|---|")
-    print(f"| offline LLM.generate | {offline_s:.2f} | {offline_tps:.1f} | 1.00 |")
-    print(f"| cadence serve, {len(work.prompts)} concurrent streams | {server_s:.2f} | {server_tps:.1f} | {server_tps / offline_tps:.2f} |")
-    print(f"\nHTTP + IPC + front-end overhead: {100 * (1 - server_tps / offline_tps):.1f}% of offline throughput")
-    print(f"TTFT under saturation: median {statistics.median(ttfts):.2f} s, max {ttfts[-1]:.2f} s")
-    print(f"greedy texts identical to offline: {same}/{len(results)}")
-    print(f"server flags: {' '.join(flags)}")
+    llm = LLM(path, **options)  # type: ignore[arg-type]
+    llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    offline: list[Run] = []
+    served: list[Run] = []
+    # Both stay loaded and the runs alternate, so drift in the machine's speed (other
+    # tenants) lands on both sides instead of on whichever ran second.
+    with ServerProcess(path, *server_flags(options), startup_timeout=600) as server:
+        asyncio.run(_saturate(server.base_url, Workload("warm-up", [[5, 6, 7, 8]], [4], "")))
+        for round_work in rounds:
+            offline.append(run_offline(llm, round_work))
+            served.append(run_served(server, round_work))
+    best_offline = min(offline, key=lambda r: r.seconds)
+    best_served = min(served, key=lambda r: r.seconds)
+    print("| run | seconds | output tok/s | vs best offline | engine steps | CPU seconds by process |")
+    print("|---|---|---|---|---|---|")
+    for i, (o, s) in enumerate(zip(offline, served), 1):
+        print(row(f"offline, round {i}", o, best_offline, work))
+        print(row(f"served, round {i} ({len(work.prompts)} streams)", s, best_offline, work))
+    ratio = best_offline.seconds / best_served.seconds
+    print(f"\nbest served / best offline throughput: {ratio:.3f} (overhead {100 * (1 - ratio):.1f}%)")
+    ttfts = best_served.ttfts
+    print(f"TTFT under saturation (best served round): median {statistics.median(ttfts):.2f} s, max {ttfts[-1]:.2f} s")
+    same = sum(a == b for o, s in zip(offline, served) for a, b in zip(o.texts, s.texts))
+    print(f"greedy texts identical to offline: {same}/{len(work.prompts) * len(rounds)}")
+    print(f"server flags: {' '.join(server_flags(options))}")
     return 0
 
 

@@ -166,6 +166,7 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.scheduler.kv_cache.usage,
             num_preemptions=self._num_preemptions,
+            num_steps=self.timings.num_steps,
         )
 
     # ----- the loop ------------------------------------------------------------------

@@ -56,6 +56,7 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    num_steps: int = 0
 
 
 # ----- messages that only the multi-process engine needs ------------------------------

@@ -39,6 +39,7 @@ class EngineCollector(Collector):
         yield self._gauge("cadence:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", stats.kv_cache_usage)
         yield self._gauge("cadence:engine_healthy", "1 while the engine process serves, else 0.", float(self.client.is_healthy))
         yield self._counter("cadence:num_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions)
+        yield self._counter("cadence:engine_steps", "Engine steps (one forward pass each) run.", stats.num_steps)
         yield self._counter("cadence:prompt_tokens", "Prompt tokens of admitted requests.", counters.prompt_tokens)
         yield self._counter("cadence:generation_tokens", "Tokens generated.", counters.generation_tokens)
         success = CounterMetricFamily(
