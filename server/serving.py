@@ -29,6 +29,7 @@ from cadence.server.engine_client import (
     RequestRejectedError,
     RequestStream,
 )
+from cadence.server.api_models import StreamOptions
 from cadence.server.errors import APIError, bad_request, overloaded, unavailable
 from cadence.server.prompts import Prompt
 
@@ -205,6 +206,34 @@ class RequestGroup:
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
+
+
+class ChunkWriter:
+    """Frames one streamed call's chunks, with usage as `stream_options` asks."""
+
+    def __init__(self, group: RequestGroup, object_type: str, model_name: str, options: StreamOptions | None) -> None:
+        self.group = group
+        self.object_type = object_type
+        self.model_name = model_name
+        self.include_usage = options is not None and options.include_usage
+        # vLLM's rule: usage on every chunk only when usage was asked for at all.
+        self.continuous_usage = self.include_usage and options is not None and options.continuous_usage_stats
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        payload: dict[str, Any] = {
+            "id": self.group.request_id,
+            "object": self.object_type,
+            "created": self.group.created,
+            "model": self.model_name,
+            "choices": choices,
+        }
+        if self.include_usage:
+            payload["usage"] = self.group.usage() if self.continuous_usage else usage
+        return sse(payload)
+
+    def finish(self) -> list[str]:
+        """The final usage chunk (no choices), when usage was asked for."""
+        return [self.chunk([], self.group.usage())] if self.include_usage else []
 
 
 async def wait_for_disconnect(request: Request) -> None:

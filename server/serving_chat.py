@@ -11,7 +11,15 @@ from cadence.server.api_models import ChatCompletionRequest
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.logprobs_format import chat_logprobs
 from cadence.server.prompts import PromptBuilder
-from cadence.server.serving import ChoiceCursor, EventStreamResponse, RequestGroup, new_id, sse, stream_events, take_delta
+from cadence.server.serving import (
+    ChoiceCursor,
+    ChunkWriter,
+    EventStreamResponse,
+    RequestGroup,
+    new_id,
+    stream_events,
+    take_delta,
+)
 
 
 class ChatHandler:
@@ -68,22 +76,7 @@ class _ChatStream:
         self.body = body
         self.group = group
         self.cursors = [ChoiceCursor() for _ in range(body.n)]
-        options = body.stream_options
-        self.include_usage = options is not None and options.include_usage
-        # vLLM's rule: usage on every chunk only when usage was asked for at all.
-        self.continuous_usage = self.include_usage and options is not None and options.continuous_usage_stats
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        payload: dict[str, Any] = {
-            "id": self.group.request_id,
-            "object": "chat.completion.chunk",
-            "created": self.group.created,
-            "model": self.handler.model_name,
-            "choices": choices,
-        }
-        if self.include_usage:
-            payload["usage"] = self.group.usage() if self.continuous_usage else usage
-        return sse(payload)
+        self.writer = ChunkWriter(group, "chat.completion.chunk", handler.model_name, body.stream_options)
 
     def on_update(self) -> list[str]:
         frames = []
@@ -106,8 +99,8 @@ class _ChatStream:
                 "finish_reason": delta.finish_reason if cursor.finished else None,
                 "stop_reason": delta.stop_reason if cursor.finished else None,
             }
-            frames.append(self._chunk([choice]))
+            frames.append(self.writer.chunk([choice]))
         return frames
 
     def on_finish(self) -> list[str]:
-        return [self._chunk([], self.group.usage())] if self.include_usage else []
+        return self.writer.finish()

@@ -260,3 +260,15 @@ def test_metrics_count_tokens(server, client) -> None:
     assert server.metric("cadence:generation_tokens_total") == before + 5
     assert server.wait_for_metric("cadence:num_requests_running", 0) == 0
     assert server.wait_for_metric("cadence:kv_cache_usage_perc", 0) == 0
+
+
+def test_continuous_usage_stats_grow_chunk_by_chunk(server) -> None:
+    body = {
+        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    chunks = [p for p in sse_payloads(httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)) if isinstance(p, dict)]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == 3 for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 8
+    assert chunks[-1]["choices"] == []
