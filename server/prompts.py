@@ -81,7 +81,12 @@ class PromptBuilder:
         return self._require_tokenizer().decode(token_ids)
 
     def max_tokens(
-        self, prompt: Prompt, requested: int | None, default: int | None, prompt_param: str = "prompt"
+        self,
+        prompt: Prompt,
+        requested: int | None,
+        default: int | None,
+        prompt_param: str = "prompt",
+        requested_param: str = "max_tokens",
     ) -> int:
         """How many tokens a request may generate; 400 when the context cannot hold them."""
         prompt_len = len(prompt.token_ids)
@@ -103,7 +108,7 @@ class PromptBuilder:
                     f"This model's maximum context length is {self.max_model_len} tokens. However, "
                     f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
                     f"{requested} for the completion). Reduce the prompt or the completion length.",
-                    param="max_tokens",
+                    param=requested_param,
                     code="context_length_exceeded",
                 )
             return requested

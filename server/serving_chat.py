@@ -33,7 +33,13 @@ class ChatHandler:
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> JSONResponse | StreamingResponse:
         prompt = self.prompts.from_messages(body.messages, body.add_generation_prompt)
         # Chat has no default cap: the answer may use whatever context is left.
-        max_tokens = self.prompts.max_tokens(prompt, body.requested_max_tokens, None, prompt_param="messages")
+        max_tokens = self.prompts.max_tokens(
+            prompt,
+            body.requested_max_tokens,
+            None,
+            prompt_param="messages",
+            requested_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+        )
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.prompts.sampling_params(body, max_tokens, top_logprobs)
         group = RequestGroup(self.client, body.priority)

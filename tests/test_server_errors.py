@@ -200,6 +200,10 @@ def test_prompt_plus_max_tokens_over_context(strict: ServerProcess) -> None:
 
     response = post(strict, CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": STRICT_MAX_MODEL_LEN})
     assert_error(response, 400, type="invalid_request_error", param="max_tokens", code="context_length_exceeded")
+    response = post(strict, CHAT, {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": STRICT_MAX_MODEL_LEN})
+    assert_error(
+        response, 400, type="invalid_request_error", param="max_completion_tokens", code="context_length_exceeded"
+    )
 
 
 def test_unknown_fields_are_ignored(strict: ServerProcess) -> None:
