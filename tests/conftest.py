@@ -5,7 +5,15 @@ import os
 import sys
 from collections.abc import Callable
 
-import pytest
+import torch
+
+# Without a GPU, Triton kernels run in its interpreter. This must be set before anything
+# imports triton (transformers does, through torch._dynamo), or triton's own helpers are
+# compiled-only. torch itself does not import triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -1,0 +1,200 @@
+"""The paged-attention and KV-cache-write Triton kernels against their torch references.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 on CPU tensors (conftest sets it
+before anything imports triton; slow, so the shapes are tiny). Tolerances are relative
+Frobenius errors ||out - ref|| / ||ref||: fp32 1e-5, fp16 2e-3. Outputs are poisoned
+with NaN first, and cache slots that hold no context are NaN too, so an unwritten output
+or a read past a sequence's end fails.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cadence.kernels import kv_cache_write, paged_attention as pa
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in output (unwritten or read out of range)"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def make_batch(q_lens, ctx_lens, num_kv_heads, group, head_dim, block_size, dtype, seed):
+    """Random q and a paged cache whose blocks are scattered; unused slots hold NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    used = 0
+    for s, (n, seq_len) in enumerate(zip(blocks_per_seq, seq_lens)):
+        ids = perm[used : used + n]
+        used += n
+        block_tables[s, :n] = ids
+        pos = torch.arange(seq_len)
+        kv_cache[:, ids[pos // block_size], pos % block_size] = torch.randn(
+            2, seq_len, num_kv_heads, head_dim, generator=gen
+        )
+    q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen)
+    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    return (
+        q.to(DEVICE, dtype),
+        kv_cache.to(DEVICE, dtype),
+        block_tables.to(DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        starts.to(DEVICE),
+    )
+
+
+def run_kernel(q, kv_cache, block_tables, seq_lens, starts, max_q, scale, window, num_splits, **kw):
+    out = torch.full_like(q, float("nan"))
+    return pa.paged_attention(
+        q, kv_cache, block_tables, seq_lens, starts, max_q, scale,
+        window=window, num_splits=num_splits, out=out, **kw,
+    )
+
+
+# (dtype, group, head_dim, block_size, window): every axis value appears at least once.
+CASES = [
+    (torch.float32, 1, 16, 4, None),
+    (torch.float32, 4, 32, 8, 5),
+    (torch.float16, 4, 16, 16, None),
+    (torch.float16, 1, 32, 4, 7),
+    (torch.float32, 4, 16, 16, 3),
+    (torch.float32, 3, 16, 8, None),  # a group that is not a power of two
+]
+
+
+@pytest.mark.parametrize("dtype,group,head_dim,block_size,window", CASES)
+def test_mixed_batch_matches_reference_split_and_unsplit(dtype, group, head_dim, block_size, window):
+    # Decodes of varied context first, then prefill chunks: one fresh, one with a cached
+    # prefix and more query tokens than one query tile holds.
+    q_lens = [1, 1, 1, 6, 19]
+    ctx_lens = [0, 9, 70, 0, 45]
+    seed = hash((str(dtype), group, head_dim, block_size, window)) % 2**31
+    inputs = make_batch(q_lens, ctx_lens, 2, group, head_dim, block_size, dtype, seed)
+    scale = head_dim**-0.5
+    ref = pa.reference(*inputs, scale, window=window)
+    unsplit = run_kernel(*inputs, max(q_lens), scale, window, 1)
+    tol = TOLERANCE[dtype]
+    assert rel_err(unsplit, ref) < tol
+    for num_splits in (3, 8):  # 8 leaves some splits with no KV tile at all
+        split = run_kernel(*inputs, max(q_lens), scale, window, num_splits)
+        assert rel_err(split, ref) < tol
+        assert rel_err(split, unsplit) < tol
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_long_decode_splits_automatically(window):
+    q_lens, ctx_lens = [1, 1], [611, 300]
+    inputs = make_batch(q_lens, ctx_lens, 1, 4, 16, 16, torch.float32, 7)
+    assert pa.choose_num_splits(2, 1, 612, 16) > 1
+    ref = pa.reference(*inputs, 0.25, window=window)
+    out = run_kernel(*inputs, 1, 0.25, window, None, num_sms=16)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+def test_choose_num_splits_follows_idle_sms_and_context():
+    # Enough programs to fill the machine: never split.
+    assert pa.choose_num_splits(256, 8, 32768, 132) == 1
+    # One sequence, one KV head, long context: fill the SMs, up to the cap.
+    assert pa.choose_num_splits(1, 1, 32768, 132) == 32
+    assert pa.choose_num_splits(2, 8, 32768, 132) == 9  # cdiv(132, 16)
+    # Short contexts are not worth splitting however idle the machine is.
+    assert pa.choose_num_splits(1, 1, 300, 132) == 1
+    assert pa.choose_num_splits(1, 1, 1024, 132) == 4  # 256 positions per split at least
+    # More SMs never means fewer splits.
+    counts = [pa.choose_num_splits(4, 2, 8192, sms) for sms in (8, 16, 64, 132)]
+    assert counts == sorted(counts)
+
+
+def test_reference_matches_sdpa_on_gathered_dense_kv():
+    q_lens, ctx_lens, group, head_dim, block_size, window = [7], [10], 4, 16, 4, 6
+    q, kv_cache, block_tables, seq_lens, starts = make_batch(
+        q_lens, ctx_lens, 2, group, head_dim, block_size, torch.float32, 3
+    )
+    seq_len = int(seq_lens[0])
+    pos = torch.arange(seq_len, device=DEVICE)
+    blocks = block_tables[0].long()[pos // block_size]
+    keys = kv_cache[0, blocks, pos % block_size].transpose(0, 1)  # [Hkv, L, D]
+    values = kv_cache[1, blocks, pos % block_size].transpose(0, 1)
+    q_pos = torch.arange(ctx_lens[0], seq_len, device=DEVICE)[:, None]
+    for w in (None, window):
+        mask = pos[None, :] <= q_pos
+        if w is not None:
+            mask &= pos[None, :] > q_pos - w
+        expected = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask, scale=0.3, enable_gqa=True,
+        )[0].transpose(0, 1)
+        ref = pa.reference(q, kv_cache, block_tables, seq_lens, starts, 0.3, window=w)
+        assert rel_err(ref, expected) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_cache(dtype):
+    num_blocks, block_size, heads, head_dim = 5, 4, 3, 16  # 3 heads: padded to 4 in-kernel
+    gen = torch.Generator().manual_seed(11)
+    k = torch.randn(6, heads, head_dim, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(6, heads, head_dim, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([13, -1, 0, 7, -1, 19], device=DEVICE)
+    cache = torch.full((2, num_blocks, block_size, heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    expected = cache.clone()
+    kv_cache_write.reference(k, v, expected, slots)
+    kv_cache_write.write_kv_cache(k, v, cache, slots)
+    assert torch.equal(cache.nan_to_num(-7.0), expected.nan_to_num(-7.0))
+    flat = cache.view(2, -1, heads, head_dim)
+    written = [13, 0, 7, 19]
+    assert torch.equal(flat[0, written], k[[0, 2, 3, 5]]) and torch.equal(flat[1, written], v[[0, 2, 3, 5]])
+    untouched = [s for s in range(num_blocks * block_size) if s not in written]
+    assert flat[:, untouched].isnan().all()
+    # int32 slots, and non-contiguous k/v (views of a fused qkv) work too.
+    qkv = torch.randn(6, 3 * heads, head_dim, generator=gen).to(DEVICE, dtype)
+    k2, v2 = qkv[:, heads : 2 * heads], qkv[:, 2 * heads :]
+    kv_cache_write.write_kv_cache(k2, v2, cache, slots.to(torch.int32))
+    kv_cache_write.reference(k2, v2, expected, slots)
+    assert torch.equal(cache.nan_to_num(-7.0), expected.nan_to_num(-7.0))
+
+
+def test_write_then_attend_roundtrip():
+    """The two kernels together, as a backend would call them for one step."""
+    q_lens, ctx_lens, block_size = [1, 5], [6, 3], 4
+    q, kv_cache, block_tables, seq_lens, starts = make_batch(
+        q_lens, ctx_lens, 2, 2, 16, block_size, torch.float32, 5
+    )
+    truth = kv_cache.clone()
+    slots = []
+    for s, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        for p in range(c, c + n):
+            slots.append(int(block_tables[s, p // block_size]) * block_size + p % block_size)
+    slots = torch.tensor(slots, device=DEVICE)
+    flat = truth.view(2, -1, *truth.shape[3:])
+    new_k, new_v = flat[0, slots].clone(), flat[1, slots].clone()
+    kv_cache.view(2, -1, *truth.shape[3:])[:, slots] = float("nan")  # forget the new tokens
+    kv_cache_write.write_kv_cache(new_k, new_v, kv_cache, slots)
+    # int64 metadata, as StepBatch holds it.
+    meta = block_tables.long(), seq_lens.long(), starts.long()
+    out = run_kernel(q, kv_cache, *meta, max(q_lens), 0.25, None, None)
+    ref = pa.reference(q, truth, *meta, 0.25)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the kernels for a GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compiled_realistic_shapes(dtype):
+    q_lens = [1] * 6 + [70, 300]
+    ctx_lens = [5, 100, 700, 1500, 33, 4000, 0, 250]
+    inputs = make_batch(q_lens, ctx_lens, 8, 4, 128, 16, dtype, 1)
+    ref = pa.reference(*inputs, 128**-0.5, window=None)
+    tol = 2e-3 if dtype == torch.float16 else 1.5e-2
+    for num_splits in (1, 4, None):
+        out = run_kernel(*inputs, max(q_lens), 128**-0.5, None, num_splits)
+        assert rel_err(out, ref) < tol
+    out = run_kernel(*inputs, max(q_lens), 128**-0.5, 256, None)
+    assert rel_err(out, pa.reference(*inputs, 128**-0.5, window=256)) < tol
