@@ -1,0 +1,186 @@
+"""W4A16 GEMM: fp16/fp32 activations times a group-wise int4 weight (``Int4Weight``).
+
+    out[M, N] = x[M, K] @ W[K, N],  W[k, n] = (code[k, n] - zero[k // g, n]) * scale[k // g, n]
+
+Two kernels over the one layout in ``quant_formats`` (qweight int32 [K // 8, N], packed
+along K):
+
+* ``_w4a16_gemv_kernel`` for decode-sized M (<= ``small_m_threshold``): one program owns
+  a BLOCK_N slice of the output for *all* rows and streams K, so each weight byte is read
+  once per launch. It reduces with a broadcast-multiply-sum instead of ``tl.dot``,
+  which would pad M up to 16 and waste most of the MMA.
+* ``_w4a16_gemm_kernel`` above that: a classic tiled GEMM with ``tl.dot``.
+
+Both pick BLOCK_K dividing the group size, so a K tile lies in one group and the scale
+(and zero) is a single ``[BLOCK_N]`` vector load per tile. Weights are dequantized to the
+activation dtype (rounding once, as the reference does) and accumulated in fp32.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
+
+DEFAULT_SMALL_M_THRESHOLD = 8
+
+
+def reference(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """Plain-torch W4A16: dequantize to x's dtype (one rounding), matmul in fp32."""
+    w = dequantize_int4(weight, dtype=x.dtype).float()  # [N, K]
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N,
+                  GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr):
+    """Dequantize rows ``k0 + offs_k`` x columns ``offs_n`` (fp32 [BLOCK_K, BLOCK_N]).
+
+    qweight, scales and zeros are contiguous (row stride N), checked by the wrapper.
+    """
+    kk = k0 + offs_k
+    # Eight consecutive k share one int32; the repeated addresses hit the same cache line.
+    packed = tl.load(qw_ptr + (kk // 8)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+    codes = (packed >> ((kk % 8) * 4)[:, None]) & 0xF
+    g = k0 // GROUP  # the whole tile is in one group (BLOCK_K divides GROUP)
+    scale = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.int32)
+        q = codes - zero[None, :]
+    else:
+        q = codes - SYM_ZERO
+    return q.to(tl.float32) * scale[None, :]
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_om, stride_on,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)  # all rows: M <= BLOCK_M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
+                    mask=mask_m[:, None], other=0.0)
+        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N, GROUP, HAS_ZEROS, SYM_ZERO)
+        w = w.to(x.dtype).to(tl.float32)  # round like the reference's dense weight
+        acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _w4a16_gemm_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_om, stride_on,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0: no K mask needed
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
+                    mask=mask_m[:, None], other=0.0)
+        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N, GROUP, HAS_ZEROS, SYM_ZERO)
+        w = w.to(x.dtype)
+        if FP32_IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")  # not TF32 for fp32 inputs
+        else:
+            acc = tl.dot(x, w, acc)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _block_k_for(group_size: int, cap: int = 64) -> int:
+    """Largest power of two <= cap dividing group_size (so a K tile never spans groups)."""
+    b = cap
+    while group_size % b:
+        b //= 2
+    return b
+
+
+def _triton_usable(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def w4a16_matmul(
+    x: torch.Tensor,
+    weight: Int4Weight,
+    out: torch.Tensor | None = None,
+    *,
+    small_m_threshold: int = DEFAULT_SMALL_M_THRESHOLD,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """``x [..., K]`` (fp16/fp32) @ dequant(weight).T -> ``[..., N]`` in x's dtype.
+
+    Rows M <= ``small_m_threshold`` take the GEMV kernel, more take the tiled GEMM. CPU
+    tensors without ``TRITON_INTERPRET=1`` take :func:`reference`. ``out`` (optional,
+    ``[M, N]``, x's dtype) lets tests pre-fill it with NaN to catch unwritten elements.
+    """
+    k, n, group = weight.in_features, weight.out_features, weight.group_size
+    if x.shape[-1] != k:
+        raise ValueError(f"x has K={x.shape[-1]}, weight has K={k}")
+    if k % group or weight.scales.shape != (k // group, n):
+        raise ValueError(f"scales {tuple(weight.scales.shape)} do not fit K={k}, N={n}, group={group}")
+    if x.dtype not in (torch.float16, torch.float32, torch.bfloat16):
+        raise TypeError(f"activations must be fp16/bf16/fp32, got {x.dtype}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    if not _triton_usable(x):
+        out.copy_(reference(x2, weight))
+        return out.reshape(*lead, n)
+
+    # The kernels index qweight/scales/zeros with row stride N.
+    qweight = weight.qweight.contiguous()
+    scales = weight.scales.contiguous()
+    has_zeros = weight.zeros is not None
+    zeros = weight.zeros.contiguous() if has_zeros else scales  # dummy pointer, never read
+    common = dict(GROUP=group, HAS_ZEROS=has_zeros, SYM_ZERO=SYMMETRIC_ZERO)
+    if m <= small_m_threshold:
+        bm = triton.next_power_of_2(m)
+        # Keep the [BM, BK, BN] product tile small: it lives in registers on a GPU.
+        bn = block_n or 32
+        bk = _block_k_for(group, cap=32 if bm <= 4 else 16)
+        grid = (triton.cdiv(n, bn),)
+        _w4a16_gemv_kernel[grid](
+            x2, qweight, scales, zeros, out, m, n, k,
+            x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **common,
+        )
+    else:
+        bk = _block_k_for(group)
+        if bk < 16:
+            raise ValueError(f"group_size {group} must be a multiple of 16 for the tiled kernel")
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        bn = block_n or 64
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        _w4a16_gemm_kernel[grid](
+            x2, qweight, scales, zeros, out, m, n, k,
+            x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_IEEE=x.dtype == torch.float32, **common,
+        )
+    return out.reshape(*lead, n)

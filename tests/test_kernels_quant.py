@@ -1,0 +1,248 @@
+"""Weight-only quantized GEMMs (W8A16, W4A16) and the int4 checkpoint converters.
+
+On a machine without CUDA the Triton kernels run under TRITON_INTERPRET=1 on CPU
+tensors; conftest.py sets it before anything imports triton. Shapes are tiny and ragged
+(N not a multiple of the block) and outputs are pre-filled with NaN, so an element a
+kernel forgets to write fails the comparison.
+
+Tolerances (relative Frobenius error ||out - ref|| / ||ref||):
+* kernel vs its torch reference: fp32 1e-5, fp16 2e-3 (same dequantized weights, only
+  the accumulation order and the final fp16 rounding differ);
+* quantized vs dense matmul: int8 < 2e-2 on outputs (< 1e-2 on the weight itself),
+  int4 weight error < 0.12 at group 32 and < 0.16 at group 128, outputs < 0.2.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cadence.kernels import w4a16, w8a16
+from cadence.kernels.quant_formats import (
+    Int4Weight,
+    dequantize_int4,
+    dequantize_int8,
+    from_awq,
+    from_gptq,
+    quantize_int4,
+    quantize_int8,
+    to_awq,
+    to_gptq,
+    unpack_int4,
+)
+
+KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+# (K, group) pairs the shapes allow.
+K_GROUPS = [(64, 32), (64, 64), (128, 32), (128, 128)]
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def poisoned(m: int, n: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------- quantizers
+
+
+def test_int8_quantization_error_is_small() -> None:
+    w = torch.randn(40, 128, generator=gen(1))
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.shape == (40, 128) and scale.shape == (40,)
+    assert rel_err(dequantize_int8(q, scale, torch.float32), w) < 1e-2
+    zero_row = torch.zeros(2, 64)
+    q0, s0 = quantize_int8(zero_row)
+    assert torch.isfinite(dequantize_int8(q0, s0)).all() and not q0.any()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_quantization_error_bounded(symmetric: bool) -> None:
+    w = torch.randn(40, 128, generator=gen(2))
+    errs = {}
+    for group in (32, 64, 128):
+        qw = quantize_int4(w, group, symmetric)
+        assert qw.qweight.dtype == torch.int32 and qw.qweight.shape == (16, 40)
+        assert qw.scales.shape == (128 // group, 40)
+        assert (qw.zeros is None) == symmetric
+        errs[group] = rel_err(dequantize_int4(qw, torch.float32), w)
+    assert errs[32] < 0.12 and errs[128] < 0.16, errs
+    assert errs[32] < errs[128], errs  # smaller groups track the weights more closely
+
+
+def test_int4_rejects_bad_group() -> None:
+    with pytest.raises(ValueError):
+        quantize_int4(torch.randn(8, 96), group_size=64)
+
+
+# ---------------------------------------------------------------- W8A16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("k,n", [(64, 24), (128, 40)])
+def test_w8a16_matches_reference(dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    g = gen(100 + m + k + n)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    q, scale = quantize_int8(w.to(dtype))
+    out = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype))
+    ref = w8a16.reference(x, q, scale)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_err(out, ref) < KERNEL_TOL[dtype]
+    assert rel_err(out, x.float() @ w.t()) < 2e-2  # int8 costs little accuracy
+
+
+# ---------------------------------------------------------------- W4A16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("k,group", K_GROUPS)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4a16_matches_reference(dtype: torch.dtype, m: int, k: int, group: int, symmetric: bool) -> None:
+    n = 40 if k == 128 else 24
+    g = gen(1000 + m * 7 + k + group + int(symmetric))
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    qw = quantize_int4(w.to(dtype), group, symmetric)
+    out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype))
+    ref = w4a16.reference(x, qw)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_err(out, ref) < KERNEL_TOL[dtype]
+    assert rel_err(out, x.float() @ w.t()) < 0.2  # int4 is lossy, but bounded
+
+
+@pytest.mark.parametrize("threshold,m", [(0, 3), (32, 17)])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4a16_threshold_picks_either_kernel(threshold: int, m: int, symmetric: bool) -> None:
+    """Force the GEMM at small M and the GEMV at larger M: both must still be right."""
+    g = gen(7 + m)
+    w = torch.randn(24, 64, generator=g)
+    x = torch.randn(m, 64, generator=g).half()
+    qw = quantize_int4(w.half(), 32, symmetric)
+    out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, 24, torch.float16), small_m_threshold=threshold)
+    assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[torch.float16]
+
+
+def test_w4a16_batched_input_and_fp32_scales_with_fp16_x() -> None:
+    g = gen(11)
+    w = torch.randn(40, 128, generator=g)
+    x = torch.randn(2, 3, 128, generator=g).half()
+    qw = quantize_int4(w, 64, symmetric=False)  # fp32 scales, fp16 activations
+    out = w4a16.w4a16_matmul(x, qw)
+    assert out.shape == (2, 3, 40) and out.dtype == torch.float16
+    assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[torch.float16]
+
+
+def test_cpu_without_interpreter_falls_back_to_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(3, 64, generator=gen(12))
+    qw = quantize_int4(torch.randn(24, 64, generator=gen(13)), 32)
+    assert torch.equal(w4a16.w4a16_matmul(x, qw), w4a16.reference(x, qw))
+    q, s = quantize_int8(torch.randn(24, 64, generator=gen(14)))
+    assert torch.equal(w8a16.w8a16_matmul(x, q, s), w8a16.reference(x, q, s))
+
+
+# ---------------------------------------------------------------- GPTQ / AWQ
+
+
+def _words(arr: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(arr.astype(np.uint32).view(np.int32).copy())
+
+
+def literal_gptq(codes: np.ndarray, zeros: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ v1 written out from its description: qweight packs K, qzeros packs N and stores z-1."""
+    k, n = codes.shape
+    qweight = np.zeros((k // 8, n), dtype=np.uint64)
+    for r in range(k):
+        qweight[r // 8] |= codes[r].astype(np.uint64) << np.uint64(4 * (r % 8))
+    qzeros = np.zeros((zeros.shape[0], n // 8), dtype=np.uint64)
+    for c in range(n):
+        qzeros[:, c // 8] |= ((zeros[:, c].astype(np.int64) - 1) & 0xF).astype(np.uint64) << np.uint64(4 * (c % 8))
+    return _words(qweight), _words(qzeros)
+
+
+def literal_awq(codes: np.ndarray, zeros: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ GEMM packing: columns 8c + order[i] go to nibble i of word c."""
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+
+    def pack(a: np.ndarray) -> torch.Tensor:
+        words = np.zeros((a.shape[0], a.shape[1] // 8), dtype=np.uint64)
+        for c in range(a.shape[1] // 8):
+            for i in range(8):
+                words[:, c] |= a[:, 8 * c + order[i]].astype(np.uint64) << np.uint64(4 * i)
+        return _words(words)
+
+    return pack(codes), pack(zeros)
+
+
+def _dense_zeros(qw: Int4Weight) -> np.ndarray:
+    return np.full(tuple(qw.scales.shape), 8) if qw.zeros is None else qw.zeros.numpy()
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptq_round_trip(group: int, symmetric: bool) -> None:
+    w = torch.randn(40, 128, generator=gen(20 + group))
+    ours = quantize_int4(w.half(), group, symmetric)
+    qweight, qzeros = literal_gptq(unpack_int4(ours).numpy(), _dense_zeros(ours))
+    packed = to_gptq(ours)
+    assert torch.equal(packed["qweight"], qweight) and torch.equal(packed["qzeros"], qzeros)
+    back = from_gptq(qweight, qzeros, ours.scales, packed["g_idx"], group_size=group)
+    assert torch.equal(back.qweight, ours.qweight)
+    assert (back.zeros is None) == symmetric  # symmetric GPTQ (all zeros 8) needs no zero load
+    assert torch.equal(dequantize_int4(back), dequantize_int4(ours))
+    x = torch.randn(3, 128, generator=gen(21)).half()
+    assert rel_err(w4a16.w4a16_matmul(x, back), w4a16.reference(x, ours)) < KERNEL_TOL[torch.float16]
+
+
+def test_gptq_rejects_act_order() -> None:
+    ours = quantize_int4(torch.randn(24, 64, generator=gen(22)), 32)
+    packed = to_gptq(ours)
+    g_idx = packed["g_idx"][torch.randperm(64, generator=gen(23))]
+    with pytest.raises(ValueError, match="act-order"):
+        from_gptq(packed["qweight"], packed["qzeros"], packed["scales"], g_idx, group_size=32)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_awq_round_trip(group: int, symmetric: bool) -> None:
+    w = torch.randn(24, 64, generator=gen(30 + group))
+    ours = quantize_int4(w.half(), group, symmetric)
+    qweight, qzeros = literal_awq(unpack_int4(ours).numpy(), _dense_zeros(ours))
+    packed = to_awq(ours)
+    assert torch.equal(packed["qweight"], qweight) and torch.equal(packed["qzeros"], qzeros)
+    back = from_awq(qweight, qzeros, ours.scales, group_size=group)
+    assert torch.equal(back.qweight, ours.qweight)
+    assert torch.equal(dequantize_int4(back), dequantize_int4(ours))
+    x = torch.randn(17, 64, generator=gen(31)).half()
+    assert rel_err(w4a16.w4a16_matmul(x, back), w4a16.reference(x, ours)) < KERNEL_TOL[torch.float16]
+
+
+# ---------------------------------------------------------------- GPU only
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 8, 33, 300])
+def test_gpu_kernels_match_reference(dtype: torch.dtype, m: int) -> None:
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    k, n = 4096, 1000
+    w = torch.randn(n, k, device="cuda")
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    q, s = quantize_int8(w.to(dtype))
+    out = w8a16.w8a16_matmul(x, q, s, out=poisoned(m, n, dtype, "cuda"))
+    assert rel_err(out, w8a16.reference(x, q, s)) < tol
+    for symmetric in (True, False):
+        qw = quantize_int4(w.to(dtype), 128, symmetric)
+        out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype, "cuda"))
+        assert rel_err(out, w4a16.reference(x, qw)) < tol
