@@ -24,6 +24,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    attention_backend: str = "auto"  # auto (Triton on CUDA, torch elsewhere), torch or triton
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

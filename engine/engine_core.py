@@ -68,7 +68,9 @@ class EngineCore:
             CacheConfig(num_blocks, args.block_size, args.enable_prefix_caching),
         )
         self.num_kv_blocks = num_blocks
-        self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(
+            self.model, num_blocks, args.block_size, self.dtype, self.device, args.attention_backend
+        )
         self.eos_token_ids = generation_eos_ids(args.model, config)
         self.vocab_size = config.vocab_size
         self.timings = StepTimings()

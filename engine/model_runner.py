@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from cadence.engine.attention.backend import AttentionBackend, AttentionContext, StepBatch
-from cadence.engine.attention.torch_sdpa import TorchSDPABackend
+from cadence.engine.attention.selector import create_attention_backend
 from cadence.engine.protocol import TokenLogprobs
 from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from cadence.engine.sampling_params import SamplingParams
@@ -45,12 +45,13 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         spec = model.attention_spec()
-        self.backend: AttentionBackend = TorchSDPABackend(spec, block_size)
+        self.backend: AttentionBackend = create_attention_backend(attention_backend, spec, block_size, device)
         cache_shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [
             torch.zeros(cache_shape, dtype=dtype, device=device) for _ in range(model.config.num_hidden_layers)

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "triton"], help="auto: Triton on CUDA, torch on CPU"
+    )
+    serve.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV of shared prefixes"
     )
     serve.add_argument(
@@ -80,6 +83,7 @@ def serve(args: argparse.Namespace) -> None:
         num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory,
         seed=args.seed,
+        attention_backend=args.attention_backend,
     )
     config = ServerConfig(
         served_model_names=names,
