@@ -33,8 +33,15 @@ def reference(
     query_start_loc: torch.Tensor,
     scale: float,
     window: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """What the kernel computes, in fp32 plain torch, one sequence at a time."""
+    """What the kernel computes, in fp32 plain torch, one sequence at a time.
+
+    A quantized cache (int8 / fp8) comes with `kv_scales [2, num_blocks, block_size,
+    num_kv_heads]`: K/V are the stored values times their row's scale.
+    """
+    if kv_scales is not None:
+        kv_cache = kv_cache.float() * kv_scales[..., None]
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
@@ -90,13 +97,14 @@ def choose_num_splits(
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    k_scale_ptr, v_scale_ptr, stride_sb, stride_ss,
     qk_scale, window, num_seqs, num_splits, num_tokens, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, QUANT_KV: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -157,6 +165,10 @@ def _attention_kernel(
         kv_mask = pos_valid[:, None] & dim_valid[None, :]
         k_off = block * stride_kb + in_block * stride_ks + kv_head * stride_kh
         k = tl.load(k_ptr + k_off[None, :] + dims[:, None], mask=kv_mask.T, other=0.0)
+        if QUANT_KV:  # one scale per (position, KV head): dequantize the tile in registers
+            scale_off = block * stride_sb + in_block * stride_ss + kv_head
+            k_scale = tl.load(k_scale_ptr + scale_off, mask=pos_valid, other=0.0)
+            k = (k.to(tl.float32) * k_scale[None, :]).to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
         visible = pos[None, :] <= q_pos[:, None]
         if USE_WINDOW:
@@ -169,6 +181,9 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
         v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if QUANT_KV:
+            v_scale = tl.load(v_scale_ptr + scale_off, mask=pos_valid, other=0.0)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -235,8 +250,11 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_sms: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `q [T, num_heads, head_dim]` over the paged cache; see `reference`.
+
+    With `kv_scales` the cache holds int8 or fp8 values, dequantized tile by tile.
 
     `seq_lens` and `query_start_loc` are int32/int64 device tensors, `block_tables` is
     `[num_seqs, max_blocks]` int32/int64. `num_splits=None` picks it with
@@ -278,16 +296,21 @@ def paged_attention(
         part_out = part_m = part_l = out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    quant_kv = kv_scales is not None
+    if quant_kv:
+        assert kv_scales.shape == kv_cache.shape[:4] and kv_scales.dtype == torch.float32 and kv_scales.is_contiguous()
+    scales = kv_scales if quant_kv else seq_lens.new_empty(2, 1, 1, 1, dtype=torch.float32)
     _attention_kernel[(num_q_programs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_m, part_l,
         block_tables, seq_lens, query_start_loc,
+        scales[0], scales[1], scales.stride(1), scales.stride(2),
         scale * _LOG2E, window or 0, num_seqs, num_splits, num_tokens, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, USE_WINDOW=window is not None, SPLIT=split,
-        PRECISION=precision,
+        PRECISION=precision, QUANT_KV=quant_kv,
     )
     if split:
         _merge_kernel[(num_tokens, num_heads)](
