@@ -25,11 +25,35 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     attention_backend: str = "auto"  # auto (Triton on CUDA, torch elsewhere), torch or triton
+    # Weight-only quantization applied while loading a dense checkpoint: None, "int8"
+    # (per output channel) or "int4" (groups of 128 along K, symmetric).
+    quantization: str | None = None
+    # The KV cache's storage: "auto" (the model's dtype), or "int8" / "fp8" with a scale
+    # per token and KV head, which holds about 2-4x more tokens in the same memory.
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        # Imported here so building EngineArgs (the CLI does, early) stays light.
+        from cadence.engine.quantization.apply import validate_quantization
+        from cadence.kernels.kv_quant import KV_CACHE_DTYPES
+
+        self.quantization = validate_quantization(self.quantization)
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use auto, int8 or fp8")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def kv_cache_bytes_per_block(args: EngineArgs, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one layer's K and V take per block: values, plus a float32 scale per row
+    when the cache is quantized."""
+    rows = 2 * args.block_size * num_kv_heads
+    if args.kv_cache_dtype == "auto":
+        return rows * head_dim * torch.empty((), dtype=dtype).element_size()
+    return rows * (head_dim + 4)
 
 
 def _available_host_memory() -> int:

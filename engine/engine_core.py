@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cadence.engine.engine_args import EngineArgs, resolve_num_blocks
+from cadence.engine.engine_args import EngineArgs, kv_cache_bytes_per_block, resolve_num_blocks
 from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
@@ -53,11 +53,12 @@ class EngineCore:
         torch.manual_seed(args.seed)
         config = ModelConfig.from_pretrained(args.model)
         self.dtype = resolve_dtype(args.dtype, config, self.device)
-        self.model, self.model_config = load_model(args.model, self.dtype, self.device)
+        self.model, self.model_config = load_model(
+            args.model, self.dtype, self.device, quantization=args.quantization
+        )
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         spec = self.model.attention_spec()
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        bytes_per_block = 2 * args.block_size * spec.num_kv_heads * spec.head_dim * element_size * config.num_hidden_layers
+        bytes_per_block = kv_cache_bytes_per_block(args, spec.num_kv_heads, spec.head_dim, self.dtype) * config.num_hidden_layers
         num_blocks = resolve_num_blocks(args, self.device, bytes_per_block, self.max_model_len, args.max_num_seqs)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -69,7 +70,7 @@ class EngineCore:
         )
         self.num_kv_blocks = num_blocks
         self.runner = ModelRunner(
-            self.model, num_blocks, args.block_size, self.dtype, self.device, args.attention_backend
+            self.model, num_blocks, args.block_size, self.dtype, self.device, args.attention_backend, args.kv_cache_dtype
         )
         self.eos_token_ids = generation_eos_ids(args.model, config)
         self.vocab_size = config.vocab_size

@@ -12,6 +12,7 @@ from torch import nn
 
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models import get_model_class
+from cadence.engine.quantization import quantize_model, validate_quantization
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -75,12 +76,16 @@ def load_model(
     path: str | os.PathLike[str],
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Read config, build the model with uninitialised storage on `device`, load weights.
 
     Returns the model in eval mode (with grads off) and its ModelConfig. Weights are
-    cast to `dtype` as they are copied in.
+    cast to `dtype` as they are copied in. `quantization` ("int8" or "int4") then swaps
+    the decoder's projections for weight-only quantized layers, one at a time, so the
+    peak is the dense model in `dtype` and the steady state is the quantized one.
     """
+    quantization = validate_quantization(quantization)
     path = os.fspath(path)
     config = ModelConfig.from_pretrained(path)
     cls = get_model_class(config)
@@ -93,4 +98,6 @@ def load_model(
     model.load_weights(iterate_weights(path))  # type: ignore[operator]
     model.eval()
     model.requires_grad_(False)
+    if quantization is not None:
+        quantize_model(model, quantization)
     return model, config

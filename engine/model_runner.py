@@ -11,8 +11,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from cadence.engine.attention.backend import AttentionBackend, AttentionContext, StepBatch
+from cadence.engine.attention.backend import (
+    AttentionBackend,
+    AttentionContext,
+    KVCache,
+    QuantizedKVCache,
+    StepBatch,
+)
 from cadence.engine.attention.selector import create_attention_backend
+from cadence.kernels.kv_quant import KV_CACHE_DTYPES
 from cadence.engine.protocol import TokenLogprobs
 from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from cadence.engine.sampling_params import SamplingParams
@@ -35,6 +42,20 @@ def _rows_to_logprobs(ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tens
     ]
 
 
+def allocate_kv_cache(
+    shape: tuple[int, ...], dtype: torch.dtype, kv_cache_dtype: str, device: torch.device
+) -> KVCache:
+    """One layer's cache: in the model's dtype ("auto"), or int8 / fp8 with row scales."""
+    if kv_cache_dtype == "auto":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; use auto, int8 or fp8")
+    return QuantizedKVCache(
+        torch.zeros(shape, dtype=KV_CACHE_DTYPES[kv_cache_dtype], device=device),
+        torch.zeros(shape[:4], dtype=torch.float32, device=device),
+    )
+
+
 class ModelRunner:
     """Runs the model on the paged KV cache for whatever the scheduler chose."""
 
@@ -46,6 +67,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         attention_backend: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.device = device
@@ -53,8 +75,8 @@ class ModelRunner:
         spec = model.attention_spec()
         self.backend: AttentionBackend = create_attention_backend(attention_backend, spec, block_size, device)
         cache_shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [
-            torch.zeros(cache_shape, dtype=dtype, device=device) for _ in range(model.config.num_hidden_layers)
+        self.kv_caches: list[KVCache] = [
+            allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device) for _ in range(model.config.num_hidden_layers)
         ]
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -192,4 +214,5 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+            for tensor in (cache.values, cache.scales) if isinstance(cache, QuantizedKVCache) else (cache,):
+                tensor[:, dst] = tensor[:, src]

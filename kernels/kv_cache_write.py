@@ -4,11 +4,8 @@ The cache for one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 0 keys, 1 values). Token t goes to slot `slot_mapping[t] = block * block_size + offset`;
 a slot of -1 (padding) is skipped. One program writes one token, all heads.
 
-Quantized caches (int8, or fp8 e4m3 where torch has it) carry a scale per token and KV
-head in `kv_scales [2, num_blocks, block_size, num_kv_heads]` (float32): the stored
-value times its scale gives back K/V. Each head's row is scaled so its largest magnitude
-lands on the format's largest value, which keeps every row's relative error the same
-whatever the magnitudes of other tokens.
+Quantized caches (int8 or fp8) carry a scale per token and KV head in `kv_scales`; the
+format is defined in kernels/kv_quant.py.
 """
 from __future__ import annotations
 
@@ -16,23 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def quantized_max(dtype: torch.dtype) -> float:
-    """The largest value a quantized cache stores: a row's absmax maps onto it."""
-    if dtype == torch.int8:
-        return 127.0
-    if dtype.is_floating_point and dtype.itemsize == 1:
-        return float(torch.finfo(dtype).max)
-    raise ValueError(f"{dtype} is not a quantized KV-cache dtype (int8 or an fp8 type)")
-
-
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> (stored values, float32 scale per row) for a quantized cache."""
-    top = quantized_max(dtype)
-    scale = x.float().abs().amax(dim=-1) / top
-    scaled = x.float() / torch.where(scale > 0, scale, 1.0)[..., None]
-    stored = scaled.round().clamp(-top, top).to(dtype) if dtype == torch.int8 else scaled.to(dtype)
-    return stored, scale
+from cadence.kernels.kv_quant import quantize_rows, quantized_max
 
 
 def reference(
@@ -135,4 +116,4 @@ def write_kv_cache(
     )
 
 
-__all__ = ["quantize_rows", "quantized_max", "reference", "write_kv_cache"]
+__all__ = ["reference", "write_kv_cache"]

@@ -47,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument(
+        "--quantization", default=None, choices=["int8", "int4"],
+        help="quantize the dense checkpoint's linear weights while loading (weight-only)",
+    )
+    serve.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+        help="KV-cache storage: the model's dtype, or int8/fp8 with a scale per token and head",
+    )
+    serve.add_argument(
         "--attention-backend", default="auto", choices=["auto", "torch", "triton"], help="auto: Triton on CUDA, torch on CPU"
     )
     serve.add_argument(
@@ -84,6 +92,8 @@ def serve(args: argparse.Namespace) -> None:
         kv_cache_memory=args.kv_cache_memory,
         seed=args.seed,
         attention_backend=args.attention_backend,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     config = ServerConfig(
         served_model_names=names,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cadence.kernels import kv_cache_write, paged_attention as pa
+from cadence.kernels import kv_cache_write, kv_quant, paged_attention as pa
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -202,7 +202,7 @@ def test_compiled_realistic_shapes(dtype):
 
 def quantize_cache(kv_cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A quantized copy of a float cache; slots that hold no context get NaN scales."""
-    stored, scales = kv_cache_write.quantize_rows(torch.nan_to_num(kv_cache.float()), dtype)
+    stored, scales = kv_quant.quantize_rows(torch.nan_to_num(kv_cache.float()), dtype)
     scales[kv_cache.isnan().any(dim=-1)] = float("nan")
     return stored, scales.contiguous()
 

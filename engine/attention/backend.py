@@ -36,6 +36,20 @@ class StepBatch:
         return len(self.query_lens)
 
 
+@dataclass
+class QuantizedKVCache:
+    """One layer's quantized cache: int8/fp8 `values` shaped like a plain cache, and a
+    float32 scale per (slot, KV head) in `scales [2, num_blocks, block_size, num_kv_heads]`
+    (the format of kernels/kv_quant.py)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+# One layer's cache: a plain tensor in the model's dtype, or a quantized one.
+KVCache = torch.Tensor | QuantizedKVCache
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """The shape of attention that a model asks of a backend."""
@@ -51,7 +65,8 @@ class AttentionBackend(ABC):
     """Computes paged attention for a flat varlen batch.
 
     The KV cache for one layer is a tensor [2, num_blocks, block_size, num_kv_heads,
-    head_dim]: index 0 holds keys, 1 values.
+    head_dim] (index 0 holds keys, 1 values), or a `QuantizedKVCache` of that shape plus
+    its scales.
     """
 
     def __init__(self, spec: AttentionSpec, block_size: int) -> None:
@@ -68,7 +83,7 @@ class AttentionBackend(ABC):
         query: torch.Tensor,  # [T, num_heads, head_dim]
         key: torch.Tensor,  # [T, num_kv_heads, head_dim]
         value: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         metadata: Any,
     ) -> torch.Tensor:
         """Write the new K/V into their slots, then attend; returns [T, num_heads, head_dim]."""
@@ -81,7 +96,7 @@ class AttentionContext:
     """
 
     def __init__(
-        self, backend: AttentionBackend, kv_caches: list[torch.Tensor], metadata: Any
+        self, backend: AttentionBackend, kv_caches: list[KVCache], metadata: Any
     ) -> None:
         self.backend = backend
         self.kv_caches = kv_caches

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cadence.engine.attention.backend import AttentionBackend, StepBatch
+from cadence.engine.attention.backend import AttentionBackend, KVCache, QuantizedKVCache, StepBatch
+from cadence.kernels.kv_quant import dequantize_rows, quantize_rows
 
 
 @dataclass
@@ -73,9 +74,38 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache[slots] for a [slots, heads, dim] cache; index_select copies rows about twice
-    as fast as advanced indexing on CPU, and this copy is the main cost of decode."""
+    """cache[slots] for a [slots, ...] cache; index_select copies rows about twice as fast
+    as advanced indexing on CPU, and this copy is the main cost of decode."""
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
+@dataclass
+class _SlotRows:
+    """One of K or V of a layer's cache viewed as rows [slots, heads, dim], quantized or not."""
+
+    rows: torch.Tensor
+    scales: torch.Tensor | None  # [slots, heads] for a quantized cache
+    dtype: torch.dtype  # what reads return
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        if self.scales is None:
+            self.rows.index_copy_(0, slots, x)
+            return
+        stored, scale = quantize_rows(x, self.rows.dtype)
+        _bytes(self.rows).index_copy_(0, slots, _bytes(stored))
+        self.scales.index_copy_(0, slots, scale)
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        if self.scales is None:
+            return _gather(self.rows, slots)
+        stored = _gather(_bytes(self.rows), slots).view(self.rows.dtype)
+        return dequantize_rows(stored, _gather(self.scales, slots), self.dtype)
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """A 1-byte cache as uint8: CPU index_copy_/index_select have no fp8 kernels, and
+    moving bytes is all they do here."""
+    return x.view(torch.uint8)
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -121,32 +151,40 @@ class TorchSDPABackend(AttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         metadata: TorchSDPAMetadata,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        key_cache.index_copy_(0, metadata.slot_mapping, key)
-        value_cache.index_copy_(0, metadata.slot_mapping, value)
-
+        slots = metadata.slot_mapping
+        quantized = isinstance(kv_cache, QuantizedKVCache)
+        values = kv_cache.values if quantized else kv_cache
+        caches = [
+            _SlotRows(
+                values[i].view(-1, num_kv_heads, head_dim),
+                kv_cache.scales[i].view(-1, num_kv_heads) if quantized else None,
+                query.dtype,
+            )
+            for i in (0, 1)
+        ]
+        caches[0].write(slots, key)
+        caches[1].write(slots, value)
         with sdpa_kernel(_SDPA_BACKENDS):
-            return self._attend(query, key, value, key_cache, value_cache, metadata)
+            return self._attend(query, key, value, caches[0], caches[1], metadata)
 
     def _attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        key_cache: _SlotRows,
+        value_cache: _SlotRows,
         metadata: TorchSDPAMetadata,
     ) -> torch.Tensor:
         out = torch.empty_like(query)
         scale = self.spec.scale
         for group in metadata.decode_groups:
-            keys = _gather(key_cache, group.gather_slots).transpose(1, 2)  # [rows, kv_heads, max_len, head_dim]
-            values = _gather(value_cache, group.gather_slots).transpose(1, 2)
+            keys = key_cache.gather(group.gather_slots).transpose(1, 2)  # [rows, kv_heads, max_len, head_dim]
+            values = value_cache.gather(group.gather_slots).transpose(1, 2)
             decoded = F.scaled_dot_product_attention(
                 query[group.start : group.end].unsqueeze(2),
                 keys,
@@ -158,10 +196,15 @@ class TorchSDPABackend(AttentionBackend):
             out[group.start : group.end] = decoded.squeeze(2)
         for chunk in metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            if chunk.gather_slots is None:
+            if chunk.gather_slots is None and key_cache.scales is None:
                 keys, values = key[rows], value[rows]
+            elif chunk.gather_slots is None:
+                # A quantized cache: attend to the K/V as stored, as decodes and the
+                # Triton backend do, so a prompt reads the same whether fresh or cached.
+                slots = metadata.slot_mapping[rows]
+                keys, values = key_cache.gather(slots), value_cache.gather(slots)
             else:
-                keys, values = _gather(key_cache, chunk.gather_slots), _gather(value_cache, chunk.gather_slots)
+                keys, values = key_cache.gather(chunk.gather_slots), value_cache.gather(chunk.gather_slots)
             # A batch dimension of 1 matters: 3-D inputs miss the CPU flash kernel.
             attended = F.scaled_dot_product_attention(
                 query[rows].transpose(0, 1).unsqueeze(0),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.engine.attention.backend import AttentionBackend, StepBatch
+from cadence.engine.attention.backend import AttentionBackend, KVCache, QuantizedKVCache, StepBatch
 from cadence.kernels.kv_cache_write import write_kv_cache
 from cadence.kernels.paged_attention import paged_attention
 
@@ -50,13 +50,15 @@ class TritonAttentionBackend(AttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         metadata: TritonMetadata,
     ) -> torch.Tensor:
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        scales = kv_cache.scales if isinstance(kv_cache, QuantizedKVCache) else None
+        values = kv_cache.values if isinstance(kv_cache, QuantizedKVCache) else kv_cache
+        write_kv_cache(key, value, values, metadata.slot_mapping, scales)
         return paged_attention(
             query.contiguous(),
-            kv_cache,
+            values,
             metadata.block_tables,
             metadata.seq_lens,
             metadata.query_start_loc,
@@ -64,4 +66,5 @@ class TritonAttentionBackend(AttentionBackend):
             self.spec.scale,
             window=self.spec.sliding_window,
             max_seq_len=metadata.max_seq_len,
+            kv_scales=scales,
         )

@@ -1,0 +1,61 @@
+"""Which torch path a quantized linear layer takes on CPU, from the CPU's ISA and the batch.
+
+Measured on this project's 2-core AMX Xeon (bench/RESULTS.md, "CPU linear paths by batch
+size"; bench/quant.py's crossover table):
+
+* ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` with bf16 activations beat
+  every dense path at M = 1 (memory-bound: they read 1/4 resp. 1/8 of the fp32 bytes),
+  but lose to dense bf16 (AMX) by 3-12x at M >= 64.
+* ``_weight_int8pack_mm`` with fp32 activations is 7-50x slower than fp32 dense at every
+  M, so activations are always cast to bf16 for it (and the output cast back).
+* int8: dequantizing the weight per call (int8 -> bf16 times the scale; the dense copy
+  lives only for that call, so the memory saving stands) and running the dense bf16
+  matmul costs a flat ~130-1000 us on SmolLM2's shapes; the packed op grows with M and
+  crosses it between M = 16 and M = 32 (e.g. gate_up 576->3072: 534 vs 779 us at M=16,
+  1069 vs 677 at M=32). Hence ``int8_packed_max_m = 16``.
+* int4: unpacking nibbles in torch costs more than the packed op does at the batch sizes
+  we serve, so int4 always takes the packed op -- prefill (large M) is therefore slower
+  than dense bf16 (3.4 ms vs 0.29 ms at M=256 on 576->1536), the price of the memory.
+
+Without AVX512-BF16/AMX, bf16 matmuls are slow, so the per-call dequantized path runs in
+the activation dtype instead, and the packed op is kept for longer (M <= 32); that
+branch has not been measured on such a machine.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CpuQuantPolicy:
+    """The CPU dispatch decisions for quantized linears."""
+
+    fast_bf16: bool  # AVX512-BF16 or AMX: bf16 matmuls are faster than fp32
+    int8_packed_max_m: int  # int8: rows <= this take _weight_int8pack_mm, more dequantize
+
+    def dense_dtype(self, activation_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the per-call dequantized matmul for int8 at large M."""
+        return torch.bfloat16 if self.fast_bf16 else activation_dtype
+
+
+def _has_fast_bf16() -> bool:
+    # Private helpers, but the same ones torch's own CPU dispatch consults; a torch
+    # without them is treated as "no fast bf16", the conservative answer.
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    for probe in probes:
+        fn = getattr(torch.cpu, probe, None)
+        if fn is not None and bool(fn()):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_policy() -> CpuQuantPolicy:
+    """The policy for this process's CPU (computed once)."""
+    # See the module docstring for where 16 comes from; without bf16 hardware the dense
+    # matmul is fp32 (3-5x slower at M >= 16), so the packed op stays ahead for longer.
+    fast = _has_fast_bf16()
+    return CpuQuantPolicy(fast_bf16=fast, int8_packed_max_m=16 if fast else 32)

