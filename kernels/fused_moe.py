@@ -29,7 +29,6 @@ ids to cache slots before calling (``slot_of[topk_ids]``); the kernels only see 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from cadence.kernels.launch import triton_usable
 from cadence.kernels.moe_align import MoEAlignment, moe_align
 from cadence.kernels.quant_formats import (SYMMETRIC_ZERO, Int4Weight, dequantize_int4, dequantize_int8,
                                            quantize_int4, quantize_int8)
@@ -257,9 +257,6 @@ def _launch(a: torch.Tensor, w: ExpertWeights, out: torch.Tensor, topk_weights: 
     )
 
 
-def _triton_usable(x: torch.Tensor) -> bool:
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def _block_m_for(num_pairs: int, num_experts: int) -> int:
     """Rows per block from the mean rows per expert: less padding when experts are sparse."""
@@ -291,7 +288,7 @@ def fused_moe(x: torch.Tensor, w1: ExpertWeights, w2: ExpertWeights,
         out = torch.empty((m, k), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if not _triton_usable(x):
+    if not triton_usable(x):
         out.copy_(reference(x, w1, w2, topk_weights, topk_ids))
         return out
     top_k, inter = topk_ids.shape[1], k2

@@ -17,12 +17,12 @@ activation dtype (rounding once, as the reference does) and accumulated in fp32.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from cadence.kernels.launch import as_rows, check_activations, triton_usable
 from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
 
 DEFAULT_SMALL_M_THRESHOLD = 8
@@ -118,9 +118,6 @@ def _block_k_for(group_size: int, cap: int = 64) -> int:
     return b
 
 
-def _triton_usable(x: torch.Tensor) -> bool:
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def w4a16_matmul(
     x: torch.Tensor,
@@ -141,16 +138,12 @@ def w4a16_matmul(
         raise ValueError(f"x has K={x.shape[-1]}, weight has K={k}")
     if k % group or weight.scales.shape != (k // group, n):
         raise ValueError(f"scales {tuple(weight.scales.shape)} do not fit K={k}, N={n}, group={group}")
-    if x.dtype not in (torch.float16, torch.float32, torch.bfloat16):
-        raise TypeError(f"activations must be fp16/bf16/fp32, got {x.dtype}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    check_activations(x)
+    x2, out, lead = as_rows(x, n, out)
     m = x2.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
-    if not _triton_usable(x):
+    if not triton_usable(x):
         out.copy_(reference(x2, weight))
         return out.reshape(*lead, n)
 

@@ -9,11 +9,12 @@ constant along K, so it multiplies the accumulator once at the end instead of ev
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from cadence.kernels.launch import as_rows, check_activations, triton_usable
 
 
 def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -63,9 +64,6 @@ def _w8a16_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _triton_usable(x: torch.Tensor) -> bool:
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def w8a16_matmul(
     x: torch.Tensor,
@@ -85,16 +83,12 @@ def w8a16_matmul(
     n, k = qweight.shape
     if x.shape[-1] != k or scale.shape != (n,):
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scale {tuple(scale.shape)}")
-    if x.dtype not in (torch.float16, torch.float32, torch.bfloat16):
-        raise TypeError(f"activations must be fp16/bf16/fp32, got {x.dtype}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    check_activations(x)
+    x2, out, lead = as_rows(x, n, out)
     m = x2.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
-    if not _triton_usable(x):
+    if not triton_usable(x):
         out.copy_(reference(x2, qweight, scale))
         return out.reshape(*lead, n)
     # tl.dot needs every block dim >= 16; larger M tiles only when there are rows to fill.

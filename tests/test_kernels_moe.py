@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_checks import cuda_only, gen, poisoned, rel_err
 
 from cadence.kernels import fused_moe as fm
 from cadence.kernels.moe_align import max_padded_pairs, moe_align
@@ -26,21 +27,6 @@ from cadence.kernels.quant_formats import quantize_int4
 KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 QUANT_TOL = {"int8": 3e-2, "int4_sym": 0.35, "int4_zp": 0.35}
 FORMATS = ["dense", "int8", "int4_sym", "int4_zp"]
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm())
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def poisoned(m: int, n: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
 
 
 def make_weights(e: int, k: int, inter: int, dtype: torch.dtype, g: torch.Generator,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kernel_checks import cuda_only, gen, poisoned, rel_err
 
 from cadence.kernels import w4a16, w8a16
 from cadence.kernels.quant_formats import (
@@ -34,21 +35,6 @@ from cadence.kernels.quant_formats import (
 KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 # (K, group) pairs the shapes allow.
 K_GROUPS = [(64, 32), (64, 64), (128, 32), (128, 128)]
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm())
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def poisoned(m: int, n: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
 
 
 # ---------------------------------------------------------------- quantizers
