@@ -13,6 +13,7 @@ from torch import nn
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models import get_model_class
 from cadence.engine.quantization import quantize_model, validate_quantization
+from cadence.engine.quantization.checkpoint import CheckpointQuantizer, install_placeholders
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -64,6 +65,15 @@ def safetensors_files(path: str) -> list[str]:
     return found
 
 
+def checkpoint_names(path: str) -> list[str]:
+    """Every tensor name in the checkpoint, from the safetensors headers only (cheap)."""
+    names: list[str] = []
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.extend(f.keys())
+    return names
+
+
 def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one tensor at a time, so peak memory stays near one tensor."""
     for file in safetensors_files(path):
@@ -84,6 +94,11 @@ def load_model(
     cast to `dtype` as they are copied in. `quantization` ("int8" or "int4") then swaps
     the decoder's projections for weight-only quantized layers, one at a time, so the
     peak is the dense model in `dtype` and the steady state is the quantized one.
+
+    A pre-quantized checkpoint (GPTQ/AWQ int4, detected from `quantization_config` in
+    config.json) loads natively: its decoder projections become Int4Linear layers built
+    straight from the packed tensors (engine/quantization/checkpoint.py), with no dense
+    copy; `quantization` must then be None.
     """
     quantization = validate_quantization(quantization)
     path = os.fspath(path)
@@ -94,8 +109,21 @@ def load_model(
     # allocates real (uninitialised) storage that load_weights overwrites in full.
     with torch.device("meta"):
         model = cls(config)
+        prequantized = config.quantization
+        if prequantized is not None:
+            if quantization is not None:
+                raise ValueError(
+                    f"{path} is already quantized ({prequantized.describe()}); "
+                    f"quantization={quantization!r} cannot be applied on top, leave it unset"
+                )
+            install_placeholders(model)
     model = model.to(dtype=dtype).to_empty(device=device)
-    model.load_weights(iterate_weights(path))  # type: ignore[operator]
+    if prequantized is None:
+        model.load_weights(iterate_weights(path))  # type: ignore[operator]
+    else:
+        quantizer = CheckpointQuantizer(model, prequantized, checkpoint_names(path), dtype, device)
+        model.load_weights(quantizer.filter(iterate_weights(path)))  # type: ignore[operator]
+        quantizer.finish()
     model.eval()
     model.requires_grad_(False)
     if quantization is not None:

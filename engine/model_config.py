@@ -112,6 +112,9 @@ class ModelConfig:
     eos_token_id: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None  # e.g. "bfloat16", as stored in the checkpoint
+    # Pre-quantized checkpoint format (GPTQ/AWQ int4) from `quantization_config`, or None
+    # for a dense checkpoint. A `CheckpointQuantization` (engine/quantization/checkpoint.py).
+    quantization: Any = None
 
     @property
     def architecture(self) -> str:
@@ -141,6 +144,11 @@ class ModelConfig:
             qkv_bias, o_bias = True, False
         else:
             qkv_bias = o_bias = bool(raw.get("attention_bias", False))
+        # Imported here: the quantization package pulls in torch, which config parsing
+        # itself does not need.
+        from cadence.engine.quantization.checkpoint import parse_quantization_config
+
+        quantization = parse_quantization_config(raw.get("quantization_config"))
         bos = raw.get("bos_token_id")
         if isinstance(bos, list):
             bos = bos[0] if bos else None
@@ -167,6 +175,7 @@ class ModelConfig:
             eos_token_id=_int_list(raw.get("eos_token_id")),
             bos_token_id=None if bos is None else int(bos),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            quantization=quantization,
         )
 
     @classmethod
