@@ -32,8 +32,11 @@ def resolve_dtype(
 ) -> torch.dtype:
     """Turn a user dtype choice into a torch dtype.
 
-    "auto" means the checkpoint's dtype, except that on CPU half precision becomes
-    float32: CPU matmuls in fp16/bf16 are much slower than in fp32 on most hosts.
+    "auto" means the checkpoint's dtype, except for half precision on CPU: bfloat16
+    where the CPU has AMX or AVX512-BF16 (there bf16 matmuls are 3.5-6x fp32 at batch
+    16 and more, and level at batch 1; bench/RESULTS.md), float32 elsewhere (fp16/bf16
+    matmuls are much slower than fp32 without that hardware). A float32 checkpoint
+    stays float32: "auto" never lowers precision the checkpoint has.
     """
     if isinstance(name, torch.dtype):
         return name
@@ -45,7 +48,9 @@ def resolve_dtype(
     stored = (config.torch_dtype or "float32").lower().removeprefix("torch.")
     dtype = _DTYPES.get(stored, torch.float32)
     if torch.device(device).type == "cpu" and dtype in (torch.float16, torch.bfloat16):
-        return torch.float32
+        from cadence.engine.quantization.cpu_policy import has_fast_bf16
+
+        return torch.bfloat16 if has_fast_bf16() else torch.float32
     return dtype
 
 

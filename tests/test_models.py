@@ -17,6 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from cadence.engine.attention.backend import AttentionSpec
 from cadence.engine.loader import load_model, resolve_dtype
+from cadence.engine.quantization.cpu_policy import has_fast_bf16
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.rotary import _inv_freq
 
@@ -217,7 +218,11 @@ def test_config_parsing() -> None:
 
 def test_resolve_dtype() -> None:
     cfg = ModelConfig.from_dict(_raw_config())  # checkpoint stored as bfloat16
-    assert resolve_dtype("auto", cfg, "cpu") == torch.float32
+    # On CPU, half precision only where the hardware makes it fast.
+    expected_cpu = torch.bfloat16 if has_fast_bf16() else torch.float32
+    assert resolve_dtype("auto", cfg, "cpu") == expected_cpu
+    fp32_cfg = ModelConfig.from_dict({**_raw_config(), "torch_dtype": "float32"})
+    assert resolve_dtype("auto", fp32_cfg, "cpu") == torch.float32
     assert resolve_dtype("auto", cfg, "cuda") == torch.bfloat16
     assert resolve_dtype("float16", cfg, "cpu") == torch.float16
     assert resolve_dtype("bfloat16", cfg, "cpu") == torch.bfloat16

@@ -41,7 +41,8 @@ class CpuQuantPolicy:
         return torch.bfloat16 if self.fast_bf16 else activation_dtype
 
 
-def _has_fast_bf16() -> bool:
+def has_fast_bf16() -> bool:
+    """Whether this CPU has AMX or AVX512-BF16, which make bf16 matmuls faster than fp32."""
     # Private helpers, but the same ones torch's own CPU dispatch consults; a torch
     # without them is treated as "no fast bf16", the conservative answer.
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
@@ -57,5 +58,5 @@ def cpu_policy() -> CpuQuantPolicy:
     """The policy for this process's CPU (computed once)."""
     # See the module docstring for where 16 comes from; without bf16 hardware the dense
     # matmul is fp32 (3-5x slower at M >= 16), so the packed op stays ahead for longer.
-    fast = _has_fast_bf16()
+    fast = has_fast_bf16()
     return CpuQuantPolicy(fast_bf16=fast, int8_packed_max_m=16 if fast else 32)

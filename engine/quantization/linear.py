@@ -23,6 +23,7 @@ from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.kernels.quant_formats import (
     SYMMETRIC_ZERO,
     Int4Weight,
+    dequantize_int4,
     dequantize_int8,
     quantize_int4,
     quantize_int8,
@@ -149,10 +150,9 @@ class Int4Linear(nn.Module):
             y = self._cpu_packed_matmul(x2)
         else:
             # Shapes the CPU op refuses (N % 16, odd groups): dequantize per call. Slow but
-            # rare (no Llama-family projection we serve has such a shape).
-            from cadence.kernels.w4a16 import reference
-
-            y = reference(x2, self.int4_weight())
+            # rare (no Llama-family projection we serve has such a shape). Plain torch:
+            # a CPU install need not have triton.
+            y = F.linear(x2, dequantize_int4(self.int4_weight(), x2.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
