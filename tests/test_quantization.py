@@ -244,3 +244,30 @@ def test_smollm2_int4_perplexity_regression_bound(smollm2_results) -> None:
     # reaching it needs GPTQ/AWQ-style calibration. This guards against getting worse.
     dense, int4 = smollm2_results["dense"][0], smollm2_results["int4"][0]
     assert int4 / dense - 1 < 0.45
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantize_model_frees_each_dense_layer_as_it_goes(tiny_model_dir, method: str) -> None:
+    """Peak memory is the model plus one layer, not the dense and quantized models together."""
+    import weakref
+
+    from cadence.engine.loader import load_model
+    from cadence.engine.quantization import linear as linear_module
+
+    model, _ = load_model(tiny_model_dir("llama"), torch.float32, "cpu")
+    dense = [weakref.ref(m.weight) for m in model.modules() if type(m) is torch.nn.Linear and m.out_features != 512]
+    alive_at_each_conversion: list[int] = []
+    cls = linear_module.Int8Linear if method == "int8" else linear_module.Int4Linear
+    original = cls.from_linear.__func__
+
+    def counting(klass, linear, *args, **kwargs):
+        alive_at_each_conversion.append(sum(ref() is not None for ref in dense))
+        return original(klass, linear, *args, **kwargs)
+
+    cls.from_linear = classmethod(counting)
+    try:
+        quantize_model(model, method, group_size=32)
+    finally:
+        cls.from_linear = classmethod(original)
+    # Layer i is converted while the i layers before it are already gone.
+    assert alive_at_each_conversion == [len(dense) - i for i in range(len(dense))]

@@ -124,7 +124,7 @@ def test_prequantized_layers_are_int4_and_match_dequantized_weights(checkpoints,
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             assert isinstance(module, Int4Linear) and module.cpu_ready, name
-            assert module.group_size == GROUP and (module.zeros is None) == FORMATS[fmt][1]
+            assert module.group_size == GROUP and module.symmetric == FORMATS[fmt][1]
             # The identity is exact in bf16, so this reads back the weight the packed op
             # actually uses ([K, N] -> [N, K]); the reference is the dense checkpoint's
             # fused (q|k|v, gate|up) weight, i.e. the dequantized int4 in fp32.

@@ -67,8 +67,12 @@ def quantize_model(
     if checked is None:
         raise ValueError("quantize_model needs a method")
     summary = QuantizationSummary(checked)
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
+    # Names, not modules: a list of modules would keep every dense layer alive until the
+    # loop ends, and peak memory would be the dense plus the quantized model.
+    for parent_name in [name for name, _ in model.named_modules()]:
+        parent = model.get_submodule(parent_name)
+        for child_name in [name for name, _ in parent.named_children()]:
+            child = getattr(parent, child_name)
             if child_name not in TARGET_LAYERS or type(child) is not nn.Linear:
                 continue
             full = f"{parent_name}.{child_name}" if parent_name else child_name

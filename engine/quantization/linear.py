@@ -94,6 +94,7 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.group_size = weight.group_size
+        self.symmetric = weight.zeros is None
         self.register_buffer("qweight", weight.qweight.contiguous())
         self.register_buffer("scales", weight.scales.contiguous())
         self.register_buffer("zeros", weight.zeros)
@@ -131,8 +132,9 @@ class Int4Linear(nn.Module):
         z = SYMMETRIC_ZERO if self.zeros is None else self.zeros.float()
         zero_term = (SYMMETRIC_ZERO - z) * scales
         self.cpu_scales_zeros = torch.stack([scales, zero_term.expand_as(scales)], dim=2).to(torch.bfloat16).contiguous()
-        # Keep the weight once: the CPU layout is the same size as ours (N*K/2 bytes).
-        self.qweight = None
+        # Keep the weight once: the CPU layout is the same size as ours (N*K/2 bytes), and
+        # cpu_scales_zeros replaces our scales and zeros.
+        self.qweight = self.scales = self.zeros = None
 
     def _cpu_packed_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         xb = x2.to(torch.bfloat16).contiguous()
@@ -159,5 +161,5 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, symmetric={self.zeros is None}, cpu_packed={self.cpu_ready}")
+                f"group_size={self.group_size}, symmetric={self.symmetric}, cpu_packed={self.cpu_ready}")
 
