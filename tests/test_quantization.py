@@ -271,3 +271,12 @@ def test_quantize_model_frees_each_dense_layer_as_it_goes(tiny_model_dir, method
         cls.from_linear = classmethod(original)
     # Layer i is converted while the i layers before it are already gone.
     assert alive_at_each_conversion == [len(dense) - i for i in range(len(dense))]
+
+
+def test_int4_group_size_must_be_a_power_of_two() -> None:
+    from cadence.engine.quantization.apply import group_size_for
+
+    assert group_size_for(576, 128) == 64
+    for bad in (96, 16, 100):
+        with pytest.raises(ValueError, match="power of two"):
+            group_size_for(576, bad)

@@ -37,6 +37,8 @@ def group_size_for(in_features: int, group_size: int) -> int | None:
     (SmolLM2's hidden size 576 = 4.5 x 128 gets 64); None when that is below
     MIN_GROUP_SIZE (the layer then stays dense).
     """
+    if group_size < MIN_GROUP_SIZE or group_size & (group_size - 1):
+        raise ValueError(f"int4 group size must be a power of two of at least {MIN_GROUP_SIZE}, got {group_size}")
     if in_features % group_size == 0:
         return group_size
     g = math.gcd(in_features, group_size)

@@ -15,6 +15,8 @@ moved to CUDA afterwards. Outputs are in the activation dtype; bias is added in 
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,9 @@ from cadence.kernels.quant_formats import (
 
 # The CPU int4 op packs N in blocks of 16 and accepts these group sizes.
 _CPU_INT4_GROUPS = (32, 64, 128, 256)
+
+
+logger = logging.getLogger(__name__)
 
 
 class Int8Linear(nn.Module):
@@ -123,7 +128,12 @@ class Int4Linear(nn.Module):
     def _convert_for_cpu(self) -> None:
         n, g = self.out_features, self.group_size
         if n % 16 or g not in _CPU_INT4_GROUPS:
-            return  # the op cannot take this shape: forward dequantizes per call instead
+            # The op cannot take this shape: forward dequantizes the whole weight per call.
+            logger.warning(
+                "int4 layer %dx%d with group %d has no fast CPU path; it will dequantize on every call",
+                n, self.in_features, g,
+            )
+            return
         codes = unpack_int4(Int4Weight(self.qweight, self.scales, self.zeros, g))  # uint8 [K, N]
         self.cpu_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.t().to(torch.int32).contiguous(), 2)
         # The op computes (code - 8) * scale + zero_term; ours is (code - z) * scale, so
