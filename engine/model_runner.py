@@ -17,6 +17,7 @@ from cadence.engine.attention.backend import (
     KVCache,
     QuantizedKVCache,
     StepBatch,
+    split_kv_cache,
 )
 from cadence.engine.attention.selector import create_attention_backend
 from cadence.kernels.kv_quant import KV_CACHE_DTYPES
@@ -214,5 +215,6 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for cache in self.kv_caches:
-            for tensor in (cache.values, cache.scales) if isinstance(cache, QuantizedKVCache) else (cache,):
-                tensor[:, dst] = tensor[:, src]
+            for tensor in split_kv_cache(cache):
+                if tensor is not None:
+                    tensor[:, dst] = tensor[:, src]

@@ -10,6 +10,7 @@ import logging
 import re
 import signal
 import sys
+from dataclasses import fields
 
 from cadence.engine.engine_args import EngineArgs
 
@@ -79,22 +80,10 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = resolve_model_path(args.model)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    engine_args = EngineArgs(
-        model=model_path,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        num_gpu_blocks=args.num_gpu_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    # Every EngineArgs field with a flag of the same name comes from it; the rest keep
+    # their defaults.
+    options = {f.name: getattr(args, f.name) for f in fields(EngineArgs) if f.name != "model" and hasattr(args, f.name)}
+    engine_args = EngineArgs(model=model_path, **options)
     config = ServerConfig(
         served_model_names=names,
         api_key=args.api_key,

@@ -56,24 +56,17 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def _retry_later(status: int, message: str, type: str, code: str) -> APIError:
+    """A refusal the client should retry after RETRY_AFTER_SECONDS."""
+    return APIError(status, message, type=type, code=code, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
 def overloaded(message: str) -> APIError:
-    return APIError(
-        429,
-        message,
-        type="rate_limit_error",
-        code="rate_limit_exceeded",
-        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-    )
+    return _retry_later(429, message, "rate_limit_error", "rate_limit_exceeded")
 
 
 def unavailable(message: str) -> APIError:
-    return APIError(
-        503,
-        message,
-        type="service_unavailable",
-        code="service_unavailable",
-        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-    )
+    return _retry_later(503, message, "service_unavailable", "service_unavailable")
 
 
 def _validation_param(error: dict[str, Any], errors: list[dict[str, Any]] | None = None) -> str | None:

@@ -102,8 +102,8 @@ class _ChatStream:
                 "index": completion.index,
                 "delta": message,
                 "logprobs": logprobs,
-                "finish_reason": delta.finish_reason if cursor.finished else None,
-                "stop_reason": delta.stop_reason if cursor.finished else None,
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
             }
             frames.append(self.writer.chunk([choice]))
         return frames

@@ -124,8 +124,8 @@ class _CompletionStream:
                     "index": i * self.body.n + completion.index,
                     "text": text,
                     "logprobs": logprobs,
-                    "finish_reason": delta.finish_reason if cursor.finished else None,
-                    "stop_reason": delta.stop_reason if cursor.finished else None,
+                    "finish_reason": delta.finish_reason,
+                    "stop_reason": delta.stop_reason,
                 }
                 frames.append(self.writer.chunk([choice]))
         return frames

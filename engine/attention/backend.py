@@ -50,6 +50,13 @@ class QuantizedKVCache:
 KVCache = torch.Tensor | QuantizedKVCache
 
 
+def split_kv_cache(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values, scales) of a layer's cache; scales is None for a plain one."""
+    if isinstance(cache, QuantizedKVCache):
+        return cache.values, cache.scales
+    return cache, None
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """The shape of attention that a model asks of a backend."""

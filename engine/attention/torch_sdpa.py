@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cadence.engine.attention.backend import AttentionBackend, KVCache, QuantizedKVCache, StepBatch
+from cadence.engine.attention.backend import AttentionBackend, KVCache, StepBatch, split_kv_cache
 from cadence.kernels.kv_quant import dequantize_rows, quantize_rows
 
 
@@ -156,12 +156,11 @@ class TorchSDPABackend(AttentionBackend):
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         slots = metadata.slot_mapping
-        quantized = isinstance(kv_cache, QuantizedKVCache)
-        values = kv_cache.values if quantized else kv_cache
+        values, scales = split_kv_cache(kv_cache)
         caches = [
             _SlotRows(
                 values[i].view(-1, num_kv_heads, head_dim),
-                kv_cache.scales[i].view(-1, num_kv_heads) if quantized else None,
+                None if scales is None else scales[i].view(-1, num_kv_heads),
                 query.dtype,
             )
             for i in (0, 1)

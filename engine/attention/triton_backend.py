@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.engine.attention.backend import AttentionBackend, KVCache, QuantizedKVCache, StepBatch
+from cadence.engine.attention.backend import AttentionBackend, KVCache, StepBatch, split_kv_cache
 from cadence.kernels.kv_cache_write import write_kv_cache
 from cadence.kernels.paged_attention import paged_attention
 
@@ -53,8 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         metadata: TritonMetadata,
     ) -> torch.Tensor:
-        scales = kv_cache.scales if isinstance(kv_cache, QuantizedKVCache) else None
-        values = kv_cache.values if isinstance(kv_cache, QuantizedKVCache) else kv_cache
+        values, scales = split_kv_cache(kv_cache)
         write_kv_cache(key, value, values, metadata.slot_mapping, scales)
         return paged_attention(
             query.contiguous(),
