@@ -1,0 +1,446 @@
+"""Benchmark Cadence's Triton kernels on a GPU against ceilings measured on the same device.
+
+    python bench/kernels.py --out DIR               # everything; --budget-s (540) keeps it in 10 min
+    python bench/kernels.py --quick --only quant    # fewer sizes, one section
+    TRITON_INTERPRET=1 python bench/kernels.py --smoke   # CPU: tiny shapes, checks only
+
+On the lent GPU machine (no `pip install` there; the script imports this checkout itself):
+    set -o pipefail; PYTHONUNBUFFERED=1 python3 bench/kernels.py --out $OUT 2>&1 | tee $OUT/log
+
+Sections (each case is checked against the kernel module's ``reference()`` on fresh
+random inputs, output pre-filled with NaN, before it is timed):
+
+* ceilings  -- a 1 GiB device-to-device copy (bytes read + written) and 8192^3 fp16/bf16
+  matmuls: the 100% that every % below refers to.
+* quant     -- W8A16 and W4A16 (group 128, symmetric and zero-point) against dense fp16
+  and bf16 ``F.linear`` at Llama-3-8B shapes, M = 1..256; W8A8 FP8 too if
+  kernels/w8a8_fp8.py exists (its Triton kernel, and torch._scaled_mm where it would pick
+  that). Bytes = weight (with scales/zeros) + x + out.
+* attention -- paged decode (1 query token per sequence) over fp16/int8/fp8 KV caches;
+  the split count the wrapper picks (``choose_num_splits``) against one split.
+  Bytes = K + V (+ scales) + q + out.
+* moe       -- fused MoE (dense fp16 / int8 / int4 experts), eager and CUDA-graph
+  replays, against a plain-torch per-expert loop. Bytes = the experts routed to + x + out.
+
+Timing: ``triton.testing.do_bench`` median (warm-up, L2 flushed per call), cycling
+through enough input sets to span 4x the L2. The compact table prints last (the device
+tool returns only the tail of the output); ``--out DIR`` also writes kernels.json and
+kernels.md with every figure. Exit status 1 if any correctness check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels_check import (TOLERANCE, Record, Report, device_info, graph_calls, import_cadence_from_repo,
+                           measure_ceilings, nbytes, rel_err, rotation_sets, time_us)
+
+F16, BF16 = torch.float16, torch.bfloat16
+SECTIONS = ("ceilings", "quant", "attention", "moe")
+
+
+@dataclass
+class Sizes:
+    quant_shapes: dict[str, tuple[int, int]]  # name -> (K, N)
+    quant_m: list[int]
+    group: int
+    heads: tuple[int, int, int, int]  # q heads, KV heads, head_dim, block_size
+    contexts: list[int]
+    batches: list[int]
+    moe_shapes: dict[str, tuple[int, int, int, int]]  # name -> (experts, top_k, hidden, intermediate)
+    moe_m: list[int]
+    num_sms: int
+    force_split: bool = False  # smoke: split tiny contexts anyway, so the merge kernel is checked
+
+
+def pick_sizes(args: argparse.Namespace, num_sms: int) -> Sizes:
+    if args.smoke:  # ragged on purpose: partial tiles, two int4 groups, a partial KV block
+        return Sizes({"tiny": (128, 48)}, [1, 5, 33], 64, (8, 2, 32, 16), [40, 64], [1, 3],
+                     {"tiny": (4, 2, 64, 32)}, [1, 5, 33], num_sms, force_split=True)
+    llama8b = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+    moe = {"mixtral": (8, 2, 4096, 14336), "qwen-moe": (60, 4, 2048, 1408)}
+    if args.quick:
+        return Sizes(llama8b, [1, 16, 128], 128, (32, 8, 128, 16), [1024, 8192, 32768], [1, 32], moe, [1, 64], num_sms)
+    return Sizes(llama8b, [1, 2, 4, 8, 16, 32, 64, 128, 256], 128, (32, 8, 128, 16),
+                 [1024, 2048, 4096, 8192, 16384, 32768], [1, 8, 32], moe, [1, 4, 16, 64, 256], num_sms)
+
+
+class Bench:
+    """What every section shares: the report, the device, and check-then-time."""
+
+    def __init__(self, report: Report, device: str, sizes: Sizes, l2_bytes: int) -> None:
+        self.rep, self.dev, self.sizes, self.l2 = report, device, sizes, l2_bytes
+        self.on_gpu = device == "cuda"
+
+    def randn(self, *shape: int, dtype: torch.dtype = F16, scale: float = 1.0) -> torch.Tensor:
+        """Fresh normal values, drawn in `dtype` (an fp32 draw of an 8.6 GB KV pool would double it)."""
+        t = torch.randn(*shape, device=self.dev, dtype=dtype)
+        return t.mul_(scale) if scale != 1.0 else t
+
+    def run(self, section: str, case: str, variant: str, calls: list[Callable[[], object]],
+            check: Callable[[], float] | None, moved_bytes: float, flops: float, *, tol: float = TOLERANCE[F16],
+            rate: str = "fp16", note: str = "") -> Record:
+        """Check (when given) then time one variant; a crash becomes a failed record, not an abort."""
+        err = None
+        try:
+            if check is not None:
+                err = check()
+            us = time_us(calls, self.on_gpu)
+        except Exception as exc:  # noqa: BLE001 -- report every kernel, even after one breaks
+            traceback.print_exc(limit=3)
+            return self.rep.add(Record(section, case, variant, None, moved_bytes, flops, rate, math.nan, False,
+                                       f"{type(exc).__name__}: {str(exc)[:80]}"))
+        return self.rep.add(Record(section, case, variant, us, moved_bytes, flops, rate, err, True, note), tol)
+
+    def skip(self, section: str, case: str, why: str) -> None:
+        self.rep.add(Record(section, case, "-", None, 0, 0, note=why))
+
+
+def poisoned_check(call: Callable[[], object], out: torch.Tensor, ref: torch.Tensor) -> Callable[[], float]:
+    """Fill out with NaN, run, compare: an element the kernel never writes fails."""
+    def check() -> float:
+        out.fill_(math.nan)
+        call()
+        return rel_err(out, ref)
+    return check
+
+
+# ---------------------------------------------------------------- quantized GEMM
+
+
+def load_fp8_matmul(on_gpu: bool) -> tuple[object | None, str]:
+    """kernels/w8a8_fp8.py if present (another engineer's module, optional here)."""
+    if importlib.util.find_spec("cadence.kernels.w8a8_fp8") is None:
+        return None, "kernels/w8a8_fp8.py not present"
+    if on_gpu and torch.cuda.get_device_capability() < (8, 9):
+        return None, "fp8 needs compute capability 8.9+"
+    mod = importlib.import_module("cadence.kernels.w8a8_fp8")
+    if not callable(getattr(mod, "fp8_matmul", None)) or not callable(getattr(mod, "reference", None)):
+        return None, "w8a8_fp8 has no fp8_matmul()/reference()"
+    return mod, ""
+
+
+def bench_quant(b: Bench) -> None:
+    b.rep.baselines["quant"] = "fp16"
+    fp8, why = load_fp8_matmul(b.on_gpu)
+    print(f"  fp8 W8A8: {'included' if fp8 else 'skipped (' + why + ')'}")
+    for name, (k, n) in b.sizes.quant_shapes.items():
+        if b.rep.out_of_time():
+            b.skip("quant", name, "time budget spent")
+            continue
+        fp8 = quant_shape(b, name, k, n, fp8)
+        if b.on_gpu:
+            torch.cuda.empty_cache()  # this shape's weights are gone; keep the pool from fragmenting
+    gemv = [r for r in b.rep.records if r.section == "quant" and r.case.endswith(" M=1") and r.variant.startswith("w4")]
+    if b.on_gpu and gemv:
+        met = [f"{r.case.split()[0]} {r.variant.split()[-1]} {r.derived.get('pct_bw', 0):.0f}%" for r in gemv]
+        ok = all(r.derived.get("pct_bw", 0) >= 85 for r in gemv)
+        b.rep.targets.append(f"W4A16 GEMV at M=1 >= 85% of copy BW: {'MET' if ok else 'NOT MET'} ({', '.join(met)})")
+
+
+def quant_shape(b: Bench, name: str, k: int, n: int, fp8: object | None) -> object | None:
+    """Every M for one (K, N); returns the fp8 module, or None once its API proved different."""
+    from cadence.kernels import w4a16, w8a16
+    from cadence.kernels.quant_formats import quantize_int4, quantize_int8
+
+    group = b.sizes.group
+    w4_sym, w4_asym = f"w4 g{group} sym", f"w4 g{group} asym"
+    sets = rotation_sets(n * k / 2 + n * k // group * 2, b.l2)  # sized by the smallest, int4
+    weights = []
+    for _ in range(sets):
+        w = b.randn(n, k, scale=k**-0.5)  # unit-variance outputs: no fp16 overflow
+        ws = {"fp16": w, "bf16": w.to(BF16), "w8a16": quantize_int8(w),
+              w4_sym: quantize_int4(w, group, True), w4_asym: quantize_int4(w, group, False)}
+        if fp8 is not None:
+            ws["fp8"] = importlib.import_module("cadence.kernels.fp8_format").quantize_fp8_weight(w)
+        weights.append(ws)
+    kernels: dict[str, tuple[Callable, Callable]] = {
+        "w8a16": (lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out), lambda x, wt: w8a16.reference(x, *wt)),
+        w4_sym: (lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out), w4a16.reference),
+        w4_asym: (lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out), w4a16.reference),
+    }
+    for m in b.sizes.quant_m:
+        if b.rep.out_of_time():
+            b.skip("quant", f"{name} M={m}", "time budget spent")
+            continue
+        case, flops, io_bytes = f"{name} M={m}", 2 * m * n * k, 2 * (m * k + m * n)
+        xs = [b.randn(m, k) for _ in range(sets)]
+        for dense in ("fp16", "bf16"):
+            xd = [x.to(weights[0][dense].dtype) for x in xs]
+            calls = [lambda i=i, d=dense: F.linear(xd[i], weights[i][d]) for i in range(sets)]
+            b.run("quant", case, dense, calls, None, n * k * 2 + io_bytes, flops, rate=dense)
+        outs = [torch.empty(m, n, device=b.dev, dtype=F16) for _ in range(sets)]
+        for variant, (kernel, reference) in kernels.items():
+            calls = [lambda i=i, v=variant, f=kernel: f(xs[i], weights[i][v], outs[i]) for i in range(sets)]
+            ref = reference(xs[0], weights[0][variant])
+            b.run("quant", case, variant, calls, poisoned_check(calls[0], outs[0], ref),
+                  nbytes(weights[0][variant]) + io_bytes, flops)
+        if fp8 is not None:
+            fp8 = bench_fp8(b, fp8, case, xs, weights, outs, io_bytes, flops)
+    return fp8
+
+
+def bench_fp8(b: Bench, mod: object, case: str, xs: list[torch.Tensor], weights: list[dict],
+              outs: list[torch.Tensor], io_bytes: int, flops: int) -> object | None:
+    """W8A8 FP8: the Triton kernel, and torch._scaled_mm where fp8_matmul would pick it.
+
+    Read against the API as written on 2026-11-22: fp8_matmul(x, wq, w_scale, out=,
+    allow_scaled_mm=) and reference(xq, x_scale, wq, w_scale, out_dtype). Any other API
+    disables the variant (a printed note) instead of failing the run.
+    """
+    from cadence.kernels.fp8_format import quantize_fp8_per_token
+
+    try:
+        wq, w_scale = weights[0]["fp8"]
+        # Both quantize x with the same function, so only accumulation order and output rounding differ.
+        ref = mod.reference(*quantize_fp8_per_token(xs[0]), wq, w_scale, xs[0].dtype)  # type: ignore[attr-defined]
+        paths = {"fp8 triton": {"allow_scaled_mm": False}}
+        usable = getattr(mod, "scaled_mm_usable", None)
+        if b.on_gpu and usable is not None and usable(xs[0], *wq.shape):
+            paths["fp8 scaled_mm"] = {}
+    except (TypeError, AttributeError) as exc:
+        print(f"  fp8 W8A8 disabled: w8a8_fp8's API differs from what this script reads: {exc}")
+        return None
+    for label, kwargs in paths.items():
+        calls = [lambda i=i, kw=kwargs: mod.fp8_matmul(xs[i], *weights[i]["fp8"], out=outs[i], **kw)  # type: ignore[attr-defined]
+                 for i in range(len(xs))]
+        # _scaled_mm returns bf16 (then cast to x's dtype): bf16 output rounding sets the bound.
+        b.run("quant", case, label, calls, poisoned_check(calls[0], outs[0], ref),
+              nbytes(weights[0]["fp8"]) + io_bytes, flops, tol=TOLERANCE[BF16], rate="fp8")
+    return mod
+
+
+# ---------------------------------------------------------------- paged attention
+
+
+def make_kv_cache(b: Bench, kind: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A random cache [2, blocks, block_size, kv_heads, head_dim] (+ float32 row scales)."""
+    if kind == "fp16":
+        return b.randn(*shape), None
+    scales = torch.rand(shape[:4], device=b.dev).mul_(0.5).add_(0.75)  # dequantized values O(1)
+    if kind == "int8":
+        return torch.randint(-127, 128, shape, device=b.dev, dtype=torch.int8), scales.div_(127)
+    return b.randn(*shape).to(torch.float8_e4m3fn), scales
+
+
+def attention_reference(pa: object, q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None,
+                        table: torch.Tensor, seq_lens: torch.Tensor, scale: float, n_check: int) -> torch.Tensor:
+    """Reference output of the first n_check sequences over a compacted copy of their blocks.
+
+    The whole pool can be several GB (the fp32 reference would double it), and attention
+    of one sequence never reads another's blocks, so a gathered cache gives the same answer.
+    1-byte caches gather as uint8: fp8 indexing kernels are missing on some backends.
+    """
+    ids = table[:n_check].reshape(-1).long()
+    raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+    small = raw[:, ids].view(cache.dtype)
+    small_table = torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).view(n_check, -1)
+    starts = torch.arange(n_check + 1, device=ids.device, dtype=torch.int32)
+    return pa.reference(q[:n_check], small, small_table, seq_lens[:n_check], starts, scale,  # type: ignore[attr-defined]
+                        kv_scales=None if scales is None else scales[:, ids])
+
+
+def bench_attention(b: Bench) -> None:
+    b.rep.baselines["attention"] = "fp16"
+    kinds = ["fp16", "int8"]
+    if not b.on_gpu or torch.cuda.get_device_capability() >= (8, 9):
+        kinds.append("fp8")  # e4m3 needs sm_89+ on a GPU; the interpreter converts it in software
+    for batch in b.sizes.batches:
+        for ctx in b.sizes.contexts:
+            attention_case(b, batch, ctx, kinds)
+            if b.on_gpu:
+                torch.cuda.empty_cache()  # the pools run to GBs and change size every case
+    if b.on_gpu:
+        for kind in kinds:
+            recs = [r for r in b.rep.records if r.section == "attention" and r.variant == kind and r.derived]
+            met = sum(r.derived["pct_bw"] >= 80 for r in recs)
+            worst = min(recs, key=lambda r: r.derived["pct_bw"], default=None)
+            if worst is not None:
+                b.rep.targets.append(f"paged decode {kind} >= 80% of copy BW: met in {met}/{len(recs)} "
+                                     f"(lowest {worst.derived['pct_bw']:.0f}% at {worst.case})")
+
+
+def attention_case(b: Bench, batch: int, ctx: int, kinds: list[str]) -> None:
+    """Decode of `batch` sequences of `ctx` tokens each, every KV format."""
+    from cadence.kernels import paged_attention as pa
+
+    hq, hkv, d, bs = b.sizes.heads
+    splits = pa.choose_num_splits(batch, hkv, ctx, b.sizes.num_sms)  # what the wrapper will pick
+    case = f"b{batch} ctx{ctx} s{splits}"
+    if b.rep.out_of_time():
+        b.skip("attention", case, "time budget spent")
+        return
+    blocks = -(-ctx // bs)
+    sets = rotation_sets(batch * ctx * hkv * (d + 4) * 2, b.l2)  # sized by int8, the smallest
+    num_blocks = sets * batch * blocks
+    # Scattered blocks, disjoint across sets, as a long-running pool hands them out.
+    tables = torch.randperm(num_blocks, device=b.dev).to(torch.int32).view(sets, batch, blocks)
+    seq_lens = torch.full((batch,), ctx, device=b.dev, dtype=torch.int32)
+    starts = torch.arange(batch + 1, device=b.dev, dtype=torch.int32)
+    qs = [b.randn(batch, hq, d) for _ in range(sets)]
+    outs = [torch.empty_like(q) for q in qs]
+    # Compare with one split; where none is picked (smoke sizes), force 2 so the merge kernel runs.
+    alt = 1 if splits > 1 else (2 if b.sizes.force_split else None)
+    for kind in kinds:
+        attention_kind(b, pa, case, kind, [None] + ([alt] if alt else []), qs, outs, tables, seq_lens, starts, ctx)
+
+
+def attention_kind(b: Bench, pa: object, case: str, kind: str, split_choices: list[int | None],
+                   qs: list[torch.Tensor], outs: list[torch.Tensor], tables: torch.Tensor,
+                   seq_lens: torch.Tensor, starts: torch.Tensor, ctx: int) -> None:
+    """One KV format: its pool (up to GBs) lives only for this call."""
+    hq, hkv, d, bs = b.sizes.heads
+    batch, sets, n_check = qs[0].shape[0], len(qs), min(qs[0].shape[0], 4)
+    cache, kv_scales = make_kv_cache(b, kind, (2, tables.numel(), bs, hkv, d))
+    kv_bytes = batch * ctx * hkv * 2 * (d * cache.element_size() + (4 if kv_scales is not None else 0))
+    total_bytes, flops = kv_bytes + 2 * batch * hq * d * 2, 4 * batch * hq * ctx * d
+    ref = attention_reference(pa, qs[0], cache, kv_scales, tables[0], seq_lens, d**-0.5, n_check)
+
+    def attend(i: int, num_splits: int | None) -> torch.Tensor:
+        return pa.paged_attention(qs[i], cache, tables[i], seq_lens, starts, 1, d**-0.5,  # type: ignore[attr-defined]
+                                  num_splits=num_splits, max_seq_len=ctx, num_sms=b.sizes.num_sms,
+                                  out=outs[i], kv_scales=kv_scales)
+
+    def check(num_splits: int | None) -> float:
+        outs[0].fill_(math.nan)  # the whole batch is poisoned; the first n_check rows are compared
+        attend(0, num_splits)
+        return math.inf if bool(outs[0].isnan().any()) else rel_err(outs[0][:n_check], ref)
+
+    for ns in split_choices:
+        calls = [lambda i=i, ns=ns: attend(i, ns) for i in range(sets)]
+        label = kind if ns is None else f"{kind} splits={ns}"
+        b.run("attention", case, label, calls, lambda ns=ns: check(ns), total_bytes, flops)
+
+
+# ---------------------------------------------------------------- fused MoE
+
+
+def torch_moe_loop(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """The plain-torch baseline: one gathered F.linear pair per routed-to expert, in x's dtype."""
+    out = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+    for e in torch.unique(topk_ids).tolist():  # host sync, as any eager per-expert loop has
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        gate, up = F.linear(x[tok], w1[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[tok, slot, None]
+        out.index_add_(0, tok, y.float())
+    return out.to(x.dtype)
+
+
+def bench_moe(b: Bench) -> None:
+    b.rep.baselines["moe"] = "torch loop"
+    for name, dims in b.sizes.moe_shapes.items():
+        if b.rep.out_of_time():
+            b.skip("moe", name, "time budget spent")
+            continue
+        moe_shape(b, name, *dims)
+        if b.on_gpu:
+            torch.cuda.empty_cache()
+
+
+def moe_shape(b: Bench, name: str, experts: int, top_k: int, hidden: int, inter: int) -> None:
+    """Every M for one MoE shape; the expert weights (GBs for Mixtral) live only for this call."""
+    from cadence.kernels import fused_moe as fm
+
+    group = min(b.sizes.group, inter)
+    sets = rotation_sets(experts * 3 * hidden * inter / 2, b.l2, cap=4)  # int4 experts, the smallest
+    dense = [(b.randn(experts, 2 * inter, hidden, scale=hidden**-0.5),
+              b.randn(experts, hidden, inter, scale=inter**-0.5)) for _ in range(sets)]
+    formats = {"dense fp16": dense,
+               "int8": [(fm.Int8Experts.quantize(w1), fm.Int8Experts.quantize(w2)) for w1, w2 in dense],
+               f"int4 g{group}": [(fm.Int4Experts.quantize(w1, group), fm.Int4Experts.quantize(w2, group))
+                                  for w1, w2 in dense]}
+    for m in b.sizes.moe_m:
+        case = f"{name} M={m}"
+        if b.rep.out_of_time():
+            b.skip("moe", case, "time budget spent")
+            continue
+        xs = [b.randn(m, hidden) for _ in range(sets)]
+        routes = [fm.route(b.randn(m, experts, dtype=torch.float32), top_k, renormalize=True) for _ in range(sets)]
+        touched = sum(torch.unique(ids).numel() for _, ids in routes) / sets  # experts whose weights are read
+        flops, io_bytes = 6 * m * top_k * hidden * inter, 2 * m * hidden * 2
+        loop = [lambda i=i: torch_moe_loop(xs[i], *dense[i], *routes[i]) for i in range(sets)]
+        dense_ref = fm.reference(xs[0], *dense[0], *routes[0])
+        b.run("moe", case, "torch loop", loop, lambda: rel_err(loop[0](), dense_ref),
+              touched / experts * nbytes(dense[0]) + io_bytes, flops)
+        outs = [torch.empty(m, hidden, device=b.dev, dtype=F16) for _ in range(sets)]
+        for fmt, ws in formats.items():
+            per_call = touched / experts * nbytes(ws[0]) + io_bytes
+            calls = [lambda i=i, ws=ws: fm.fused_moe(xs[i], *ws[i], *routes[i], out=outs[i]) for i in range(sets)]
+            ref = dense_ref if ws is dense else fm.reference(xs[0], *ws[0], *routes[0])
+            b.run("moe", case, fmt, calls, poisoned_check(calls[0], outs[0], ref), per_call, flops)
+            if b.on_gpu:  # replays drop the launch gaps of ~20 small launches (moe_align is torch ops)
+                moe_graph(b, case, fmt, calls, outs[0], ref, per_call, flops)
+
+
+def moe_graph(b: Bench, case: str, fmt: str, calls: list[Callable[[], object]], out0: torch.Tensor,
+              ref: torch.Tensor, per_call: float, flops: float) -> None:
+    """The same calls captured as CUDA graphs (one per input set), checked again after capture."""
+    try:
+        replays = graph_calls(calls)
+    except Exception as exc:  # noqa: BLE001 -- a capture failure is a finding, not a crash
+        b.rep.add(Record("moe", case, f"{fmt} graph", None, per_call, flops, err=math.nan, ok=False,
+                         note=f"capture failed: {exc}"[:90]))
+        return
+    b.run("moe", case, f"{fmt} graph", replays, poisoned_check(replays[0], out0, ref), per_call, flops)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                   help="sections to run (the ceilings are always measured)")
+    p.add_argument("--quick", action="store_true", help="fewer M values, contexts and MoE sizes")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes; on a machine without CUDA it runs the Triton interpreter on CPU")
+    p.add_argument("--out", help="folder for kernels.json and kernels.md (rewritten after each section)")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="skip remaining cases after this many seconds, so the tables print inside a 10-minute call")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    if not on_gpu:
+        if not args.smoke:
+            print("no CUDA device (or TRITON_INTERPRET=1): only --smoke runs here", file=sys.stderr)
+            return 2
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+    import_cadence_from_repo()
+    device = "cuda" if on_gpu else "cpu"
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0) if on_gpu else None
+    # No cache to defeat in the interpreter: 0 gives the minimum of two input sets.
+    l2_bytes = getattr(props, "L2_cache_size", 50 << 20) if props else 0
+    # The interpreter has no SMs: 8 is paged_attention's own nominal CPU figure.
+    sizes = pick_sizes(args, props.multi_processor_count if props else 8)
+    report = Report(device_info(device), on_gpu, args.budget_s)
+    print(report.header()[2], flush=True)
+    report.ceilings = measure_ceilings(device, args.smoke)
+    print(report.header()[3] if on_gpu else "ceilings measured (CPU: not used)", flush=True)
+    bench = Bench(report, device, sizes, l2_bytes)
+    for section, fn in (("quant", bench_quant), ("attention", bench_attention), ("moe", bench_moe)):
+        if section in args.only:
+            print(f"== {section} ({report.info['device']})", flush=True)
+            fn(bench)
+            report.write(args.out)
+    report.write(args.out)
+    print("\n" + report.markdown(full=False))
+    return 1 if report.failures() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
