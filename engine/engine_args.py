@@ -25,8 +25,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     attention_backend: str = "auto"  # auto (Triton on CUDA, torch elsewhere), torch or triton
-    # Weight-only quantization applied while loading a dense checkpoint: None, "int8"
-    # (per output channel) or "int4" (groups of 128 along K, symmetric).
+    # Quantization applied while loading a dense checkpoint: None, "int8" (weight-only,
+    # per output channel), "int4" (weight-only, groups of 128 along K, symmetric) or
+    # "fp8" (W8A8: e4m3 weights per output channel, activations per token at run time).
     quantization: str | None = None
     # The KV cache's storage: "auto" (the model's dtype), or "int8" / "fp8" with a scale
     # per token and KV head, which holds about 2-4x more tokens in the same memory.

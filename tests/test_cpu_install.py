@@ -14,7 +14,8 @@ def test_cpu_paths_never_import_triton(tiny_model_dir) -> None:
         sys.modules["triton"] = None  # any `import triton` now raises ImportError
         from cadence import LLM, SamplingParams
         params = SamplingParams(max_tokens=3, temperature=0.0)
-        for options in ({{}}, {{"quantization": "int8"}}, {{"quantization": "int4"}}, {{"kv_cache_dtype": "int8"}}):
+        for options in ({{}}, {{"quantization": "int8"}}, {{"quantization": "int4"}}, {{"quantization": "fp8"}},
+                        {{"kv_cache_dtype": "int8"}}):
             llm = LLM({path!r}, device="cpu", num_gpu_blocks=32, max_model_len=64, **options)
             assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 3, options
         print("ok")
