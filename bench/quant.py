@@ -5,9 +5,10 @@
 
 Three tables:
 1. bytes held by the decoder's linear layers (the ones quantize_model swaps) and by the
-   whole model, dense vs int8 vs int4;
+   whole model, dense vs int8 vs int4 vs the GGUF's own blocks (``--quantization gguf``);
 2. decode tokens/s at batch 1 (one greedy sequence, EOS ignored): the time of a
-   1 + N token generation minus a 1-token one, over N, best of a few repeats;
+   1 + N token generation minus a 1-token one, over N, best of a few repeats; and
+   prefill tokens/s for 4 fresh random 256-token prompts at once (best of the repeats);
 3. Int8Linear's two CPU paths (packed op vs per-call dequantize + dense matmul) on
    SmolLM2's four projection shapes by M: where cpu_policy's int8_packed_max_m comes from.
 """
@@ -67,6 +68,20 @@ def decode_tokens_per_s(llm: LLM, prompt: list[int], new_tokens: int, repeats: i
     return new_tokens / best
 
 
+def prefill_tokens_per_s(llm: LLM, vocab_size: int, prompt_len: int, batch: int, repeats: int) -> float:
+    """Prompt tokens per second for a batch of fresh random prompts (no prefix-cache hits)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first round warms up
+        prompts = [{"prompt_token_ids": torch.randint(3, vocab_size, (prompt_len,), generator=g).tolist()}
+                   for _ in range(batch)]
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        best = min(best, time.perf_counter() - start)
+    return batch * prompt_len / best
+
+
 def linear_crossover(ms: list[int]) -> None:
     """Int8Linear's packed vs dequantized CPU path by M on SmolLM2's projection shapes."""
     shapes = {"qkv 576->960": (960, 576), "o 576->576": (576, 576),
@@ -99,10 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# Quantized decode on CPU ({time.strftime('%Y-%m-%d %H:%M')}), {os.path.basename(path)}")
     print(f"cpu: {info['cpu']}, {info['cores']} cores, threads {info['threads']}, torch {info['torch']}, "
           f"load average {os.getloadavg()[0]:.2f}\n")
-    print("| weights | model dtype | linear MiB | model MiB | decode tok/s (batch 1) | int4 group sizes |")
-    print("|---|---|---|---|---|---|")
+    print("| weights | model dtype | linear MiB | model MiB | decode tok/s (batch 1) | prefill tok/s (4 x 256) "
+          "| int4 group sizes |")
+    print("|---|---|---|---|---|---|---|")
+    # "gguf" serves the file's own Q4_1 blocks; it needs a model converted from a GGUF.
     for method, dtype in ((None, "float32"), (None, "bfloat16"), ("int8", "float32"), ("int4", "float32"),
-                          ("int8", "bfloat16"), ("int4", "bfloat16")):
+                          ("int8", "bfloat16"), ("int4", "bfloat16"), ("gguf", "float32")):
+        if method == "gguf" and not os.path.isfile(os.path.join(path, "gguf_source.json")):
+            continue
         llm = LLM(path, dtype=dtype, quantization=method, max_model_len=1024, num_gpu_blocks=128)
         tokenizer = llm.get_tokenizer()
         assert tokenizer is not None
@@ -110,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         linear, total = footprint(llm.engine.model)
         groups = sorted({m.group_size for m in llm.engine.model.modules() if isinstance(m, Int4Linear)})
         rate = decode_tokens_per_s(llm, prompt, args.new_tokens, args.repeats)
-        print(f"| {method or 'dense'} | {dtype} | {linear / MiB:.1f} | {total / MiB:.1f} | {rate:.1f} | "
+        prefill = prefill_tokens_per_s(llm, len(tokenizer), 256, 4, args.repeats)
+        print(f"| {method or 'dense'} | {dtype} | {linear / MiB:.1f} | {total / MiB:.1f} | {rate:.1f} | {prefill:.0f} | "
               f"{', '.join(map(str, groups)) or '-'} |", flush=True)
         del llm
     if not args.skip_linear:

@@ -31,9 +31,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_ROOT = os.path.join("~", ".cache", "cadence")
 # Part of every cache key: bump it when the converted layout changes, so that folders
 # written by an older converter are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 _HEADER_BYTES = 1 << 16
 _PARTIAL = ".partial-"
+# Names the GGUF a folder came from, so `--quantization gguf` can read its quantized blocks.
+SOURCE_FILE = "gguf_source.json"
 
 # GGUF per-layer tensor names -> HF Llama module names.
 _LAYER_NAMES = {
@@ -162,6 +164,16 @@ def write_hf_folder(gguf_path: str, folder: str) -> None:
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": _generation_eos(metadata)}
     _write_json(os.path.join(folder, "generation_config.json"), {k: v for k, v in generation.items() if v is not None})
     save_tokenizer(metadata, folder)
+    _write_json(os.path.join(folder, SOURCE_FILE), {"gguf_path": os.path.abspath(gguf_path), "tensors": tensor_index(reader)})
+
+
+def tensor_index(reader: GGUFReader) -> dict[str, dict[str, Any]]:
+    """Where each tensor's raw bytes lie in the file, so they can be read without parsing
+    the whole header again (for SmolLM2 that parse, mostly the vocabulary, takes seconds)."""
+    return {
+        t.name: {"type": t.tensor_type.name, "offset": int(t.data_offset), "shape": [int(d) for d in t.data.shape]}
+        for t in reader.tensors
+    }
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

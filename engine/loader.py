@@ -14,6 +14,7 @@ from cadence.engine.model_config import ModelConfig
 from cadence.engine.models import get_model_class
 from cadence.engine.quantization import quantize_model, validate_quantization
 from cadence.engine.quantization.checkpoint import CheckpointQuantizer, install_placeholders
+from cadence.engine.quantization.gguf_native import GGUF_NATIVE, GgufNativeLoader
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -96,17 +97,22 @@ def load_model(
     """Read config, build the model with uninitialised storage on `device`, load weights.
 
     Returns the model in eval mode (with grads off) and its ModelConfig. Weights are
-    cast to `dtype` as they are copied in. `quantization` ("int8" or "int4") then swaps
-    the decoder's projections for weight-only quantized layers, one at a time, so the
-    peak is the dense model in `dtype` and the steady state is the quantized one.
+    cast to `dtype` as they are copied in. `quantization` ("int8", "int4" or "fp8") then
+    swaps the decoder's projections for quantized layers, one at a time, so the peak is
+    the dense model in `dtype` and the steady state is the quantized one.
 
     A pre-quantized checkpoint (GPTQ/AWQ int4, detected from `quantization_config` in
     config.json) loads natively: its decoder projections become Int4Linear layers built
     straight from the packed tensors (engine/quantization/checkpoint.py), with no dense
     copy; `quantization` must then be None.
+
+    `quantization="gguf"` on a folder converted from a GGUF file reads the decoder
+    projections' Q4_0/Q4_1/Q8_0 blocks from that file into Int4Linear/Int8Linear layers
+    (engine/quantization/gguf_native.py) instead of loading the dense copies.
     """
     quantization = validate_quantization(quantization)
     path = os.fspath(path)
+    native_gguf = quantization == GGUF_NATIVE
     config = ModelConfig.from_pretrained(path)
     cls = get_model_class(config)
     device = torch.device(device)
@@ -122,8 +128,14 @@ def load_model(
                     f"quantization={quantization!r} cannot be applied on top, leave it unset"
                 )
             install_placeholders(model)
+        gguf = GgufNativeLoader(path, model, config.num_attention_heads, config.num_key_value_heads) if native_gguf else None
+        if gguf is not None:
+            gguf.install_placeholders(model)
     model = model.to(dtype=dtype).to_empty(device=device)
-    if prequantized is None:
+    if gguf is not None:
+        model.load_weights(gguf.filter(iterate_weights(path)))  # type: ignore[operator]
+        gguf.finish(model, dtype, device)
+    elif prequantized is None:
         model.load_weights(iterate_weights(path))  # type: ignore[operator]
     else:
         quantizer = CheckpointQuantizer(model, prequantized, checkpoint_names(path), dtype, device)
@@ -131,6 +143,6 @@ def load_model(
         quantizer.finish()
     model.eval()
     model.requires_grad_(False)
-    if quantization is not None:
+    if quantization is not None and not native_gguf:
         quantize_model(model, quantization)
     return model, config

@@ -8,8 +8,13 @@ int4 (W4A16), group-wise along K, ``Int4Weight``:
     qweight int32 [K // 8, N]  -- eight 4-bit codes per int32, packed along K;
                                   code for row k sits at bits 4 * (k % 8) of qweight[k // 8]
     scales  [K // group, N]    -- fp16/fp32
-    zeros   uint8 [K // group, N] or None
+    zeros   uint8 [K // group, N], float32 [K // group, N], or None
     w[k, n] = (code[k, n] - z[k // group, n]) * scales[k // group, n],  z = 8 when zeros is None
+
+Zero points are integers (uint8) for GPTQ, AWQ and our own quantizer. GGUF's Q4_1 stores
+``w = code * d + min`` per block of 32, which is the same formula with a real-valued zero
+``z = -min / d``; those are kept as float32 so that ``(code - z) * d`` reproduces the
+file's values to fp32 rounding.
 
 Why this int4 layout: a Triton tile of ``BLOCK_K x BLOCK_N`` weights loads
 ``qweight[offs_k // 8, offs_n]`` -- rows are contiguous along N, so loads coalesce, and
@@ -37,7 +42,7 @@ class Int4Weight:
 
     qweight: torch.Tensor  # int32 [K // 8, N]
     scales: torch.Tensor  # [K // group_size, N]
-    zeros: torch.Tensor | None  # uint8 [K // group_size, N], None = symmetric (zero 8)
+    zeros: torch.Tensor | None  # uint8 or float32 [K // group_size, N], None = symmetric (zero 8)
     group_size: int
 
     @property

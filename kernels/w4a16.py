@@ -48,11 +48,13 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N,
     g = k0 // GROUP  # the whole tile is in one group (BLOCK_K divides GROUP)
     scale = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if HAS_ZEROS:
-        zero = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.int32)
-        q = codes - zero[None, :]
+        # uint8 zero points (GPTQ/AWQ/ours) or real-valued ones (GGUF Q4_1's -min/scale):
+        # in fp32 either way, which is exact for the integer ones.
+        zero = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+        q = codes.to(tl.float32) - zero[None, :]
     else:
-        q = codes - SYM_ZERO
-    return q.to(tl.float32) * scale[None, :]
+        q = (codes - SYM_ZERO).to(tl.float32)
+    return q * scale[None, :]
 
 
 @triton.jit

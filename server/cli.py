@@ -48,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument(
-        "--quantization", default=None, choices=["int8", "int4"],
-        help="quantize the dense checkpoint's linear weights while loading (weight-only)",
+        "--quantization", default=None, choices=["none", "int8", "int4", "fp8", "gguf"],
+        help="quantize the dense checkpoint's linear weights while loading: int8/int4 weight-only, "
+        "or fp8 W8A8 (e4m3 weights per channel, activations per token at run time); gguf serves a "
+        "GGUF's own Q4_0/Q4_1/Q8_0 blocks, the default for GGUF models; none loads them dense",
     )
     serve.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
@@ -70,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quantization_for(flag: str | None, model: str | None) -> str | None:
+    """The quantization to load with: the flag's, except that "none" means dense, and an
+    unset flag keeps a GGUF model (the default model is one) in its own quantized blocks,
+    as llama.cpp and vLLM serve a GGUF."""
+    if flag is not None:
+        return None if flag == "none" else flag
+    is_gguf = model is None or model.lower().endswith(".gguf")
+    return "gguf" if is_gguf else None
+
+
 def serve(args: argparse.Namespace) -> None:
     # Imported here so `cadence --help` answers at once, without torch and FastAPI.
     import uvicorn
@@ -79,6 +91,7 @@ def serve(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = resolve_model_path(args.model)
+    args.quantization = quantization_for(args.quantization, args.model)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     # Every EngineArgs field with a flag of the same name comes from it; the rest keep
     # their defaults.

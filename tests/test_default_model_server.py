@@ -39,6 +39,13 @@ def test_default_model_answers_a_chat_question(server) -> None:
 def test_default_model_streams_the_same_answer(server) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
     messages = [{"role": "user", "content": "Name three colours."}]
+    # The first request reuses only the system-prompt blocks the Paris question cached,
+    # so its prefill splits differently from the two below, which reuse this prompt's
+    # own blocks. Attention over a different split differs in the last fp32 bits, and the
+    # int4 layers' bf16 activations can turn that into another token at a near-tie: the
+    # default model (served in its Q4_1 blocks) gave a different 40-token answer here.
+    # Streaming is compared under the same cache state.
+    client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=40, temperature=0)
     whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=40, temperature=0)
     pieces = [
         chunk.choices[0].delta.content or ""

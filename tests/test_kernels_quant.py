@@ -119,6 +119,23 @@ def test_w4a16_threshold_picks_either_kernel(threshold: int, m: int, symmetric: 
     assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[torch.float16]
 
 
+@pytest.mark.parametrize("m", [1, 17])  # the GEMV and the tiled kernel
+def test_w4a16_real_valued_zero_points(m: int) -> None:
+    """GGUF Q4_1 blocks carry a float zero point (-min / d): both kernels must use it as is."""
+    g = gen(20 + m)
+    n, k = 40, 64
+    base = quantize_int4(torch.randn(n, k, generator=g), 32, symmetric=True)
+    zeros = torch.rand(k // 32, n, generator=g) * 15  # fractional, anywhere in the code range
+    qw = Int4Weight(base.qweight, base.scales.half(), zeros, 32)
+    x = torch.randn(m, k, generator=g).half()
+    out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, torch.float16))
+    ref = w4a16.reference(x, qw)
+    assert rel_err(out, ref) < KERNEL_TOL[torch.float16]
+    # The zero point is used unrounded: rounding it would move every weight in a group.
+    rounded = Int4Weight(qw.qweight, qw.scales, zeros.round().to(torch.uint8), 32)
+    assert rel_err(ref, w4a16.reference(x, rounded)) > 10 * KERNEL_TOL[torch.float16]
+
+
 def test_w4a16_batched_input_and_fp32_scales_with_fp16_x() -> None:
     g = gen(11)
     w = torch.randn(40, 128, generator=g)

