@@ -118,6 +118,19 @@ def test_int4_linear_cpu_prefill_path_dequantizes_the_packed_bytes(symmetric: bo
     assert rel_err(mod(x), lin(x)) < 0.2
 
 
+@pytest.mark.parametrize("k,group,cpu_group", [(512, 512, 256), (192, 192, 64)])
+def test_int4_linear_cpu_splits_groups_the_op_refuses(k: int, group: int, cpu_group: int) -> None:
+    """GPTQ's group_size=-1 (one group per row) runs on the packed op with repeated scales."""
+    lin = make_linear(48, k, bias=False, seed=6)
+    weight = quantize_int4(lin.weight, group, symmetric=False)
+    mod = Int4Linear(Int4Weight(weight.qweight.clone(), weight.scales, weight.zeros, group))
+    assert mod.cpu_ready and mod.cpu_group_size == cpu_group and mod.group_size == group
+    x = torch.randn(5, k)
+    bf16_weight = Int4Weight(weight.qweight, weight.scales.to(torch.bfloat16), weight.zeros, group)
+    ref = x.to(torch.bfloat16).float() @ dequantize_int4(bf16_weight, torch.float32).t()
+    assert rel_err(mod(x), ref) < CPU_PATH_TOL
+
+
 def test_int4_linear_cpu_fallback_for_shapes_the_op_refuses() -> None:
     lin = make_linear(40, 64, bias=False, seed=4)  # N = 40 is not a multiple of 16
     mod = Int4Linear.from_linear(lin, group_size=32)

@@ -108,6 +108,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("cpu_packed", None)
         self.register_buffer("cpu_scales_zeros", None)
         self.cpu_block_n: int | None = None  # set when the packed bytes can be unpacked again
+        self.cpu_group_size = self.group_size  # the group the CPU op is given (divides group_size)
         if weight.qweight.device.type == "cpu":
             self._convert_for_cpu()
 
@@ -129,7 +130,10 @@ class Int4Linear(nn.Module):
 
     def _convert_for_cpu(self) -> None:
         n, g = self.out_features, self.group_size
-        if n % 16 or g not in _CPU_INT4_GROUPS:
+        # A group the op does not take but a multiple of one it does (GPTQ's group_size=-1
+        # is one group spanning K) splits exactly into that smaller group, scales repeated.
+        cpu_group = next((c for c in reversed(_CPU_INT4_GROUPS) if g % c == 0), None)
+        if n % 16 or cpu_group is None:
             # The op cannot take this shape: forward dequantizes the whole weight per call.
             logger.warning(
                 "int4 layer %dx%d with group %d has no fast CPU path; it will dequantize on every call",
@@ -142,17 +146,18 @@ class Int4Linear(nn.Module):
         self.cpu_block_n = matching_block_n(self.cpu_packed, codes)
         # The op computes (code - 8) * scale + zero_term; ours is (code - z) * scale, so
         # zero_term = (8 - z) * scale (zero for symmetric weights).
-        scales = self.scales.float()
-        z = SYMMETRIC_ZERO if self.zeros is None else self.zeros.float()
+        scales = self.scales.float().repeat_interleave(g // cpu_group, dim=0)
+        z = SYMMETRIC_ZERO if self.zeros is None else self.zeros.float().repeat_interleave(g // cpu_group, dim=0)
         zero_term = (SYMMETRIC_ZERO - z) * scales
         self.cpu_scales_zeros = torch.stack([scales, zero_term.expand_as(scales)], dim=2).to(torch.bfloat16).contiguous()
         # Keep the weight once: the CPU layout is the same size as ours (N*K/2 bytes), and
         # cpu_scales_zeros replaces our scales and zeros.
         self.qweight = self.scales = self.zeros = None
+        self.cpu_group_size = cpu_group
 
     def _cpu_packed_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         xb = x2.to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.cpu_packed, self.group_size, self.cpu_scales_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.cpu_packed, self.cpu_group_size, self.cpu_scales_zeros)
         return y.to(x2.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +173,7 @@ class Int4Linear(nn.Module):
             # Large M: the packed op is compute-bound; a per-call bf16 copy of the weight
             # (freed right after) lets the AMX matmul run, as for int8.
             w = dequantize_cpu_int4(self.cpu_packed, self.cpu_scales_zeros, self.out_features, self.in_features,
-                                    self.group_size, self.cpu_block_n)
+                                    self.cpu_group_size, self.cpu_block_n)
             y = F.linear(x2.to(torch.bfloat16), w).to(x2.dtype)
         else:
             # Shapes the CPU op refuses (N % 16, odd groups): dequantize per call. Slow but
