@@ -28,11 +28,16 @@ def reference(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
+    # fp8 goes in through a uint8 view: the same bits, and indexed stores on uint8 are
+    # supported on every device, fp8 ones not everywhere.
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
     for index, x in enumerate((k[keep], v[keep])):
         if kv_scales is None:
-            kv_cache[index, blocks, offsets] = x.to(kv_cache.dtype)
+            values = x.to(kv_cache.dtype)
         else:
-            kv_cache[index, blocks, offsets], kv_scales[index, blocks, offsets] = quantize_rows(x, kv_cache.dtype)
+            values, kv_scales[index, blocks, offsets] = quantize_rows(x, kv_cache.dtype)
+        cache[index, blocks, offsets] = values.view(torch.uint8) if fp8 else values
 
 
 @triton.jit
@@ -80,6 +85,15 @@ def _quantize(x, quant_max, ROUND: tl.constexpr):
     return x, scale
 
 
+def _kernel_writes(kv_cache: torch.Tensor) -> bool:
+    """Whether the kernel can store this cache's dtype: Triton's e4m3 type needs compute
+    capability 8.9+, so an fp8 cache on an older GPU (A100) is written by ``reference``
+    (the attention kernel reads fp8 as bytes, so it runs there either way)."""
+    if kv_cache.dtype != torch.float8_e4m3fn or not kv_cache.is_cuda:
+        return True
+    return torch.cuda.get_device_capability(kv_cache.device) >= (8, 9)
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -97,6 +111,9 @@ def write_kv_cache(
     assert k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.stride(4) == 1
     assert slot_mapping.shape == (num_tokens,)
     if num_tokens == 0:
+        return
+    if not _kernel_writes(kv_cache):
+        reference(k, v, kv_cache, slot_mapping, kv_scales)
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     quant = kv_scales is not None

@@ -22,6 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from cadence.kernels.fp8_bits import FP16_DECODE_DIVISOR, e4m3_bits_to_fp16
+
+FP8_UNDO = tl.constexpr(FP16_DECODE_DIVISOR)  # decoded e4m3 bytes are this much too small
+
 _LOG2E = 1.4426950408889634
 
 
@@ -104,7 +108,7 @@ def _attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, QUANT_KV: tl.constexpr,
+    PRECISION: tl.constexpr, QUANT_KV: tl.constexpr, KV_FP8_BITS: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -168,6 +172,8 @@ def _attention_kernel(
         if QUANT_KV:  # one scale per (position, KV head): dequantize the tile in registers
             scale_off = block * stride_sb + in_block * stride_ss + kv_head
             k_scale = tl.load(k_scale_ptr + scale_off, mask=pos_valid, other=0.0)
+            if KV_FP8_BITS:  # uint8 view of an e4m3 cache (see kernels/fp8_bits.py)
+                k = e4m3_bits_to_fp16(k).to(tl.float32) * FP8_UNDO
             k = (k.to(tl.float32) * k_scale[None, :]).to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
         visible = pos[None, :] <= q_pos[:, None]
@@ -183,6 +189,8 @@ def _attention_kernel(
         v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if QUANT_KV:
             v_scale = tl.load(v_scale_ptr + scale_off, mask=pos_valid, other=0.0)
+            if KV_FP8_BITS:
+                v = e4m3_bits_to_fp16(v).to(tl.float32) * FP8_UNDO
             v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -294,7 +302,10 @@ def paged_attention(
         part_l = torch.empty_like(part_m)
     else:
         part_out = part_m = part_l = out
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    # fp8 is read as bytes and decoded in the kernel: Triton's e4m3 type does not compile
+    # below compute capability 8.9 (A100), and the decode costs nothing next to the load.
+    fp8_bits = kv_cache.dtype == torch.float8_e4m3fn
+    k_cache, v_cache = (kv_cache.view(torch.uint8) if fp8_bits else kv_cache).unbind(0)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     quant_kv = kv_scales is not None
     if quant_kv:
@@ -310,7 +321,10 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, USE_WINDOW=window is not None, SPLIT=split,
-        PRECISION=precision, QUANT_KV=quant_kv,
+        PRECISION=precision, QUANT_KV=quant_kv, KV_FP8_BITS=fp8_bits,
+        # A 64-row prefill tile of 128-wide heads needs 255+ registers a thread at 4 warps
+        # and spills (ptxas, sm_80/sm_90: tests/test_kernels_compile.py); 8 warps halve it.
+        num_warps=8 if block_m * head_pad >= 64 * 128 else 4,
     )
     if split:
         _merge_kernel[(num_tokens, num_heads)](

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cadence.kernels.fp8_format import FP16_DECODE_DIVISOR, quantize_fp8_per_token
+from cadence.kernels.fp8_bits import FP16_DECODE_DIVISOR, e4m3_bits_to_fp16
+from cadence.kernels.fp8_format import quantize_fp8_per_token
 from cadence.kernels.launch import check_activations, triton_usable
 
 # Both decoded operands are FP16_DECODE_DIVISOR times too small, so the accumulator is
@@ -46,14 +47,6 @@ def reference(
     x = xq.float() * x_scale.float()[:, None]
     w = wq.float() * w_scale.float()[:, None]
     return (x @ w.t()).to(out_dtype)
-
-
-@triton.jit
-def _e4m3_bits_to_fp16(bits):
-    """uint8 e4m3 codes -> fp16 values FP16_DECODE_DIVISOR times smaller (exact, see fp8_format)."""
-    b = bits.to(tl.uint16)
-    half_bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    return half_bits.to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -81,8 +74,8 @@ def _w8a8_fp8_kernel(
     for k0 in range(0, K, BLOCK_K):
         mask_k = (k0 + offs_k) < K
         # Masked bytes read as 0, the code of +0.0.
-        x = _e4m3_bits_to_fp16(tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0))
-        w = _e4m3_bits_to_fp16(tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0))
+        x = e4m3_bits_to_fp16(tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0))
+        w = e4m3_bits_to_fp16(tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0))
         acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk

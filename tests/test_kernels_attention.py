@@ -243,3 +243,23 @@ def test_int8_kv_cache_write_matches_reference():
     assert flat_scales[:, untouched].isnan().all(), "skipped and unused slots keep their poison"
     dequantized = (cache.float() * scales[..., None]).reshape(2, -1, heads, dim)[:, written]
     assert rel_err(dequantized[0], k[slots >= 0]) < 1e-2
+
+
+def test_fp8_kv_cache_reference_write_is_torchs_own_cast(monkeypatch):
+    """An fp8 cache on a GPU without fp8 (A100) is written by `reference`, through a uint8
+    view: the bytes must be exactly those of torch's own e4m3 cast of the scaled rows."""
+    num_tokens, heads, dim, blocks, block_size = 5, 2, 16, 4, 4
+    gen = torch.Generator().manual_seed(6)
+    k = torch.randn(num_tokens, heads, dim, generator=gen)
+    v = 5 * torch.randn(num_tokens, heads, dim, generator=gen)
+    slots = torch.tensor([2, -1, 9, 0, 15])
+    cache = torch.zeros(2, blocks, block_size, heads, dim, dtype=torch.float8_e4m3fn)
+    scales = torch.full((2, blocks, block_size, heads), float("nan"))
+    monkeypatch.setattr(kv_cache_write, "_kernel_writes", lambda kv_cache: False)
+    kv_cache_write.write_kv_cache(k, v, cache, slots, scales)
+    keep = slots >= 0
+    for index, x in enumerate((k[keep], v[keep])):
+        values, row_scales = kv_quant.quantize_rows(x, torch.float8_e4m3fn)
+        stored = cache[index].reshape(-1, heads, dim)[slots[keep]]
+        assert torch.equal(stored.view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(scales[index].reshape(-1, heads)[slots[keep]], row_scales)

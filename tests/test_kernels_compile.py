@@ -1,0 +1,140 @@
+"""Every Triton kernel, in the configurations its wrapper picks, compiles for A100 and H100.
+
+No GPU is needed: the launches are recorded in the interpreter (tests/triton_aot.py) and
+compiled to cubins for sm_80 and sm_90a by Triton's NVIDIA backend in a subprocess. This
+catches what the interpreter cannot: bf16 and fp8 paths, ``tl.dot`` layout rules and
+anything else only the real compiler rejects. Register spills are reported, not failed:
+they cost speed, which is for bench/ to judge on a GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from cadence.kernels import fused_moe, kv_cache_write, paged_attention, w4a16, w8a16, w8a8_fp8
+from cadence.kernels.fp8_format import quantize_fp8_weight
+from cadence.kernels.quant_formats import Int4Weight, quantize_int4, quantize_int8
+from triton_aot import Launch, dump_launches, record_launches
+
+pytest.importorskip("triton.backends.nvidia.compiler")
+
+ARCHS = (80, 90)
+HALF = (torch.float16, torch.bfloat16)
+
+
+def quant_cases() -> dict[str, Callable[[], object]]:
+    k, n = 512, 384
+    w = torch.randn(n, k)
+    q8, s8 = quantize_int8(w)
+    wq, ws = quantize_fp8_weight(w)
+    sym = quantize_int4(w, 128, symmetric=True)
+    asym = quantize_int4(w, 32, symmetric=False)
+    float_zeros = Int4Weight(asym.qweight, asym.scales.half(), asym.zeros.float(), 32)  # GGUF Q4_1
+    cases: dict[str, Callable[[], object]] = {}
+    for dtype in (*HALF, torch.float32):
+        for m in (1, 64):
+            x = torch.randn(m, k, dtype=dtype)
+            name = f"{str(dtype)[6:]} M={m}"
+            cases[f"w8a16 {name}"] = lambda x=x, dtype=dtype: w8a16.w8a16_matmul(x, q8, s8.to(dtype))
+            cases[f"fp8 triton {name}"] = lambda x=x: w8a8_fp8.fp8_matmul(x, wq, ws, allow_scaled_mm=False)
+            if dtype in HALF:
+                for wname, weight in (("g128 sym", sym), ("g32 zeros", asym), ("g32 float zeros", float_zeros)):
+                    cases[f"w4a16 {wname} {name}"] = lambda x=x, weight=weight: w4a16.w4a16_matmul(x, weight)
+    return cases
+
+
+def attention_cases() -> dict[str, Callable[[], object]]:
+    """Llama-8B heads (32/8, head_dim 128) and SmolLM2's (9/3, head_dim 64: a group of 3)."""
+    cases: dict[str, Callable[[], object]] = {}
+    block, blocks_per_seq = 16, 8
+    for heads, kv_heads, head_dim in ((32, 8, 128), (9, 3, 64)):
+        for cache_dtype in (*HALF, torch.int8, torch.float8_e4m3fn):
+            dtype = torch.bfloat16 if cache_dtype == torch.bfloat16 else torch.float16
+            num_blocks = 2 * blocks_per_seq
+            cache = torch.zeros(2, num_blocks, block, kv_heads, head_dim, dtype=cache_dtype)
+            quantized = cache_dtype in (torch.int8, torch.float8_e4m3fn)
+            scales = torch.ones(2, num_blocks, block, kv_heads) if quantized else None
+            tables = torch.arange(num_blocks, dtype=torch.int32).reshape(2, blocks_per_seq)
+            seq_lens = torch.tensor([100, 128], dtype=torch.int32)
+            tag = f"{heads}/{kv_heads}x{head_dim} {str(cache_dtype)[6:]}"
+
+            def run(query_lens: list[int], splits: int | None, window: int | None,
+                    dtype: torch.dtype = dtype, cache: torch.Tensor = cache, scales: torch.Tensor | None = scales,
+                    heads: int = heads, head_dim: int = head_dim) -> object:
+                starts = torch.tensor([0, query_lens[0], sum(query_lens)], dtype=torch.int32)
+                q = torch.randn(sum(query_lens), heads, head_dim, dtype=dtype)
+                return paged_attention.paged_attention(
+                    q, cache, tables, seq_lens, starts, max(query_lens), head_dim**-0.5, window, splits,
+                    max_seq_len=128, num_sms=132, kv_scales=scales)
+
+            cases[f"attention decode {tag}"] = lambda run=run: run([1, 1], 1, None)
+            cases[f"attention decode split {tag}"] = lambda run=run: run([1, 1], 4, None)
+            cases[f"attention prefill+decode window {tag}"] = lambda run=run: run([37, 1], None, 64)
+            k = torch.randn(5, kv_heads, head_dim, dtype=dtype)
+            cases[f"kv write {tag}"] = lambda k=k, cache=cache, scales=scales: kv_cache_write.write_kv_cache(
+                k, k, cache, torch.tensor([0, 1, 2, 17, 40]), scales)
+    return cases
+
+
+def moe_cases() -> dict[str, Callable[[], object]]:
+    experts, top_k, hidden, inter = 8, 2, 256, 128
+    dense_w1, dense_w2 = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
+    formats = {
+        "int8": (fused_moe.Int8Experts.quantize(dense_w1), fused_moe.Int8Experts.quantize(dense_w2)),
+        "int4": (fused_moe.Int4Experts.quantize(dense_w1, 64, False), fused_moe.Int4Experts.quantize(dense_w2, 64)),
+    }
+    cases: dict[str, Callable[[], object]] = {}
+    for dtype in HALF:
+        for m in (1, 64):
+            x = torch.randn(m, hidden, dtype=dtype)
+            weights, ids = fused_moe.route(torch.randn(m, experts), top_k, renormalize=True)
+            all_formats = {"dense": (dense_w1.to(dtype), dense_w2.to(dtype)), **formats}
+            for fmt, (w1, w2) in all_formats.items():
+                cases[f"moe {fmt} {str(dtype)[6:]} M={m}"] = (
+                    lambda x=x, w1=w1, w2=w2, weights=weights, ids=ids: fused_moe.fused_moe(x, w1, w2, weights, ids))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> tuple[list[Launch], list[dict]]:
+    launches = record_launches({**quant_cases(), **attention_cases(), **moe_cases()})
+    path = str(tmp_path_factory.mktemp("aot") / "launches.json")
+    dump_launches(launches, path)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, os.path.join(here, "triton_aot.py"), path, "--arch", *map(str, ARCHS)],
+                          capture_output=True, text=True, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return launches, json.loads(proc.stdout)
+
+
+def test_every_wrapper_launch_was_recorded(compiled) -> None:
+    launches, _ = compiled
+    kernels = {launch.kernel for launch in launches}
+    assert kernels == {"_w8a16_kernel", "_w4a16_gemv_kernel", "_w4a16_gemm_kernel", "_w8a8_fp8_kernel",
+                       "_attention_kernel", "_merge_kernel", "_write_kernel", "_moe_gemm_kernel"}
+
+
+def test_every_launch_compiles_for_a100_and_h100(compiled) -> None:
+    _, results = compiled
+    print(f"\n{'launch':58} {'kernel':22} arch  regs  spill  smem")
+    for r in results:
+        status = (r.get("error", "")[:60] or r.get("skipped")
+                  or f"{r['registers']:4d} {r['spill_stores']:6d} {r['shared_bytes']:6d}")
+        print(f"{r['label'][:58]:58} {r['kernel'][:22]:22} {r['arch']:4d} {status}")
+    failures = [f"{r['label']} on sm_{r['arch']}: {r['error']}" for r in results if "error" in r]
+    assert not failures, "\n".join(failures)
+
+
+def test_only_the_fp8_cache_write_needs_fp8_hardware(compiled) -> None:
+    """Everything else reads fp8 as bytes; an fp8 cache on an A100 is written in torch."""
+    launches, _ = compiled
+    needs_fp8 = {(launch.kernel, launch.label) for launch in launches if launch.min_arch > 80}
+    assert needs_fp8 and {kernel for kernel, _ in needs_fp8} == {"_write_kernel"}
+    assert all("float8" in label for _, label in needs_fp8)
