@@ -236,8 +236,11 @@ def test_int8_kv_cache_write_matches_reference():
     cache, scales = cache.cpu(), scales.cpu()
     written = slots[slots >= 0]
     flat_scales, flat_ref = scales.reshape(2, -1, heads), ref_scales.reshape(2, -1, heads)
-    assert torch.equal(flat_scales[:, written], flat_ref[:, written])
-    assert torch.equal(cache, ref_cache)
+    # A GPU divides in the kernel with a last-bit difference from torch on the CPU (seen
+    # on an H100), which may move a code at a rounding tie by one.
+    exact = DEVICE == "cpu"
+    torch.testing.assert_close(flat_scales[:, written], flat_ref[:, written], rtol=0 if exact else 1e-6, atol=0)
+    assert int((cache.int() - ref_cache.int()).abs().max()) <= (0 if exact else 1)
     untouched = torch.ones(blocks * block_size, dtype=torch.bool)
     untouched[written] = False
     assert flat_scales[:, untouched].isnan().all(), "skipped and unused slots keep their poison"

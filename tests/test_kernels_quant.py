@@ -19,6 +19,7 @@ import torch
 from kernel_checks import cuda_only, gen, poisoned, rel_err
 
 from cadence.kernels import w4a16, w8a16
+from cadence.kernels.launch import gemv_split_k
 from cadence.kernels.quant_formats import (
     Int4Weight,
     dequantize_int4,
@@ -117,6 +118,27 @@ def test_w4a16_threshold_picks_either_kernel(threshold: int, m: int, symmetric: 
     qw = quantize_int4(w.half(), 32, symmetric)
     out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, 24, torch.float16), small_m_threshold=threshold)
     assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[torch.float16]
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4a16_gemv_split_k_matches_reference(m: int, symmetric: bool) -> None:
+    """A long K with few output columns: the GEMV splits K and adds the slices atomically."""
+    k, n, group = 512, 24, 32
+    assert gemv_split_k(1, k // 32, num_sms=8) > 1  # the path under test
+    g = gen(30 + m + int(symmetric))
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g).half()
+    qw = quantize_int4(w.half(), group, symmetric)
+    out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, torch.float16), small_m_threshold=m)  # the GEMV
+    assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[torch.float16]
+
+
+def test_gemv_split_k_fills_the_gpu_with_whole_tiles() -> None:
+    assert gemv_split_k(n_blocks=200, k_tiles=32, num_sms=132) == 2
+    assert gemv_split_k(n_blocks=64, k_tiles=32, num_sms=132) == 8
+    assert gemv_split_k(n_blocks=64, k_tiles=6, num_sms=132) == 1  # 6 tiles split no further
+    assert gemv_split_k(n_blocks=300, k_tiles=64, num_sms=132) == 1
 
 
 @pytest.mark.parametrize("m", [1, 17])  # the GEMV and the tiled kernel
