@@ -87,8 +87,9 @@ def convert_gguf(gguf_path: str, cache_root: str = DEFAULT_CACHE_ROOT) -> str:
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     final = cached_folder(gguf_path, cache_root)
-    if os.path.isdir(final):
-        return final  # only ever created by the rename below, so it is complete
+    if os.path.isdir(final):  # only ever created by the rename below, so it is complete
+        _point_source_at(final, gguf_path)
+        return final
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
     _remove_orphaned_partials(final)
@@ -107,6 +108,21 @@ def convert_gguf(gguf_path: str, cache_root: str = DEFAULT_CACHE_ROOT) -> str:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return final
+
+
+def _point_source_at(folder: str, gguf_path: str) -> None:
+    """Record where the file is now: the cache key ignores the file's location, so a moved
+    file finds its old folder, and `--quantization gguf` must read the file from here."""
+    marker = os.path.join(folder, SOURCE_FILE)
+    if not os.path.isfile(marker):
+        return
+    with open(marker, encoding="utf-8") as f:
+        source = json.load(f)
+    if source.get("gguf_path") == gguf_path:
+        return
+    partial = f"{marker}{_PARTIAL}{os.getpid()}"
+    _write_json(partial, {**source, "gguf_path": gguf_path})
+    os.replace(partial, marker)
 
 
 def _remove_orphaned_partials(final: str) -> None:

@@ -108,7 +108,8 @@ def load_model(
 
     `quantization="gguf"` on a folder converted from a GGUF file reads the decoder
     projections' Q4_0/Q4_1/Q8_0 blocks from that file into Int4Linear/Int8Linear layers
-    (engine/quantization/gguf_native.py) instead of loading the dense copies.
+    (engine/quantization/gguf_native.py); the folder's dense copies of those layers are
+    read from the safetensors stream and dropped.
     """
     quantization = validate_quantization(quantization)
     path = os.fspath(path)

@@ -9,6 +9,8 @@ format is defined in kernels/kv_quant.py.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -91,7 +93,12 @@ def _kernel_writes(kv_cache: torch.Tensor) -> bool:
     (the attention kernel reads fp8 as bytes, so it runs there either way)."""
     if kv_cache.dtype != torch.float8_e4m3fn or not kv_cache.is_cuda:
         return True
-    return torch.cuda.get_device_capability(kv_cache.device) >= (8, 9)
+    return _has_fp8_hardware(kv_cache.device.index if kv_cache.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp8_hardware(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def write_kv_cache(

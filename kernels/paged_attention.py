@@ -305,6 +305,7 @@ def paged_attention(
     # fp8 is read as bytes and decoded in the kernel: Triton's e4m3 type does not compile
     # below compute capability 8.9 (A100), and the decode costs nothing next to the load.
     fp8_bits = kv_cache.dtype == torch.float8_e4m3fn
+    assert not fp8_bits or kv_scales is not None, "an fp8 KV cache carries a scale per token and head"
     k_cache, v_cache = (kv_cache.view(torch.uint8) if fp8_bits else kv_cache).unbind(0)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     quant_kv = kv_scales is not None

@@ -221,6 +221,8 @@ def to_gptq(weight: Int4Weight, zero_minus_one: bool = True) -> dict[str, torch.
 
 
 def _dense_zeros(weight: Int4Weight) -> torch.Tensor:
+    if weight.zeros is not None and weight.zeros.is_floating_point():
+        raise ValueError("GPTQ/AWQ store integer zero points; this weight has real-valued ones (GGUF Q4_1)")
     if weight.zeros is not None:
         return weight.zeros
     return torch.full(weight.scales.shape, SYMMETRIC_ZERO, dtype=torch.uint8, device=weight.scales.device)

@@ -32,10 +32,13 @@ from tiny_models import build_tiny_model
 from tiny_tokenizer import save_tiny_tokenizer
 
 
+CONSTANT = 0.0123  # small: a bf16 zero term of 8 + min would round it away
+
+
 def blocks_with_edge_cases(rows: int, cols: int, seed: int) -> np.ndarray:
     """Random weights plus a constant block, an all-zero block and an all-negative block."""
     w = torch.randn(rows, cols, generator=gen(seed)).numpy()
-    w[0, :32] = 0.75  # Q4_1 stores d == 0 here: the block is its minimum everywhere
+    w[0, :32] = CONSTANT  # Q4_1 stores d == 0 here: the block is its minimum everywhere
     w[1, 32:64] = 0.0
     w[2, :32] = -np.abs(w[2, :32]) - 1.0
     return w.astype(np.float32)
@@ -54,7 +57,12 @@ def test_q4_blocks_map_onto_int4_exactly(qtype: Q) -> None:
     # than the file's code * d + min: a few fp32 ulps of the block's magnitude.
     tol = 0.0 if qtype == Q.Q4_0 else 4 * 2.0**-24 * float(expected.abs().max())
     assert float((got - expected).abs().max()) <= tol
-    assert float(got[0, :32].sub(0.75).abs().max()) <= 1e-6  # the d == 0 block
+    assert float(got[0, :32].sub(CONSTANT).abs().max()) <= 1e-5  # the d == 0 block (fp16 min)
+    # The CPU op (bf16 scales and zero terms) keeps the constant block too.
+    layer = Int4Linear(int4_from_gguf(*decode_q4(raw, qtype)))
+    assert layer.cpu_ready
+    column = layer(torch.eye(96)[:32]).t()[0]  # row 0 of the weight, first block
+    assert float(column.sub(CONSTANT).abs().max()) <= CONSTANT * 2**-7
 
 
 def test_q8_0_requantizes_per_channel_within_half_a_step() -> None:
@@ -133,6 +141,26 @@ def test_served_with_cpu_kernels_agrees_with_dense(tiny_mixed_gguf) -> None:
     agreement = prefix_agreement(dense, greedy_tokens(native, prompts, max_tokens=6))
     print(f"tiny mixed GGUF served natively: greedy agreement {agreement:.2f}")
     assert agreement >= 0.5
+
+
+def test_a_moved_gguf_still_serves_natively(tiny_mixed_gguf, tmp_path) -> None:
+    """The cache key ignores where the file lives, so a moved file finds its folder, which
+    must then read the blocks from the new place."""
+    with open(os.path.join(tiny_mixed_gguf, SOURCE_FILE), encoding="utf-8") as f:
+        old_path = json.load(f)["gguf_path"]
+    moved = str(tmp_path / os.path.basename(old_path))
+    shutil.copy2(old_path, moved)  # same size, mtime and header: the same cache key
+    cache = os.path.dirname(tiny_mixed_gguf)
+    assert convert_gguf(moved, cache) == tiny_mixed_gguf
+    with open(os.path.join(tiny_mixed_gguf, SOURCE_FILE), encoding="utf-8") as f:
+        assert json.load(f)["gguf_path"] == moved
+    os.rename(old_path, old_path + ".gone")
+    try:
+        model, _ = load_model(tiny_mixed_gguf, torch.float32, quantization="gguf")
+        assert isinstance(model.get_submodule("model.layers.0.mlp.down_proj"), Int4Linear)
+    finally:
+        os.rename(old_path + ".gone", old_path)
+        convert_gguf(old_path, cache)  # point it back for the other tests
 
 
 def test_gguf_quantization_refuses_other_models(tiny_model_dir, tiny_mixed_gguf, tmp_path) -> None:

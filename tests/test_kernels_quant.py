@@ -135,10 +135,10 @@ def test_w4a16_gemv_split_k_matches_reference(m: int, symmetric: bool) -> None:
 
 
 def test_gemv_split_k_fills_the_gpu_with_whole_tiles() -> None:
-    assert gemv_split_k(n_blocks=200, k_tiles=32, num_sms=132) == 2
-    assert gemv_split_k(n_blocks=64, k_tiles=32, num_sms=132) == 8
-    assert gemv_split_k(n_blocks=64, k_tiles=6, num_sms=132) == 1  # 6 tiles split no further
-    assert gemv_split_k(n_blocks=300, k_tiles=64, num_sms=132) == 1
+    assert gemv_split_k(n_blocks=448, k_tiles=64, num_sms=132) == 4  # 1792 programs >= 8 per SM
+    assert gemv_split_k(n_blocks=64, k_tiles=32, num_sms=132) == 16  # capped: two tiles per slice
+    assert gemv_split_k(n_blocks=64, k_tiles=6, num_sms=132) == 2  # 6 tiles halve once, into 3-tile slices
+    assert gemv_split_k(n_blocks=1100, k_tiles=64, num_sms=132) == 1
 
 
 @pytest.mark.parametrize("m", [1, 17])  # the GEMV and the tiled kernel

@@ -9,8 +9,9 @@ quantized layers:
   symmetric int4 with group 32 and ``scales = d``.
 * Q4_1 (fp16 ``d`` and ``min``; ``w = code * d + min``) is our asymmetric int4 with
   group 32 and a real-valued zero point ``z = -min / d`` (float32), so ``(code - z) * d``
-  gives the file's values to fp32 rounding. A block with ``d == 0`` holds ``min`` only:
-  it is stored as codes 0, scale 1, zero ``-min``.
+  gives the file's values to fp32 rounding (the GPU kernel; the CPU op rounds scales and
+  zero terms to bf16). A block with ``d == 0`` holds ``min`` only: it is stored as code 9,
+  zero 8, scale ``min``.
 * Q8_0 (fp16 ``d``, int8 codes; ``w = code * d``) has a scale per 32 weights, but our
   int8 layout (and torch's CPU int8 op) has one per output channel. Q8_0 rows are
   therefore re-quantized per channel from their exact values: one more rounding, about as
@@ -128,10 +129,13 @@ def int4_from_gguf(codes: torch.Tensor, d: torch.Tensor, minimum: torch.Tensor |
     """Decoded Q4_0/Q4_1 rows (``[N, K]`` codes, ``[N, K/32]`` d/min) -> an ``Int4Weight``, group 32."""
     if minimum is None:  # Q4_0: symmetric around 8, exactly our convention
         return Int4Weight(pack_nibbles(codes.t(), dim=0), d.t().half().contiguous(), None, BLOCK)
-    empty = d == 0  # the block is `min` everywhere, whatever its codes say
-    codes = codes.masked_fill(empty.repeat_interleave(BLOCK, dim=1), 0)
-    scale = torch.where(empty, torch.ones_like(d), d)
-    zero = -minimum / scale
+    # A block with d == 0 is `min` everywhere, whatever its codes say. Stored as code 9,
+    # zero 8, scale min: (9 - 8) * min is exact, and the CPU op's bf16 zero term for it,
+    # (8 - zero) * scale, is exactly 0 (scale 1 and zero -min would round a small min away).
+    empty = d == 0
+    codes = codes.masked_fill(empty.repeat_interleave(BLOCK, dim=1), 9)
+    scale = torch.where(empty, minimum, d)
+    zero = torch.where(empty, torch.full_like(d, 8.0), -minimum / torch.where(empty, torch.ones_like(d), d))
     return Int4Weight(pack_nibbles(codes.t(), dim=0), scale.t().half().contiguous(), zero.t().contiguous(), BLOCK)
 
 
