@@ -1,0 +1,58 @@
+"""Whole-model batch-1 decode on a GPU: dense bf16 against int8 and int4 weights.
+
+    python bench/gpu_decode.py                 # a random Llama-3.2-1B-shaped model
+    python bench/gpu_decode.py --layers 32 --hidden 4096 --intermediate 14336   # 8B-shaped
+
+Issue 4's targets are 1.8x (int8) and 2.8x (int4) over bf16. The model has random
+weights (speed does not depend on their values), built once under bench/out/models/.
+Decode rate is quant.py's: the time of a 1 + N token generation minus a 1-token one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from quant import decode_tokens_per_s  # noqa: E402
+from random_llama import build_random_model  # noqa: E402
+
+from cadence import LLM  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=8192)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    shape = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                 num_attention_heads=args.hidden // 64, num_key_value_heads=8, vocab_size=128256,
+                 tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=4096,
+                 rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
+    path = build_random_model(f"llama-h{args.hidden}-l{args.layers}-i{args.intermediate}", shape)
+    prompt = torch.randint(3, 128000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    print(f"# batch-1 decode on {torch.cuda.get_device_name()}: hidden {args.hidden}, {args.layers} layers, "
+          f"intermediate {args.intermediate}, torch {torch.__version__}\n")
+    print("| weights | decode tok/s | vs bf16 | ms per token |")
+    print("|---|---:|---:|---:|")
+    base = None
+    for method in (None, "int8", "int4"):
+        llm = LLM(path, dtype="bfloat16", quantization=method, max_model_len=1024, num_gpu_blocks=256)
+        rate = decode_tokens_per_s(llm, prompt, args.new_tokens, args.repeats)
+        base = base or rate
+        print(f"| {method or 'bf16'} | {rate:.1f} | {rate / base:.2f}x | {1000 / rate:.2f} |", flush=True)
+        del llm
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
