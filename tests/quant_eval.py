@@ -59,3 +59,21 @@ def prefix_agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequenc
         same = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
         fractions.append(same / len(ref))
     return sum(fractions) / len(fractions)
+
+
+# ---------------------------------------------------------------- the tiny random model
+
+TINY_PROMPTS = [[1, 5, 9, 33, 100, 7], [1, 250, 251, 3], [1, 42] * 5, [1, 300, 17, 18, 19, 20, 21, 480]]
+
+
+def tiny_llm(path: str, quantization: str | None) -> LLM:
+    return LLM(path, dtype="float32", quantization=quantization, block_size=4, max_model_len=256, num_gpu_blocks=256)
+
+
+def dense_sample(dense: LLM) -> list[int]:
+    """The tiny model's fixed "text": a seeded sample from the dense model itself. Random
+    token ids would score a perplexity of ~1e12 on this peaked random model, where any
+    change is noise; on its own sample the dense perplexity is ~1.8 and differences mean
+    something."""
+    sample = SamplingParams(max_tokens=200, temperature=1.0, seed=3, ignore_eos=True)
+    return [1] + dense.generate([{"prompt_token_ids": [1]}], sample)[0].outputs[0].token_ids

@@ -22,10 +22,9 @@ import math
 import pytest
 import torch
 from kernel_checks import cuda_only, gen, poisoned, rel_err
-from quant_eval import greedy_tokens, perplexity, prefix_agreement
+from quant_eval import TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
 from torch import nn
 
-from cadence import LLM, SamplingParams
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.quantization import Fp8Linear, quantize_model, validate_quantization
 from cadence.engine.quantization import fp8_linear as fp8_linear_module
@@ -200,22 +199,13 @@ def test_fp8_option_is_accepted_everywhere() -> None:
     assert build_parser().parse_args(["serve", "some/model", "--quantization", "fp8"]).quantization == "fp8"
 
 
-TINY_PROMPTS = [[1, 5, 9, 33, 100, 7], [1, 250, 251, 3], [1, 42] * 5, [1, 300, 17, 18, 19, 20, 21, 480]]
-
-
-def tiny_llm(path: str, quantization: str | None) -> LLM:
-    return LLM(path, dtype="float32", quantization=quantization, block_size=4, max_model_len=256, num_gpu_blocks=256)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks Fp8Linear's CPU path; CUDA runs fp8_matmul, "
                     "compared with its reference in the cuda_only tests above")
 def test_tiny_model_end_to_end_fp8(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tiny_model_dir("llama")
     dense = tiny_llm(path, None)
     ref_tokens = greedy_tokens(dense, TINY_PROMPTS, max_tokens=8)
-    # As in test_quantization.py: the "text" is a seeded sample of the dense model itself.
-    sample = SamplingParams(max_tokens=200, temperature=1.0, seed=3, ignore_eos=True)
-    text = [1] + dense.generate([{"prompt_token_ids": [1]}], sample)[0].outputs[0].token_ids
+    text = dense_sample(dense)
     ref_ppl = perplexity(dense, text)
 
     # Every fp8 layer call the engine makes is checked against the reference on the

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from cadence import LLM, SamplingParams
+from cadence import LLM
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.quantization import (
     Int4Linear,
@@ -30,7 +30,7 @@ from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.kernels import w4a16
 from cadence.engine.quantization.cpu_int4_layout import unpack_cpu_int4
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
-from quant_eval import EVAL_TEXT, greedy_tokens, perplexity, prefix_agreement
+from quant_eval import EVAL_TEXT, TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
 
 CPU_PATH_TOL = 1e-2
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -213,22 +213,11 @@ def test_cli_serves_gguf_models_in_their_own_blocks_unless_told() -> None:
 
 # ---------------------------------------------------------------- end to end, tiny model
 
-TINY_PROMPTS = [[1, 5, 9, 33, 100, 7], [1, 250, 251, 3], [1, 42] * 5, [1, 300, 17, 18, 19, 20, 21, 480]]
-
-
-def tiny_llm(path: str, quantization: str | None) -> LLM:
-    return LLM(path, dtype="float32", quantization=quantization, block_size=4, max_model_len=256, num_gpu_blocks=256)
-
-
 def test_tiny_model_end_to_end(tiny_model_dir) -> None:
     path = tiny_model_dir("llama")
     dense = tiny_llm(path, None)
     ref_tokens = greedy_tokens(dense, TINY_PROMPTS, max_tokens=8)
-    # The fixed "text": a seeded sample from the dense model itself. Random token ids
-    # would score a perplexity of ~1e12 on this peaked random model, where any change is
-    # noise; on its own sample the dense perplexity is ~1.8 and differences mean something.
-    sample = SamplingParams(max_tokens=200, temperature=1.0, seed=3, ignore_eos=True)
-    text = [1] + dense.generate([{"prompt_token_ids": [1]}], sample)[0].outputs[0].token_ids
+    text = dense_sample(dense)
     ref_ppl = perplexity(dense, text)
     results = {}
     for method in ("int8", "int4"):

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence.engine.quantization.cpu_policy import cpu_policy
+from cadence.engine.quantization.linear import QuantizedLinear
 from cadence.kernels.fp8_format import (
     FP16_DECODE_DIVISOR,
     FP8_DTYPE,
@@ -57,7 +58,7 @@ from cadence.kernels.fp8_format import (
 _FP16_SAFE_K = int(torch.finfo(torch.float16).max / (448.0 / FP16_DECODE_DIVISOR) ** 2)
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(QuantizedLinear):
     """``y = quant(x) @ (qweight * weight_scale[:, None]).T + bias`` with e4m3 ``[N, K]`` weights."""
 
     def __init__(self, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -82,18 +83,10 @@ class Fp8Linear(nn.Module):
         """The dense ``[N, K]`` weight these buffers stand for (tests, references)."""
         return dequantize_fp8(self.qweight, self.weight_scale, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x.is_cuda:
-            from cadence.kernels.w8a8_fp8 import fp8_matmul  # imports triton: only when used
+    def _cuda_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        from cadence.kernels.w8a8_fp8 import fp8_matmul  # imports triton: only when used
 
-            y = fp8_matmul(x2, self.qweight, self.weight_scale)
-        else:
-            y = self._cpu_matmul(x2)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+        return fp8_matmul(x2, self.qweight, self.weight_scale)
 
     def _cpu_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         dtype = cpu_policy().fp8_matmul_dtype()

@@ -40,7 +40,30 @@ _CPU_INT4_GROUPS = (32, 64, 128, 256)
 logger = logging.getLogger(__name__)
 
 
-class Int8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """What every quantized projection shares: ``[..., K]`` in, ``[..., N]`` out in the
+    activation dtype, a kernel on CUDA and a torch path on CPU, bias added last."""
+
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        y = self._cuda_matmul(x2) if x.is_cuda else self._cpu_matmul(x2)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def _cuda_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _cpu_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
     """``y = x @ (qweight * scale[:, None]).T + bias`` with int8 ``[N, K]`` weights."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -62,18 +85,10 @@ class Int8Linear(nn.Module):
         """The dense ``[N, K]`` weight these buffers stand for (tests, references)."""
         return dequantize_int8(self.qweight, self.scale, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x.is_cuda:
-            from cadence.kernels.w8a16 import w8a16_matmul  # imports triton: only when used
+    def _cuda_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        from cadence.kernels.w8a16 import w8a16_matmul  # imports triton: only when used
 
-            y = w8a16_matmul(x2, self.qweight, self.scale)
-        else:
-            y = self._cpu_matmul(x2)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+        return w8a16_matmul(x2, self.qweight, self.scale)
 
     def _cpu_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         policy = cpu_policy()
@@ -93,7 +108,7 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """``y = x @ dequant(Int4Weight).T + bias`` with group-wise int4 weights."""
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None) -> None:
@@ -160,29 +175,24 @@ class Int4Linear(nn.Module):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.cpu_packed, self.cpu_group_size, self.cpu_scales_zeros)
         return y.to(x2.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x.is_cuda:
-            from cadence.kernels.w4a16 import w4a16_matmul  # imports triton: only when used
+    def _cuda_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        from cadence.kernels.w4a16 import w4a16_matmul  # imports triton: only when used
 
-            y = w4a16_matmul(x2, self.int4_weight())
-        elif self.cpu_packed is not None and (x2.shape[0] <= cpu_policy().int4_packed_max_m or self.cpu_block_n is None):
-            y = self._cpu_packed_matmul(x2)
-        elif self.cpu_packed is not None:
-            # Large M: the packed op is compute-bound; a per-call bf16 copy of the weight
-            # (freed right after) lets the AMX matmul run, as for int8.
-            w = dequantize_cpu_int4(self.cpu_packed, self.cpu_scales_zeros, self.out_features, self.in_features,
-                                    self.cpu_group_size, self.cpu_block_n)
-            y = F.linear(x2.to(torch.bfloat16), w).to(x2.dtype)
-        else:
+        return w4a16_matmul(x2, self.int4_weight())
+
+    def _cpu_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.cpu_packed is None:
             # Shapes the CPU op refuses (N % 16, odd groups): dequantize per call. Slow but
             # rare (no Llama-family projection we serve has such a shape). Plain torch:
             # a CPU install need not have triton.
-            y = F.linear(x2, dequantize_int4(self.int4_weight(), x2.dtype))
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+            return F.linear(x2, dequantize_int4(self.int4_weight(), x2.dtype))
+        if x2.shape[0] <= cpu_policy().int4_packed_max_m or self.cpu_block_n is None:
+            return self._cpu_packed_matmul(x2)
+        # Large M: the packed op is compute-bound; a per-call bf16 copy of the weight
+        # (freed right after) lets the AMX matmul run, as for int8.
+        w = dequantize_cpu_int4(self.cpu_packed, self.cpu_scales_zeros, self.out_features, self.in_features,
+                                self.cpu_group_size, self.cpu_block_n)
+        return F.linear(x2.to(torch.bfloat16), w).to(x2.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
