@@ -104,7 +104,8 @@ def serve(args: argparse.Namespace) -> None:
         max_request_body_bytes=args.max_request_body_bytes,
     )
     app = build_app(engine_args, config)
-    logger.info("serving %s as %s on http://%s:%d", model_path, names[0], args.host, args.port)
+    logger.info("serving %s as %s on http://%s:%d (quantization: %s)", model_path, names[0], args.host, args.port,
+                engine_args.quantization or "none")
     # uvicorn drains on SIGTERM, then re-raises it under the handler it found; make that a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(
