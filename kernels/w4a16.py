@@ -72,7 +72,7 @@ def _w4a16_gemv_kernel(
 
     Each packed int32 is loaded once and unpacked into its eight codes in registers, and
     products accumulate in a [BLOCK_M, BLOCK_K, BLOCK_N] register tile, reduced over K
-    once at the end (a reduction per tile cost 2-3x on an H100). With SPLIT_K > 1
+    once at the end rather than per tile. With SPLIT_K > 1
     the slices meet in ``out_ptr`` (fp32, zeroed by the caller) through atomic adds.
     """
     pid_n = tl.program_id(0)
