@@ -9,13 +9,12 @@ format is defined in kernels/kv_quant.py.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from cadence.kernels.kv_quant import quantize_rows, quantized_max
+from cadence.kernels.launch import has_fp8_hardware
 
 
 def reference(
@@ -91,14 +90,7 @@ def _kernel_writes(kv_cache: torch.Tensor) -> bool:
     """Whether the kernel can store this cache's dtype: Triton's e4m3 type needs compute
     capability 8.9+, so an fp8 cache on an older GPU (A100) is written by ``reference``
     (the attention kernel reads fp8 as bytes, so it runs there either way)."""
-    if kv_cache.dtype != torch.float8_e4m3fn or not kv_cache.is_cuda:
-        return True
-    return _has_fp8_hardware(kv_cache.device.index if kv_cache.device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _has_fp8_hardware(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+    return kv_cache.dtype != torch.float8_e4m3fn or not kv_cache.is_cuda or has_fp8_hardware(kv_cache.device)
 
 
 def write_kv_cache(

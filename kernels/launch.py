@@ -2,6 +2,7 @@
 how a GEMV splits K to fill the GPU."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -44,7 +45,27 @@ def gemv_split_k(n_blocks: int, k_tiles: int, num_sms: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
-    """The GPU's SM count (the interpreter gets a small nominal one)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter: small, but enough to exercise the split path in tests
+    """The GPU's SM count; CPU tensors (the interpreter) get a nominal 8, small but enough
+    to exercise the split paths in tests."""
+    return _sm_count(_cuda_index(device)) if device.type == "cuda" else 8
+
+
+def has_fp8_hardware(device: torch.device) -> bool:
+    """Whether the GPU has fp8 arithmetic (compute capability 8.9+): ``_scaled_mm`` and
+    Triton's e4m3 type need it."""
+    return device.type == "cuda" and _capability(_cuda_index(device)) >= (8, 9)
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+# Both are asked on every kernel launch; the answers never change for a device.
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from cadence.kernels.fp8_bits import FP16_DECODE_DIVISOR, e4m3_bits_to_fp16
+from cadence.kernels.launch import num_sms as gpu_sm_count
 
 FP8_UNDO = tl.constexpr(FP16_DECODE_DIVISOR)  # decoded e4m3 bytes are this much too small
 
@@ -238,12 +239,6 @@ def _merge_kernel(
     )
 
 
-def _nominal_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # CPU / interpreter: a nominal machine, so splitting can be exercised
-
-
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -293,7 +288,7 @@ def paged_attention(
             max_seq_len = int(seq_lens.max())
         busy = min(num_q_programs, num_seqs * -(-max_query_len // block_q))
         num_splits = choose_num_splits(
-            busy, num_kv_heads, max_seq_len, num_sms or _nominal_sms(q.device)
+            busy, num_kv_heads, max_seq_len, num_sms or gpu_sm_count(q.device)
         )
     split = num_splits > 1
     if split:

@@ -23,7 +23,6 @@
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -31,7 +30,7 @@ import triton.language as tl
 
 from cadence.kernels.fp8_bits import FP16_DECODE_DIVISOR, e4m3_bits_to_fp16
 from cadence.kernels.fp8_format import quantize_fp8_per_token
-from cadence.kernels.launch import check_activations, triton_usable
+from cadence.kernels.launch import check_activations, has_fp8_hardware, triton_usable
 
 # Both decoded operands are FP16_DECODE_DIVISOR times too small, so the accumulator is
 # its square too small.
@@ -88,18 +87,13 @@ def _w8a8_fp8_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@functools.lru_cache(maxsize=None)
-def _device_has_fp8_mma(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
-
-
 def scaled_mm_usable(x: torch.Tensor, n: int, k: int) -> bool:
     """Whether ``torch._scaled_mm`` can serve this matmul (see the module docstring)."""
     if not x.is_cuda or torch.version.hip is not None or not hasattr(torch, "_scaled_mm"):
         return False  # ROCm's MI300 wants e4m3fnuz, a different format from ours
     if k % _SCALED_MM_ALIGN or n % _SCALED_MM_ALIGN:
         return False
-    return _device_has_fp8_mma(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return has_fp8_hardware(x.device)
 
 
 def _scaled_mm_rowwise(

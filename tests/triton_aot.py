@@ -68,6 +68,7 @@ def _arg_type(value: Any) -> str:
 
 def record_launches(cases: dict[str, Callable[[], object]]) -> list[Launch]:
     """Run each case with kernel launches captured instead of executed (interpreter mode)."""
+    import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -78,8 +79,6 @@ def record_launches(cases: dict[str, Callable[[], object]]) -> list[Launch]:
     def capture(self: InterpretedFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         bound = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in self.arg_names}
         options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
-        import triton.language as tl
-
         hints = self.fn.__annotations__
         constexpr_names = {n for n in self.arg_names if "constexpr" in str(hints.get(n, ""))}
         launches.append(Launch(

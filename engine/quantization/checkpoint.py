@@ -206,7 +206,7 @@ class CheckpointQuantizer:
         self.model, self.quant, self.dtype, self.device = model, quant, dtype, device
         self.expected: dict[str, set[str]] = {}  # HF projection module -> tensor attrs present
         for name in names:
-            proj = _projection_of(name)
+            proj = projection_of(name)
             if proj is not None:
                 self.expected.setdefault(proj[0], set()).add(name.rsplit(".", 1)[1])
         self.received: dict[str, dict[str, torch.Tensor]] = {}  # HF projection -> tensors so far
@@ -216,7 +216,7 @@ class CheckpointQuantizer:
     def filter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the dense tensors; consume (and convert) the quantized projections'."""
         for name, tensor in weights:
-            proj = _projection_of(name)
+            proj = projection_of(name)
             if proj is None:
                 yield name, tensor
                 continue
@@ -241,7 +241,7 @@ class CheckpointQuantizer:
                 weight = from_awq(t["qweight"], t["qzeros"], t["scales"], group_size=q.group_size)
         except ValueError as exc:
             raise ValueError(f"{hf_module}: {exc}") from None
-        prefix, fused, shard = _fused_of(hf_module)
+        prefix, fused, shard = fused_of(hf_module)
         shards = self.converted.setdefault(prefix + fused, {})
         shards[shard] = (weight, t.get("bias"))
         if len(shards) == len(FUSED_SHARDS[fused]):
@@ -284,7 +284,7 @@ class CheckpointQuantizer:
             raise ValueError(f"{self.quant.method} checkpoint is missing quantized weights: {', '.join(missing[:8])}")
 
 
-def _projection_of(name: str) -> tuple[str, str] | None:
+def projection_of(name: str) -> tuple[str, str] | None:
     """``model.layers.3.self_attn.q_proj.qweight`` -> (module, attr) for decoder projections."""
     if "." not in name:
         return None
@@ -295,7 +295,7 @@ def _projection_of(name: str) -> tuple[str, str] | None:
     return None
 
 
-def _fused_of(hf_module: str) -> tuple[str, str, int]:
+def fused_of(hf_module: str) -> tuple[str, str, int]:
     """``model.layers.3.self_attn.k_proj`` -> ("model.layers.3.", "self_attn.qkv_proj", 1)."""
     for hf, (fused, shard) in HF_PROJECTIONS.items():
         if hf_module.endswith("." + hf):

@@ -37,7 +37,13 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from cadence.engine.gguf_loader import SOURCE_FILE, cache_key, unpermute_rope_rows
-from cadence.engine.quantization.checkpoint import FUSED_SHARDS, HF_PROJECTIONS, PendingInt4Linear, concat_int4
+from cadence.engine.quantization.checkpoint import (
+    FUSED_SHARDS,
+    PendingInt4Linear,
+    fused_of,
+    projection_of,
+    concat_int4,
+)
 from cadence.engine.quantization.linear import Int4Linear, Int8Linear
 from cadence.kernels.quant_formats import Int4Weight, pack_nibbles, quantize_int8
 
@@ -192,9 +198,13 @@ class GgufNativeLoader:
     def filter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Drop the dense copies of natively loaded projections; keep their biases aside."""
         for name, tensor in weights:
-            module, _, attr = name.rpartition(".")
-            fused_name = _fused_name_of(module)
-            if fused_name is None or fused_name not in self.plan:
+            projection = projection_of(name)
+            if projection is None:
+                yield name, tensor
+                continue
+            module, attr = projection
+            prefix, fused, _ = fused_of(module)
+            if prefix + fused not in self.plan:
                 yield name, tensor
             elif attr == "bias":
                 self.biases[module] = tensor
@@ -250,12 +260,4 @@ def _fused_suffix(name: str) -> str | None:
     for fused in FUSED_SHARDS:
         if name.endswith("." + fused):
             return fused
-    return None
-
-
-def _fused_name_of(hf_module: str) -> str | None:
-    """``model.layers.3.self_attn.k_proj`` -> ``model.layers.3.self_attn.qkv_proj``."""
-    for hf, (fused, _) in HF_PROJECTIONS.items():
-        if hf_module.endswith("." + hf):
-            return hf_module[: -len(hf)] + fused
     return None
