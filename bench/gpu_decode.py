@@ -5,7 +5,11 @@
 
 Issue 4's targets are 1.8x (int8) and 2.8x (int4) over bf16. The model has random
 weights (speed does not depend on their values), built once under bench/out/models/.
-Decode rate is quant.py's: the time of a 1 + N token generation minus a 1-token one.
+Decode rate is quant.py's: the time of a 1 + N token generation minus a 1-token one,
+through the whole engine (scheduler, sampler, detokenizer). Each weight format runs with
+decode CUDA graphs (the default) and with --enforce-eager. "graph GPU ms" replays the
+captured batch-1 forward alone, timed with CUDA events: the decoder layers' GPU time,
+whose weight bytes over that time give "layers GB/s".
 """
 from __future__ import annotations
 
@@ -41,17 +45,39 @@ def main(argv: list[str] | None = None) -> int:
     prompt = torch.randint(3, 128000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     print(f"# batch-1 decode on {torch.cuda.get_device_name()}: hidden {args.hidden}, {args.layers} layers, "
           f"intermediate {args.intermediate}, torch {torch.__version__}\n")
-    print("| weights | decode tok/s | vs bf16 | ms per token |")
-    print("|---|---:|---:|---:|")
+    print("| weights | graphs tok/s | vs bf16 | eager tok/s | graphs / eager | graph GPU ms | layers GB/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     base = None
     for method in (None, "int8", "int4"):
-        llm = LLM(path, dtype="bfloat16", quantization=method, max_model_len=1024, num_gpu_blocks=256)
-        rate = decode_tokens_per_s(llm, prompt, args.new_tokens, args.repeats)
-        base = base or rate
-        print(f"| {method or 'bf16'} | {rate:.1f} | {rate / base:.2f}x | {1000 / rate:.2f} |", flush=True)
-        del llm
-        torch.cuda.empty_cache()
+        rates = {}
+        for eager in (False, True):
+            llm = LLM(path, dtype="bfloat16", quantization=method, max_model_len=1024, num_gpu_blocks=256,
+                      enforce_eager=eager)
+            rates[eager] = decode_tokens_per_s(llm, prompt, args.new_tokens, args.repeats)
+            if not eager:
+                gpu_ms = replay_ms(llm)
+                layer_bytes = sum(t.numel() * t.element_size() for t in
+                                  [*llm.engine.model.model.layers.parameters(), *llm.engine.model.model.layers.buffers()])
+            del llm
+            torch.cuda.empty_cache()
+        base = base or rates[False]
+        print(f"| {method or 'bf16'} | {rates[False]:.1f} | {rates[False] / base:.2f}x | {rates[True]:.1f} | "
+              f"{rates[False] / rates[True]:.2f}x | {gpu_ms:.3f} | {layer_bytes / gpu_ms / 1e6:.0f} |", flush=True)
     return 0
+
+
+def replay_ms(llm: LLM, replays: int = 200) -> float:
+    """Median GPU time of one replay of the batch-1, unsplit decode graph."""
+    graph = llm.engine.runner.decode_graphs._captured[(1, 1)].graph
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 if __name__ == "__main__":

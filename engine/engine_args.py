@@ -32,6 +32,9 @@ class EngineArgs:
     # The KV cache's storage: "auto" (the model's dtype), or "int8" / "fp8" with a scale
     # per token and KV head, which holds about 2-4x more tokens in the same memory.
     kv_cache_dtype: str = "auto"
+    # Decode steps replay CUDA graphs on a GPU (engine/cuda_graphs.py); True launches
+    # every kernel from Python instead, as vLLM's flag of the same name does.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         # Imported here so building EngineArgs (the CLI does, early) stays light.

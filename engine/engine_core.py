@@ -70,7 +70,8 @@ class EngineCore:
         )
         self.num_kv_blocks = num_blocks
         self.runner = ModelRunner(
-            self.model, num_blocks, args.block_size, self.dtype, self.device, args.attention_backend, args.kv_cache_dtype
+            self.model, num_blocks, args.block_size, self.dtype, self.device, args.attention_backend, args.kv_cache_dtype,
+            enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
         )
         self.eos_token_ids = generation_eos_ids(args.model, config)
         self.vocab_size = config.vocab_size

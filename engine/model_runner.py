@@ -20,7 +20,9 @@ from cadence.engine.attention.backend import (
     split_kv_cache,
 )
 from cadence.engine.attention.selector import create_attention_backend
+from cadence.engine.cuda_graphs import DecodeGraphs
 from cadence.kernels.kv_quant import KV_CACHE_DTYPES
+from cadence.kernels.launch import has_fp8_hardware
 from cadence.engine.protocol import TokenLogprobs
 from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from cadence.engine.sampling_params import SamplingParams
@@ -69,6 +71,10 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
+        *,
+        enforce_eager: bool = False,
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
     ) -> None:
         self.model = model
         self.device = device
@@ -79,6 +85,13 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = [
             allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device) for _ in range(model.config.num_hidden_layers)
         ]
+        self.decode_graphs: DecodeGraphs | None = None
+        if not enforce_eager and self._graphs_supported(kv_cache_dtype):
+            self.decode_graphs = DecodeGraphs(
+                model, self.backend, self.kv_caches, max_batch=max_num_seqs, max_model_len=max_model_len,
+                block_size=block_size, device=device,
+            )
+            self.decode_graphs.capture()
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         # Prompt positions whose logprobs were already reported: a preempted request
@@ -98,6 +111,31 @@ class ModelRunner:
         # Decodes (one new token) first, shortest context first: the backend batches
         # decodes of similar length into one attention call.
         items = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.request.num_computed_tokens))
+        if self.decode_graphs is not None and self.decode_graphs.can_run(items):
+            query_starts, hidden = list(range(len(items))), self.decode_graphs.run(items)
+        else:
+            query_starts, hidden = self._run_eager(items)
+
+        result = ModelRunnerOutput()
+        self._prompt_logprobs(items, query_starts, hidden, result)
+        sampling = [(i, item) for i, item in enumerate(items) if item.samples]
+        if sampling:
+            last_rows = torch.tensor(
+                [query_starts[i] + item.num_new_tokens - 1 for i, item in sampling], device=self.device
+            )
+            logits = self.model.compute_logits(hidden[last_rows])
+            self._sample([item for _, item in sampling], logits, result)
+        return result
+
+    def _graphs_supported(self, kv_cache_dtype: str) -> bool:
+        """CUDA graphs need the Triton backend on a GPU, and no host sync in the step: an
+        fp8 cache below compute capability 8.9 is written by torch code that syncs."""
+        if self.device.type != "cuda" or type(self.backend).__name__ != "TritonAttentionBackend":
+            return False
+        return kv_cache_dtype != "fp8" or has_fp8_hardware(self.device)
+
+    def _run_eager(self, items: list[ScheduledRequest]) -> tuple[list[int], torch.Tensor]:
+        """Any step, launched op by op: returns each sequence's first row and the hidden states."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_starts: list[int] = []
@@ -110,18 +148,7 @@ class ModelRunner:
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         batch = self._step_batch(items, query_starts, positions_t)
         ctx = AttentionContext(self.backend, self.kv_caches, self.backend.build_metadata(batch))
-        hidden = self.model(input_ids_t, positions_t, ctx)
-
-        result = ModelRunnerOutput()
-        self._prompt_logprobs(items, query_starts, hidden, result)
-        sampling = [(i, item) for i, item in enumerate(items) if item.samples]
-        if sampling:
-            last_rows = torch.tensor(
-                [query_starts[i] + item.num_new_tokens - 1 for i, item in sampling], device=self.device
-            )
-            logits = self.model.compute_logits(hidden[last_rows])
-            self._sample([item for _, item in sampling], logits, result)
-        return result
+        return query_starts, self.model(input_ids_t, positions_t, ctx)
 
     def _step_batch(
         self, items: list[ScheduledRequest], query_starts: list[int], positions: torch.Tensor

@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend", default="auto", choices=["auto", "torch", "triton"], help="auto: Triton on CUDA, torch on CPU"
     )
     serve.add_argument(
+        "--enforce-eager", action="store_true",
+        help="on a GPU, launch decode steps kernel by kernel instead of replaying CUDA graphs",
+    )
+    serve.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV of shared prefixes"
     )
     serve.add_argument(

@@ -26,6 +26,8 @@ class TritonMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     max_query_len: int
     max_seq_len: int  # known on the host, so choosing split-KV never syncs the device
+    # Split-KV pieces, fixed by a CUDA graph (its grid is baked in); None: chosen per step.
+    num_splits: int | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -64,6 +66,7 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.max_query_len,
             self.spec.scale,
             window=self.spec.sliding_window,
+            num_splits=metadata.num_splits,
             max_seq_len=metadata.max_seq_len,
             kv_scales=scales,
         )

@@ -1,0 +1,92 @@
+"""Decode steps through DecodeGraphs' static, padded inputs give the eager engine's tokens.
+
+On CPU nothing can be captured, so `DecodeGraphs(use_graphs=False)` runs the forward on
+the very buffers a replay would read: padded batch sizes, the KV slot -1 of padding rows,
+one upload per step and a fixed split count. The Triton attention kernel runs in the
+interpreter. On a GPU the same checks run with real graph capture and replay.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_correctness import hf_greedy
+
+from cadence import LLM, SamplingParams
+from cadence.engine.cuda_graphs import CAPTURE_BATCH_SIZES, DecodeGraphs
+
+# Three sequences pad to a batch of 4; the lengths differ so the rows' contexts differ.
+PROMPTS = [[5, 9, 13], [20 + i for i in range(9)], [7, 7, 7, 7, 8]]
+MAX_TOKENS = 5
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def count_runs(graphs: DecodeGraphs) -> list[int]:
+    """Wraps `graphs.run` to record each decode step's batch size."""
+    sizes: list[int] = []
+    run = graphs.run
+
+    def counted(items):
+        sizes.append(len(items))
+        return run(items)
+
+    graphs.run = counted  # type: ignore[method-assign]
+    return sizes
+
+
+def test_padded_static_inputs_give_the_eager_tokens(tiny_model_dir) -> None:
+    path = tiny_model_dir("llama")
+    expected = hf_greedy(path, PROMPTS, MAX_TOKENS)
+    llm = LLM(path, dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks=64, attention_backend="triton",
+              enforce_eager=True)
+    runner = llm.engine.runner
+    assert runner.decode_graphs is None
+    runner.decode_graphs = DecodeGraphs(
+        runner.model, runner.backend, runner.kv_caches, max_batch=4, max_model_len=64, block_size=4,
+        device=runner.device, use_graphs=False,
+    )
+    sizes = count_runs(runner.decode_graphs)
+    # Block 0, the first one handed out, holds the first prompt's position 0: a padding
+    # row writing to slot 0 instead of skipping its slot -1 would change that prompt's tokens.
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())] == expected
+    # Every step after the prefill was a 3-sequence decode through the padded path.
+    assert sizes == [3] * (MAX_TOKENS - 1)
+
+
+def test_batch_sizes_and_split_ladder() -> None:
+    assert list(CAPTURE_BATCH_SIZES) == sorted(set(CAPTURE_BATCH_SIZES))
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.num_kv_heads, graphs.num_sms, graphs.max_model_len = 8, 132, 32768
+    # One sequence of 8 KV heads leaves 124 of 132 SMs idle: up to cdiv(132, 8) = 17 splits.
+    assert graphs.split_ladder(1) == [1, 2, 4, 8, 16]
+    assert graphs.split_ladder(32) == [1]  # 256 programs already fill the GPU
+    graphs.max_model_len = 300
+    assert graphs.split_ladder(1) == [1]  # too short to split at all
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@cuda
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_replayed_graphs_match_eager_on_gpu(tiny_model_dir, kv_cache_dtype: str) -> None:
+    path = tiny_model_dir("llama")
+    options = dict(dtype="float32", block_size=16, max_model_len=2048, num_gpu_blocks=512, kv_cache_dtype=kv_cache_dtype)
+    # A long prompt makes the one-sequence step choose split-KV (2048 // 256 splits).
+    prompts = PROMPTS + [[(11 * i) % 300 + 3 for i in range(1500)]]
+    eager = LLM(path, enforce_eager=True, **options)
+    assert eager.engine.runner.decode_graphs is None
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy())]
+    expected_long = [o.outputs[0].token_ids for o in eager.generate(prompts[-1:], greedy())]
+    del eager
+
+    llm = LLM(path, **options)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and graphs.use_graphs
+    assert (1, 4) in graphs._captured  # the one-sequence ladder reaches 4 splits
+    sizes = count_runs(graphs)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[-1:], greedy())] == expected_long
+    assert sizes and set(sizes) <= {4, 1}
