@@ -7,6 +7,7 @@ both live in the engine-core process, so nothing needs copying between them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,13 +21,15 @@ from cadence.engine.attention.backend import (
     split_kv_cache,
 )
 from cadence.engine.attention.selector import create_attention_backend
-from cadence.engine.cuda_graphs import DecodeGraphs
 from cadence.kernels.kv_quant import KV_CACHE_DTYPES
 from cadence.kernels.launch import has_fp8_hardware
 from cadence.engine.protocol import TokenLogprobs
 from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from cadence.engine.sampling_params import SamplingParams
 from cadence.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:  # the module imports triton, which a CPU install lacks
+    from cadence.engine.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -87,6 +90,8 @@ class ModelRunner:
         ]
         self.decode_graphs: DecodeGraphs | None = None
         if not enforce_eager and self._graphs_supported(kv_cache_dtype):
+            from cadence.engine.cuda_graphs import DecodeGraphs
+
             self.decode_graphs = DecodeGraphs(
                 model, self.backend, self.kv_caches, max_batch=max_num_seqs, max_model_len=max_model_len,
                 block_size=block_size, device=device,

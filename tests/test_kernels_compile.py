@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from cadence.kernels import fused_moe, kv_cache_write, paged_attention, w4a16, w8a16, w8a8_fp8
+from cadence.kernels import fused_moe, kv_cache_write, paged_attention, rms_norm, rotary, silu_and_mul, w4a16, w8a16, w8a8_fp8
 from cadence.kernels.fp8_format import quantize_fp8_weight
 from cadence.kernels.quant_formats import Int4Weight, quantize_int4, quantize_int8
 from triton_aot import Launch, dump_launches, record_launches
@@ -101,9 +101,27 @@ def moe_cases() -> dict[str, Callable[[], object]]:
     return cases
 
 
+def layer_op_cases() -> dict[str, Callable[[], object]]:
+    """Llama-8B's widths: hidden 4096, 32/8 heads of 128, intermediate 14336."""
+    cases: dict[str, Callable[[], object]] = {}
+    angles = torch.rand(64, 64)
+    for dtype in (*HALF, torch.float32):
+        x, weight = torch.randn(3, 4096, dtype=dtype), torch.ones(4096, dtype=dtype)
+        qkv = torch.randn(3, 48 * 128, dtype=dtype)
+        q, k = qkv[:, : 32 * 128].view(3, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(3, 8, 128)
+        name = str(dtype)[6:]
+        cases[f"rms_norm {name}"] = lambda x=x, weight=weight: rms_norm.rms_norm(x, weight, 1e-5)
+        cases[f"rms_norm residual {name}"] = lambda x=x, weight=weight: rms_norm.rms_norm(x, weight, 1e-5, x)
+        cases[f"rotary {name}"] = lambda q=q, k=k: rotary.apply_rotary(
+            torch.tensor([0, 5, 9]), q, k, angles.cos(), angles.sin())
+        cases[f"silu_and_mul {name}"] = lambda dtype=dtype: silu_and_mul.silu_and_mul(
+            torch.randn(3, 2 * 14336, dtype=dtype))
+    return cases
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> tuple[list[Launch], list[dict]]:
-    launches = record_launches({**quant_cases(), **attention_cases(), **moe_cases()})
+    launches = record_launches({**quant_cases(), **attention_cases(), **moe_cases(), **layer_op_cases()})
     path = str(tmp_path_factory.mktemp("aot") / "launches.json")
     dump_launches(launches, path)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -118,7 +136,8 @@ def test_every_wrapper_launch_was_recorded(compiled) -> None:
     launches, _ = compiled
     kernels = {launch.kernel for launch in launches}
     assert kernels == {"_w8a16_kernel", "_w4a16_gemv_kernel", "_w4a16_gemm_kernel", "_w8a8_fp8_kernel",
-                       "_attention_kernel", "_merge_kernel", "_write_kernel", "_moe_gemm_kernel"}
+                       "_attention_kernel", "_merge_kernel", "_write_kernel", "_moe_gemm_kernel",
+                       "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
 
 
 def test_every_launch_compiles_for_a100_and_h100(compiled) -> None:

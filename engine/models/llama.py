@@ -15,22 +15,26 @@ from torch import nn
 
 from cadence.engine.attention.backend import AttentionContext, AttentionSpec
 from cadence.engine.model_config import ModelConfig
+from cadence.engine.models.fused_ops import rms_norm, silu_and_mul
 from cadence.engine.models.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, then cast back before the weight, as transformers does."""
+    """RMSNorm computed in float32, then cast back before the weight, as transformers does.
+
+    Called with a residual, it first adds it (``x + residual`` becomes the next residual),
+    as one kernel on a GPU.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -85,12 +89,16 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The residual stream is carried beside the block's output, as vLLM does, so each add
+    fuses into the norm after it: the layer takes and returns (output, residual), and
+    the input to the next norm is their sum.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -100,10 +108,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: its input is the residual
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x, ctx), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -126,10 +138,12 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, ctx)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
 
 # HF checkpoint name suffix -> (our parameter suffix, shard index) for the fused weights.

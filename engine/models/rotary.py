@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from cadence.engine.models.fused_ops import apply_rotary
+
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -130,18 +132,8 @@ class RotaryEmbedding:
     def __call__(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H, D] and k [T, KV, D] by positions [T]; returns new tensors."""
+        """Rotate q [T, H, D] and k [T, KV, D] by positions [T] (on a GPU in place)."""
         if self.cos is None or self.cos.device != positions.device:
             self.build(positions.device)
         assert self.cos is not None and self.sin is not None
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Equal to HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), without building
-    # the concatenated tables or the rotated copy.
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return apply_rotary(positions, q, k, self.cos, self.sin)

@@ -1,0 +1,45 @@
+"""The model's small elementwise ops, each one Triton kernel on a GPU and torch on a CPU.
+
+RMSNorm (with the residual add before it), rotary embedding and SwiGLU's activation are
+a few kilobytes of work per token; as torch ops they were ~30 launches per decoder layer,
+which dominated a batch-1 decode step's GPU time once CUDA graphs removed the launch cost.
+The kernels round as the torch code does (``kernels/layer_ops_reference.py``), so the two
+paths agree. CPU tensors take the torch code: triton is only needed where the kernels
+run, so it is imported on first use.
+"""
+from __future__ import annotations
+
+import torch
+
+from cadence.kernels import layer_ops_reference as reference
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``weight * rmsnorm(x)``, or with ``residual`` ``(weight * rmsnorm(x + residual), x + residual)``."""
+    if x.is_cuda:
+        from cadence.kernels.rms_norm import rms_norm as kernel
+
+        return kernel(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def apply_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by their positions (on a GPU in place; on a CPU as new tensors)."""
+    if q.is_cuda:
+        from cadence.kernels.rotary import apply_rotary as kernel
+
+        return kernel(positions, q, k, cos, sin)
+    return reference.rotary(positions, q, k, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused ``[..., 2 * I]`` projection output."""
+    if gate_up.is_cuda:
+        from cadence.kernels.silu_and_mul import silu_and_mul as kernel
+
+        return kernel(gate_up)
+    return reference.silu_and_mul(gate_up)
