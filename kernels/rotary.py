@@ -7,8 +7,9 @@ together, writing back into their (possibly strided, e.g. views of the fused qkv
 storage.
 
 Layout is Hugging Face's non-interleaved one: dimension i pairs with i + head_dim / 2.
-Rounding follows the torch code: cos/sin are rounded to the activation dtype, and each
-product and sum is rounded as torch's elementwise ops round.
+cos/sin are rounded to the activation dtype as in the torch code, but each rotated value
+is computed in float32 and rounded once, where torch rounds every product and sum (the
+compiler would fuse them into multiply-adds anyway): within a unit in the last place.
 """
 from __future__ import annotations
 
@@ -30,13 +31,8 @@ def _rotate_heads(ptr, stride_t, stride_h, token, num_heads, cos, sin, half,
     dtype = ptr.dtype.element_ty
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-    # Each product rounded to the activation dtype before the sum, as torch does.
-    a = (x1 * cos).to(dtype).to(tl.float32)
-    b = (x2 * sin).to(dtype).to(tl.float32)
-    c = (x2 * cos).to(dtype).to(tl.float32)
-    d = (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(p1, (a - b).to(dtype), mask=mask)
-    tl.store(p2, (c + d).to(dtype), mask=mask)
+    tl.store(p1, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(p2, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
 @triton.jit

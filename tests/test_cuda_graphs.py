@@ -7,6 +7,9 @@ interpreter. On a GPU the same checks run with real graph capture and replay.
 """
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from test_engine_correctness import hf_greedy
@@ -71,8 +74,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 
 @cuda
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_replayed_graphs_match_eager_on_gpu(tiny_model_dir, kv_cache_dtype: str) -> None:
-    path = tiny_model_dir("llama")
+def test_replayed_graphs_match_eager_on_gpu(tiny_model_dir, tmp_path, kv_cache_dtype: str) -> None:
+    # The tiny llama with room for a context long enough to split (its RoPE table grows).
+    path = str(tmp_path / "llama")
+    shutil.copytree(tiny_model_dir("llama"), path)
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
     options = dict(dtype="float32", block_size=16, max_model_len=2048, num_gpu_blocks=512, kv_cache_dtype=kv_cache_dtype)
     # A long prompt makes the one-sequence step choose split-KV (2048 // 256 splits).
     prompts = PROMPTS + [[(11 * i) % 300 + 3 for i in range(1500)]]

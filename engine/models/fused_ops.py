@@ -3,8 +3,8 @@
 RMSNorm (with the residual add before it), rotary embedding and SwiGLU's activation are
 a few kilobytes of work per token; as torch ops they were ~30 launches per decoder layer,
 which dominated a batch-1 decode step's GPU time once CUDA graphs removed the launch cost.
-The kernels round as the torch code does (``kernels/layer_ops_reference.py``), so the two
-paths agree. CPU tensors take the torch code: triton is only needed where the kernels
+The kernels round as the torch code does where it matters (``kernels/layer_ops_reference.py``),
+so the two paths agree to a unit in the last place. CPU tensors take the torch code: triton is only needed where the kernels
 run, so it is imported on first use.
 """
 from __future__ import annotations
