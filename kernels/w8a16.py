@@ -2,10 +2,19 @@
 
     out[M, N] = x[M, K] @ (qweight[N, K] * scale[N, None]).T
 
-The weight is read in its nn.Linear layout ``int8 [N, K]`` (see ``quant_formats``); the
-kernel loads a ``[BLOCK_K, BLOCK_N]`` tile through transposed strides, widens int8 to the
-activation dtype (exact: |q| <= 127) and accumulates in fp32. The per-channel scale is
-constant along K, so it multiplies the accumulator once at the end instead of every tile.
+The weight is read in its nn.Linear layout ``int8 [N, K]`` (see ``quant_formats``). Two
+kernels:
+
+* ``_w8a16_gemv_kernel`` for decode-sized M (<= ``DEFAULT_SMALL_M_THRESHOLD``): each
+  program streams BLOCK_N whole weight rows along K, contiguous bytes, with products
+  accumulated elementwise and reduced once at the end; K is split across programs (fp32
+  atomics) until the GPU has several programs per SM, since a GEMV is won by keeping
+  many loads in flight.
+* ``_w8a16_kernel`` above that: a tiled GEMM that loads ``[BLOCK_K, BLOCK_N]`` tiles
+  through transposed strides for ``tl.dot``.
+
+Both widen int8 to float exactly (|q| <= 127) and accumulate in fp32. The per-channel
+scale is constant along K, so it multiplies the accumulator once at the end.
 """
 from __future__ import annotations
 
@@ -14,7 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cadence.kernels.launch import as_rows, check_activations, triton_usable
+from cadence.kernels.launch import as_rows, check_activations, gemv_split_k, num_sms, triton_usable
+
+# Rows up to this many take the GEMV kernel.
+DEFAULT_SMALL_M_THRESHOLD = 1
 
 
 def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -65,15 +77,55 @@ def _w8a16_kernel(
 
 
 
+@triton.jit
+def _w8a16_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_xk, stride_wn, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Program (n, s) sums K slice s of BLOCK_N output channels for every row (M <= BLOCK_M)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        kk = k0 + offs_k
+        mask_k = kk < k_stop
+        # Row n's bytes are contiguous along K: wide, coalesced loads.
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0).to(tl.float32)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        acc += x[:, None, :] * w[None, :, :]
+    scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    result = tl.sum(acc, axis=2) * scale[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, result, mask=out_mask)
+
+
 def w8a16_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scale: torch.Tensor,
     out: torch.Tensor | None = None,
     *,
+    small_m_threshold: int = DEFAULT_SMALL_M_THRESHOLD,
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
+    gemv_block_n: int = 16,
+    gemv_block_k: int = 256,
 ) -> torch.Tensor:
     """``x [..., K]`` (fp16/fp32) @ dequant(``qweight int8 [N, K]``, ``scale [N]``).T -> ``[..., N]``.
 
@@ -92,6 +144,9 @@ def w8a16_matmul(
         out.copy_(reference(x2, qweight, scale))
         return out.reshape(*lead, n)
     # tl.dot needs every block dim >= 16; larger M tiles only when there are rows to fill.
+    if m <= small_m_threshold and qweight.stride(1) == 1:
+        _gemv(x2, qweight, scale, out, gemv_block_n, gemv_block_k)
+        return out.reshape(*lead, n)
     bm = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, block_n))
     _w8a16_kernel[grid](
@@ -104,3 +159,21 @@ def w8a16_matmul(
         FP32_IEEE=x.dtype == torch.float32,
     )
     return out.reshape(*lead, n)
+
+
+def _gemv(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+          block_n: int, block_k: int) -> None:
+    m, k = x2.shape
+    n = qweight.shape[0]
+    block_k = min(block_k, triton.next_power_of_2(k))
+    k_tiles = triton.cdiv(k, block_k)
+    split_k = gemv_split_k(triton.cdiv(n, block_n), k_tiles, num_sms(x2.device))
+    k_per_split = triton.cdiv(k_tiles, split_k) * block_k
+    target = out if split_k == 1 else torch.zeros((m, n), dtype=torch.float32, device=x2.device)
+    _w8a16_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+        x2, qweight, scale, target, m, n, k, k_per_split,
+        x2.stride(0), x2.stride(1), qweight.stride(0), target.stride(0), target.stride(1),
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+    )
+    if split_k > 1:
+        out.copy_(target)

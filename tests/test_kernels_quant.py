@@ -88,6 +88,19 @@ def test_w8a16_matches_reference(dtype: torch.dtype, m: int, k: int, n: int) -> 
     assert rel_err(out, x.float() @ w.t()) < 2e-2  # int8 costs little accuracy
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("k", [1000, 512])
+def test_w8a16_gemv_splits_ragged_k(dtype: torch.dtype, m: int, k: int) -> None:
+    """The decode kernel: K in 64-wide tiles split across programs, the last one partial."""
+    g = gen(300 + m + k)
+    n = 40
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g).to(dtype)
+    q, scale = quantize_int8(w.to(dtype))
+    out = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=2, gemv_block_k=64)
+    assert rel_err(out, w8a16.reference(x, q, scale)) < KERNEL_TOL[dtype]
+
+
 # ---------------------------------------------------------------- W4A16
 
 
