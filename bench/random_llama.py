@@ -44,8 +44,13 @@ TINY: dict[str, Any] = {
 }
 
 
-def build_random_model(name: str, shape: dict[str, Any]) -> str:
-    """Save a seeded random LlamaForCausalLM with `shape` once; return its folder."""
+def build_random_model(name: str, shape: dict[str, Any], fast: bool = False) -> str:
+    """Save a seeded random LlamaForCausalLM with `shape` once; return its folder.
+
+    `fast` skips transformers' fp32 model and initializers: bf16 normal(0, 0.02) tensors
+    (norms 1) straight to safetensors, on the GPU when there is one. An 8B model then
+    builds in seconds instead of needing 32 GB of fp32 on the host.
+    """
     path = os.path.join(CACHE_DIR, name)
     # The marker is written last, so a build that was interrupted is redone, not reused.
     if os.path.isfile(os.path.join(path, ".complete")):
@@ -53,14 +58,48 @@ def build_random_model(name: str, shape: dict[str, Any]) -> str:
 
     print(f"building random-weight model {name} into {path} (once) ...", flush=True)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**shape)).to(torch.float32)
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    if fast:
+        _save_fast(LlamaConfig(**shape), tmp)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape)).to(torch.float32)
+        model.save_pretrained(tmp, safe_serialization=True)
+        del model
     open(os.path.join(tmp, ".complete"), "w").close()
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     # Free the weights before the engines under test load their own copies.
-    del model
     gc.collect()
     return path
+
+
+def _save_fast(config: LlamaConfig, folder: str) -> None:
+    """HF-named bf16 tensors of random values, one safetensors file per decoder layer."""
+    from safetensors.torch import save_file
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    h, i, d = config.hidden_size, config.intermediate_size, config.hidden_size // config.num_attention_heads
+    kv = config.num_key_value_heads * d
+
+    def rand(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, device=device, dtype=torch.bfloat16) * 0.02).cpu()
+
+    os.makedirs(folder)
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = "bfloat16"
+    config.save_pretrained(folder)
+    files = {"model.embed_tokens.weight": rand(config.vocab_size, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    if not config.tie_word_embeddings:
+        files["lm_head.weight"] = rand(config.vocab_size, h)
+    save_file(files, os.path.join(folder, "model-head.safetensors"))
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        save_file({
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, h),
+            p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
+            p + "mlp.down_proj.weight": rand(h, i),
+        }, os.path.join(folder, f"model-layer{layer:03d}.safetensors"))

@@ -5,16 +5,12 @@
 Two kernels over the one layout in ``quant_formats`` (qweight int32 [K // 8, N], packed
 along K):
 
-* ``_w4a16_gemv_kernel`` for decode-sized M (<= ``small_m_threshold``): one program owns
-  a BLOCK_N slice of the output for *all* rows and a slice of K (split-K with fp32
-  atomics when N alone gives too few programs), so each weight byte is read once per
-  launch. It reduces with a broadcast-multiply-sum instead of ``tl.dot``, which would
-  pad M up to 16 and waste most of the MMA.
-* ``_w4a16_gemm_kernel`` above that: a classic tiled GEMM with ``tl.dot``.
-
-Both pick BLOCK_K dividing the group size, so a K tile lies in one group and the scale
-(and zero) is a single ``[BLOCK_N]`` vector load per tile. Weights are dequantized to the
-activation dtype (rounding once, as the reference does) and accumulated in fp32.
+* ``w4a16_gemv.py`` for decode-sized M (<= ``small_m_threshold``, at most 4): every row
+  against each weight byte read once, bandwidth-bound (see there).
+* ``_w4a16_gemm_kernel`` above that: a classic tiled GEMM with ``tl.dot``. It picks
+  BLOCK_K dividing the group size, so a K tile lies in one group and the scale (and
+  zero) is a single ``[BLOCK_N]`` vector load per tile. Weights are dequantized to the
+  activation dtype (rounding once, as the reference does) and accumulated in fp32.
 """
 from __future__ import annotations
 
@@ -23,12 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from cadence.kernels.launch import as_rows, check_activations, gemv_split_k, num_sms, triton_usable
+from cadence.kernels.launch import as_rows, check_activations, num_sms, triton_usable
 from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
+from cadence.kernels.w4a16_gemv import GEMV_MAX_M, supports as gemv_supports, w4a16_gemv
 
-# H100, Llama-8B shapes: the GEMV wins at M = 1 only (summed over the four projections,
-# 251 us against the tiled GEMM's ~275); from M = 2 the tiled GEMM does (bench/RESULTS.md).
-DEFAULT_SMALL_M_THRESHOLD = 1
+# H100, Llama-8B's four projections summed (CUDA-graph replays): the GEMV takes 62-69 us
+# at M = 1, 93 at M = 2 and 154 at M = 4, against the tiled GEMM's ~260 (bench/RESULTS.md).
+DEFAULT_SMALL_M_THRESHOLD = GEMV_MAX_M
 
 
 def reference(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
@@ -58,56 +55,6 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N,
     else:
         q = (codes - SYM_ZERO).to(tl.float32)
     return q * scale[None, :]
-
-
-@triton.jit
-def _w4a16_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-    M, N, K, k_per_split,
-    stride_xm, stride_xk, stride_om, stride_on,
-    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-):
-    """Program (n, s) sums K slice s for a BLOCK_N slice of every row's output.
-
-    Each packed int32 is loaded once and unpacked into its eight codes in registers, and
-    products accumulate in a [BLOCK_M, BLOCK_K, BLOCK_N] register tile, reduced over K
-    once at the end rather than per tile. With SPLIT_K > 1
-    the slices meet in ``out_ptr`` (fp32, zeroed by the caller) through atomic adds.
-    """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)  # all rows: M <= BLOCK_M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    words = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
-    offs_k = tl.arange(0, BLOCK_K)
-    # Products accumulate elementwise; the one cross-thread reduction over K is at the end.
-    acc = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):  # the wrapper makes K slices whole tiles
-        packed = tl.load(qw_ptr + (k0 // 8 + words)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-        codes = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K // 8, 8, BLOCK_N]
-        codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)  # row k = 8 * word + nibble
-        g = k0 // GROUP  # BLOCK_K divides GROUP: one group per tile
-        scale = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
-        else:
-            zero = tl.full((BLOCK_N,), SYM_ZERO, tl.float32)
-        w = (codes - zero[None, :]) * scale[None, :]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
-                    mask=mask_m[:, None], other=0.0).to(tl.float32)
-        acc += x[:, :, None] * w[None, :, :]
-    acc = tl.sum(acc, axis=1)  # [BLOCK_M, BLOCK_N]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
 
 
 @triton.jit
@@ -183,21 +130,9 @@ def w4a16_matmul(
     has_zeros = weight.zeros is not None
     zeros = weight.zeros.contiguous() if has_zeros else scales  # dummy pointer, never read
     common = dict(GROUP=group, HAS_ZEROS=has_zeros, SYM_ZERO=SYMMETRIC_ZERO)
-    if m <= small_m_threshold:
-        bm = triton.next_power_of_2(m)
-        # The accumulator tile is BM x BK x BN registers' worth: shrink K as M grows.
-        bn = block_n or 64
-        bk = _block_k_for(group, cap=max(64 // bm, 16))
-        split_k = gemv_split_k(triton.cdiv(n, bn), k // bk, num_sms(x.device))
-        k_per_split = k // split_k
-        target = out if split_k == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
-        _w4a16_gemv_kernel[(triton.cdiv(n, bn), split_k)](
-            x2, qweight, scales, zeros, target, m, n, k, k_per_split,
-            x2.stride(0), x2.stride(1), target.stride(0), target.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k, **common,
-        )
-        if split_k > 1:
-            out.copy_(target)
+    if m <= small_m_threshold and gemv_supports(x2, weight):
+        contiguous = Int4Weight(qweight, scales, weight.zeros.contiguous() if has_zeros else None, group)
+        w4a16_gemv(x2, contiguous, out, num_sms(x.device))
     else:
         bk = _block_k_for(group)
         if bk < 16:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from kernel_checks import cuda_only, gen, poisoned, rel_err
 
-from cadence.kernels import w4a16, w8a16
+from cadence.kernels import w4a16, w4a16_gemv, w8a16
 from cadence.kernels.launch import gemv_split_k
 from cadence.kernels.quant_formats import (
     Int4Weight,
@@ -121,30 +121,44 @@ def test_w4a16_matches_reference(dtype: torch.dtype, m: int, k: int, group: int,
     assert rel_err(out, x.float() @ w.t()) < 0.2  # int4 is lossy, but bounded
 
 
-@pytest.mark.parametrize("threshold,m", [(0, 3), (32, 17)])
+@pytest.mark.parametrize("threshold,m", [(0, 3), (4, 4)])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_w4a16_threshold_picks_either_kernel(threshold: int, m: int, symmetric: bool) -> None:
-    """Force the GEMM at small M and the GEMV at larger M: both must still be right."""
+    """Force the GEMM at small M, and the GEMV at its largest M: both must be right."""
     g = gen(7 + m)
-    w = torch.randn(24, 64, generator=g)
-    x = torch.randn(m, 64, generator=g).half()
+    w = torch.randn(24, 128, generator=g)
+    x = torch.randn(m, 128, generator=g).half()
     qw = quantize_int4(w.half(), 32, symmetric)
     out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, 24, torch.float16), small_m_threshold=threshold)
     assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[torch.float16]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # fp16 pairs / the fp32 path
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_w4a16_gemv_split_k_matches_reference(m: int, symmetric: bool) -> None:
-    """A long K with few output columns: the GEMV splits K and adds the slices atomically."""
-    k, n, group = 512, 24, 32
-    assert gemv_split_k(1, k // 32, num_sms=8) > 1  # the path under test
-    g = gen(30 + m + int(symmetric))
+@pytest.mark.parametrize("n", [24, 300])  # one ragged column block; three, the last ragged
+@pytest.mark.parametrize("zeros", ["symmetric", "uint8", "float"])
+def test_w4a16_gemv_split_k_matches_reference(dtype: torch.dtype, m: int, n: int, zeros: str) -> None:
+    """A long K: the GEMV splits it, and the last slice of each column block sums the partials."""
+    k, group = 512, 32
+    assert w4a16_gemv.choose_splits(-(-n // w4a16_gemv.BLOCK_N), k // w4a16_gemv.BLOCK_K, 8) > 1
+    g = gen(30 + m + n + len(zeros))
     w = torch.randn(n, k, generator=g)
-    x = torch.randn(m, k, generator=g).half()
-    qw = quantize_int4(w.half(), group, symmetric)
-    out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, torch.float16), small_m_threshold=m)  # the GEMV
-    assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[torch.float16]
+    x = torch.randn(m, k, generator=g).to(dtype)
+    qw = quantize_int4(w.to(dtype), group, zeros == "symmetric")
+    if zeros == "float":  # GGUF Q4_1's real-valued zero points
+        qw = Int4Weight(qw.qweight, qw.scales, qw.zeros.float() + 0.25, group)
+    for _ in range(2):  # the second call finds the split counters re-armed
+        out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype))
+        assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[dtype]
+
+
+def test_w4a16_gemv_splits_toward_three_programs_per_sm() -> None:
+    """Llama-8B's projections on 132 SMs: the split counts the H100 sweep found best."""
+    assert w4a16_gemv.choose_splits(n_blocks=48, k_tiles=32, num_sms=132) == 8  # qkv
+    assert w4a16_gemv.choose_splits(n_blocks=32, k_tiles=32, num_sms=132) == 8  # o
+    assert w4a16_gemv.choose_splits(n_blocks=224, k_tiles=32, num_sms=132) == 1  # gate_up
+    assert w4a16_gemv.choose_splits(n_blocks=32, k_tiles=112, num_sms=132) == 8  # down
+    assert w4a16_gemv.choose_splits(n_blocks=1, k_tiles=3, num_sms=132) == 1  # K tiles must divide
 
 
 def test_gemv_split_k_fills_the_gpu_with_whole_tiles() -> None:

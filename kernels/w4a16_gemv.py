@@ -1,0 +1,308 @@
+"""W4A16 GEMV for decode-sized batches (M <= 4) over the ``[K // 8, N]`` int4 layout.
+
+A decode step reads every weight once for a handful of rows, so the kernel's job is to
+keep HBM busy. What that took on an H100 (bench/RESULTS.md has the sweep):
+
+* **Big tiles, pipelined.** Each step loads a ``[BLOCK_K / 8, BLOCK_N]`` block of packed
+  words (8 KB at 128 x 128) through ``tl.range(num_stages=3)``'s async copies, and the
+  2-byte scale row is loaded one step ahead in registers (async copies skip it, and
+  waiting for it each step cost a full memory round trip).
+* **Split-K in one launch.** Slices of K write fp32 partials; the last program to finish
+  a column block (an acquire-release ticket) sums them in a fixed order, so the result is
+  deterministic and no memset or cast kernel runs. The counters re-arm themselves.
+* **Cheap unpacking.** With fp16 activations, inline PTX turns two nibbles into an exact
+  fp16 pair with one ``lop3`` and the 0x6400 magic number (Marlin's trick), recentres
+  them and multiplies by x pairs in ``fma.f16x2``: about two instructions per weight.
+  bf16 and fp32 activations take an exact fp32 path (nibble | 0x4B000000 read as float is
+  2^23 + nibble), about twice the instructions. The interpreter runs both in plain
+  Triton, so CPU tests check the same arithmetic the PTX performs.
+
+Zero points (uint8, or GGUF Q4_1's float ones) fold out of the inner loop:
+``sum((c - z) x) = sum((c - 8) x) - (z - 8) sum(x)``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight
+
+GEMV_MAX_M = 4
+BLOCK_N, BLOCK_K = 128, 128
+# Programs per SM the split-K count aims at, at most: on Llama-8B's shapes the best split
+# per shape (sweep) left 1.7-2.9 programs per SM, and more only added partial traffic.
+PROGRAMS_PER_SM = 3
+_ASM = os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter cannot run inline PTX
+
+# The unpacking recentres codes on 8 (the PTX constants and 2^23 + 8 below): our symmetric zero.
+assert SYMMETRIC_ZERO == 8
+
+
+@triton.jit
+def _f16_lo(v):
+    return (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16_hi(v):
+    return (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _pair(a, b, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """int32 holding (a.lo, b.lo) as fp16 halves, or (a.hi, b.hi) when HIGH."""
+    if ASM:
+        if HIGH:
+            r = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [a, b],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [a, b],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    elif HIGH:
+        r = ((a >> 16) & 0xFFFF) | ((b >> 16) << 16)
+    else:
+        r = (a & 0xFFFF) | (b << 16)
+    return r
+
+
+@triton.jit
+def _dot8_fp16(words, x0, x1, x2, x3, ASM: tl.constexpr):
+    """sum over the 8 nibbles s of (code_s - 8) * x_s, fp32, per int32 of ``words``.
+
+    x_p packs (x of nibble p, x of nibble p + 4) as fp16x2. PTX: ``lop3`` with the 0x6400
+    magic puts nibbles (p, p+4) into an fp16 pair as 1024 + code (or 1024 + 16 code for
+    the high nibble of a byte), ``sub``/``fma.f16x2`` recentre them exactly, four
+    ``fma.f16x2`` multiply by x, and the two halves are summed in fp32.
+    """
+    if ASM:
+        r = tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 t, p0, p1, p2, p3, acc, m0, m1, magic, k1032, k16, km72;
+            .reg .b16 lo, hi;
+            .reg .f32 flo, fhi;
+            mov.b32 m0, 0x000F000F;
+            mov.b32 m1, 0x00F000F0;
+            mov.b32 magic, 0x64006400;
+            mov.b32 k1032, 0x64086408;
+            mov.b32 k16, 0x2C002C00;
+            mov.b32 km72, 0xD480D480;
+            shr.u32 t, $1, 8;
+            lop3.b32 p0, $1, m0, magic, 0xEA;
+            lop3.b32 p1, $1, m1, magic, 0xEA;
+            lop3.b32 p2, t, m0, magic, 0xEA;
+            lop3.b32 p3, t, m1, magic, 0xEA;
+            sub.f16x2 p0, p0, k1032;
+            fma.rn.f16x2 p1, p1, k16, km72;
+            sub.f16x2 p2, p2, k1032;
+            fma.rn.f16x2 p3, p3, k16, km72;
+            mul.f16x2 acc, p0, $2;
+            fma.rn.f16x2 acc, p1, $3, acc;
+            fma.rn.f16x2 acc, p2, $4, acc;
+            fma.rn.f16x2 acc, p3, $5, acc;
+            mov.b32 {lo, hi}, acc;
+            cvt.f32.f16 flo, lo;
+            cvt.f32.f16 fhi, hi;
+            add.f32 $0, flo, fhi;
+            }
+            """,
+            "=f,r,r,r,r,r", [words, x0, x1, x2, x3], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        r = ((((words >> 0) & 0xF) - 8).to(tl.float32) * _f16_lo(x0)
+             + (((words >> 4) & 0xF) - 8).to(tl.float32) * _f16_lo(x1)
+             + (((words >> 8) & 0xF) - 8).to(tl.float32) * _f16_lo(x2)
+             + (((words >> 12) & 0xF) - 8).to(tl.float32) * _f16_lo(x3)
+             + (((words >> 16) & 0xF) - 8).to(tl.float32) * _f16_hi(x0)
+             + (((words >> 20) & 0xF) - 8).to(tl.float32) * _f16_hi(x1)
+             + (((words >> 24) & 0xF) - 8).to(tl.float32) * _f16_hi(x2)
+             + (((words >> 28) & 0xF) - 8).to(tl.float32) * _f16_hi(x3))
+    return r
+
+
+@triton.jit
+def _row_partial(words, xp, scale, zero_m8, HAS_ZEROS: tl.constexpr, FP16_PAIRS: tl.constexpr,
+                 ASM: tl.constexpr):
+    """sum_s x_s * (code_s - zero) * scale per word, for one row of x ([NG, GW, BLOCK_N]).
+
+    ``xp [NG, GW]`` points at the x of each word's nibble 0: as int32 fp16 pairs
+    (FP16_PAIRS, word w covers pairs 4w .. 4w+3) or as plain elements (nibble s at +s).
+    """
+    if FP16_PAIRS:
+        a0 = tl.expand_dims(tl.load(xp), 2)
+        a1 = tl.expand_dims(tl.load(xp + 1), 2)
+        a2 = tl.expand_dims(tl.load(xp + 2), 2)
+        a3 = tl.expand_dims(tl.load(xp + 3), 2)
+        # Nibble p and p + 4 of a word hold x[p] and x[p + 4]: pair them up for fma.f16x2.
+        x0 = _pair(a0, a2, False, ASM)
+        x1 = _pair(a0, a2, True, ASM)
+        x2 = _pair(a1, a3, False, ASM)
+        x3 = _pair(a1, a3, True, ASM)
+        p = _dot8_fp16(words, x0, x1, x2, x3, ASM)
+        if HAS_ZEROS:
+            xsum = (_f16_lo(x0) + _f16_hi(x0)) + (_f16_lo(x1) + _f16_hi(x1)) \
+                + (_f16_lo(x2) + _f16_hi(x2)) + (_f16_lo(x3) + _f16_hi(x3))
+            p = p - zero_m8 * xsum
+    else:
+        for s in tl.static_range(8):
+            xs = tl.expand_dims(tl.load(xp + s), 2).to(tl.float32)
+            # nibble | 0x4B000000 read as float32 is exactly 2^23 + nibble.
+            code = (((words >> (4 * s)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            if s == 0:
+                p = code * xs
+                xsum = xs
+            else:
+                p = p + code * xs
+                xsum = xsum + xs
+        if HAS_ZEROS:
+            p = p - zero_m8 * xsum
+    return p * scale
+
+
+@triton.jit
+def _load_scales(s_ptr, z_ptr, offs, mask, HAS_ZEROS: tl.constexpr):
+    """Scales and (zero - 8) as fp32 at ``offs`` (the zero term is unused when symmetric)."""
+    scale = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero_m8 = tl.load(z_ptr + offs, mask=mask, other=0).to(tl.float32) - 8.0
+    else:
+        zero_m8 = scale
+    return scale, zero_m8
+
+
+@triton.jit
+def _store_row(out_ptr, ws_ptr, row, acc, offs_n, mask_n, pid_k, N,
+               BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
+    res = tl.sum(tl.sum(acc, axis=1), axis=0)
+    if SPLIT:
+        tl.store(ws_ptr + (pid_k * BLOCK_M + row) * N + offs_n, res, mask=mask_n)
+    else:
+        tl.store(out_ptr + offs_n, res.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, counter_ptr,
+    N, k_per_split, num_splits, stride_xm, stride_om,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, NUM_STAGES: tl.constexpr,
+    FP16_PAIRS: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """Program (n, s): output columns [n BN, (n+1) BN) of every row over K slice s.
+
+    A tile is ``[NG, GW, BLOCK_N]`` words: NG groups of GW packed rows each, so one scale
+    row serves a whole group slice.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    groups = tl.arange(0, NG)
+    word_rows = groups[:, None] * GW + tl.arange(0, GW)[None, :]  # [NG, GW] packed rows of a tile
+    acc0 = tl.zeros([NG, GW, BLOCK_N], tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    k_lo = pid_k * k_per_split
+    k_last = k_lo + k_per_split - BLOCK_K
+    scale_mask = mask_n[None, :]
+    next_scale, next_zero = _load_scales(s_ptr, z_ptr, (k_lo // GROUP + groups)[:, None] * N + offs_n[None, :],
+                                         scale_mask, HAS_ZEROS)
+    for k0 in tl.range(k_lo, k_lo + k_per_split, BLOCK_K, num_stages=NUM_STAGES):
+        scale = tl.expand_dims(next_scale, 1)
+        zero_m8 = tl.expand_dims(next_zero, 1)
+        # The next tile's scales now, so their latency overlaps this tile's math (the last
+        # iteration re-reads its own: clamped, harmless).
+        k_next = tl.minimum(k0 + BLOCK_K, k_last)
+        next_scale, next_zero = _load_scales(s_ptr, z_ptr, (k_next // GROUP + groups)[:, None] * N + offs_n[None, :],
+                                             scale_mask, HAS_ZEROS)
+        word_ptrs = qw_ptr + (k0 // 8 + word_rows)[:, :, None] * N + offs_n[None, None, :]
+        if EVEN_N:  # no mask: keeps the 16-byte vector loads
+            words = tl.load(word_ptrs)
+        else:
+            words = tl.load(word_ptrs, mask=mask_n[None, None, :], other=0)
+        if FP16_PAIRS:
+            xp = x_ptr + k0 // 2 + word_rows * 4  # int32 units: word w covers x[8w .. 8w+7]
+        else:
+            xp = x_ptr + k0 + word_rows * 8
+        acc0 += _row_partial(words, xp, scale, zero_m8, HAS_ZEROS, FP16_PAIRS, ASM)
+        if BLOCK_M > 1:
+            acc1 += _row_partial(words, xp + stride_xm, scale, zero_m8, HAS_ZEROS, FP16_PAIRS, ASM)
+        if BLOCK_M > 2:
+            acc2 += _row_partial(words, xp + 2 * stride_xm, scale, zero_m8, HAS_ZEROS, FP16_PAIRS, ASM)
+        if BLOCK_M > 3:
+            acc3 += _row_partial(words, xp + 3 * stride_xm, scale, zero_m8, HAS_ZEROS, FP16_PAIRS, ASM)
+    _store_row(out_ptr, ws_ptr, 0, acc0, offs_n, mask_n, pid_k, N, BLOCK_M, SPLIT)
+    if BLOCK_M > 1:
+        _store_row(out_ptr + stride_om, ws_ptr, 1, acc1, offs_n, mask_n, pid_k, N, BLOCK_M, SPLIT)
+    if BLOCK_M > 2:
+        _store_row(out_ptr + 2 * stride_om, ws_ptr, 2, acc2, offs_n, mask_n, pid_k, N, BLOCK_M, SPLIT)
+    if BLOCK_M > 3:
+        _store_row(out_ptr + 3 * stride_om, ws_ptr, 3, acc3, offs_n, mask_n, pid_k, N, BLOCK_M, SPLIT)
+    if SPLIT:
+        # Every thread's partial is written before the release; the last program of this
+        # column block sums the partials in split order (deterministic) and re-arms.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_splits - 1:
+            for m in tl.static_range(BLOCK_M):
+                total = tl.zeros([BLOCK_N], tl.float32)
+                for j in range(0, num_splits):
+                    total += tl.load(ws_ptr + (j * BLOCK_M + m) * N + offs_n, mask=mask_n, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
+
+
+def tile_groups(block_k: int, group: int) -> tuple[int, int] | None:
+    """(groups per tile, packed rows per group slice), or None if the group does not fit."""
+    if block_k >= group:
+        return (block_k // group, group // 8) if block_k % group == 0 else None
+    return (1, block_k // 8) if group % block_k == 0 else None
+
+
+def choose_splits(n_blocks: int, k_tiles: int, num_sms: int) -> int:
+    """The largest power of two keeping programs <= PROGRAMS_PER_SM per SM, dividing the K tiles."""
+    split = 1
+    while n_blocks * split * 2 <= PROGRAMS_PER_SM * num_sms and k_tiles % (split * 2) == 0:
+        split *= 2
+    return split
+
+
+def supports(x2: torch.Tensor, weight: Int4Weight) -> bool:
+    """Whether this kernel takes the product: M <= 4 and K in whole tiles of its groups."""
+    k = weight.in_features
+    return x2.shape[0] <= GEMV_MAX_M and k % BLOCK_K == 0 and tile_groups(BLOCK_K, weight.group_size) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _counters(device: torch.device) -> torch.Tensor:
+    """Per column block split-K tickets; every launch leaves them at zero. Sized for N up
+    to 2^20 columns, shared by launches on the stream (they run one after another)."""
+    return torch.zeros((1 << 20) // BLOCK_N, dtype=torch.int32, device=device)
+
+
+def w4a16_gemv(x2: torch.Tensor, weight: Int4Weight, out: torch.Tensor, num_sms: int) -> None:
+    """``out [M, N] = x2 [M, K] @ dequant(weight).T`` for M <= 4 (see ``supports``)."""
+    m, k = x2.shape
+    n, group = weight.out_features, weight.group_size
+    assert supports(x2, weight) and out.shape == (m, n) and out.stride(1) == 1
+    ng, gw = tile_groups(BLOCK_K, group)
+    n_blocks = triton.cdiv(n, BLOCK_N)
+    splits = choose_splits(n_blocks, k // BLOCK_K, num_sms)
+    fp16_pairs = x2.dtype == torch.float16
+    x_arg = x2.contiguous()
+    if fp16_pairs:
+        x_arg = x_arg.view(torch.int32)  # fp16 pairs, 4-byte aligned: K is a multiple of 128
+    has_zeros = weight.zeros is not None
+    workspace = torch.empty((splits, m, n), dtype=torch.float32, device=x2.device) if splits > 1 else out
+    _w4a16_gemv_kernel[(n_blocks, splits)](
+        x_arg, weight.qweight, weight.scales, weight.zeros if has_zeros else weight.scales, out, workspace,
+        _counters(x2.device), n, k // splits, splits, x_arg.stride(0), out.stride(0),
+        GROUP=group, HAS_ZEROS=has_zeros, BLOCK_M=m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NG=ng, GW=gw,
+        NUM_STAGES=3, FP16_PAIRS=fp16_pairs, ASM=_ASM, SPLIT=splits > 1, EVEN_N=n % BLOCK_N == 0,
+        num_warps=4, num_stages=3,
+    )
