@@ -13,9 +13,10 @@ keep HBM busy. What that took on an H100 (bench/RESULTS.md has the sweep):
 * **Cheap unpacking.** With fp16 activations, inline PTX turns two nibbles into an exact
   fp16 pair with one ``lop3`` and the 0x6400 magic number (Marlin's trick), recentres
   them and multiplies by x pairs in ``fma.f16x2``: about two instructions per weight.
-  bf16 and fp32 activations take an exact fp32 path (nibble | 0x4B000000 read as float is
-  2^23 + nibble), about twice the instructions. The interpreter runs both in plain
-  Triton, so CPU tests check the same arithmetic the PTX performs.
+  bf16 and fp32 activations take an exact float32 path: two nibbles become bf16 128 + code
+  in the halves of one int32 (the 0x4300 magic), widened by a shift or a mask. The
+  interpreter runs both in plain Triton, so CPU tests check the same arithmetic the PTX
+  performs.
 
 Zero points (uint8, or GGUF Q4_1's float ones) fold out of the inner loop:
 ``sum((c - z) x) = sum((c - 8) x) - (z - 8) sum(x)``.
@@ -147,18 +148,26 @@ def _row_partial(words, xp, scale, zero_m8, HAS_ZEROS: tl.constexpr, FP16_PAIRS:
                 + (_f16_lo(x2) + _f16_hi(x2)) + (_f16_lo(x3) + _f16_hi(x3))
             p = p - zero_m8 * xsum
     else:
-        for s in tl.static_range(8):
-            xs = tl.expand_dims(tl.load(xp + s), 2).to(tl.float32)
-            # nibble | 0x4B000000 read as float32 is exactly 2^23 + nibble.
-            code = (((words >> (4 * s)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-            if s == 0:
-                p = code * xs
-                xsum = xs
+        # Nibbles j and j + 4 land in the two halves of one int32 as bf16 128 + code (the
+        # 0x4300 magic), each half widened to float32 by a shift or a mask: exact, about
+        # three instructions per weight. The 128 + 8 (+ zero - 8) offset is taken off once
+        # per word, against sum(x).
+        for j in tl.static_range(4):
+            pair = ((words >> (4 * j)) & 0x000F000F) | 0x43004300
+            code_lo = (pair << 16).to(tl.float32, bitcast=True)
+            code_hi = (pair & -65536).to(tl.float32, bitcast=True)
+            x_lo = tl.expand_dims(tl.load(xp + j), 2).to(tl.float32)
+            x_hi = tl.expand_dims(tl.load(xp + j + 4), 2).to(tl.float32)
+            if j == 0:
+                p = code_lo * x_lo + code_hi * x_hi
+                xsum = x_lo + x_hi
             else:
-                p = p + code * xs
-                xsum = xsum + xs
+                p = p + code_lo * x_lo + code_hi * x_hi
+                xsum = xsum + x_lo + x_hi
         if HAS_ZEROS:
-            p = p - zero_m8 * xsum
+            p = p - (136.0 + zero_m8) * xsum
+        else:
+            p = p - 136.0 * xsum
     return p * scale
 
 
