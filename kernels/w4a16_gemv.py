@@ -14,9 +14,10 @@ keep HBM busy. What that took on an H100 (bench/RESULTS.md has the sweep):
   fp16 pair with one ``lop3`` and the 0x6400 magic number (Marlin's trick), recentres
   them and multiplies by x pairs in ``fma.f16x2``: about two instructions per weight.
   bf16 and fp32 activations take an exact float32 path: two nibbles become bf16 128 + code
-  in the halves of one int32 (the 0x4300 magic), widened by a shift or a mask. The
-  interpreter runs both in plain Triton, so CPU tests check the same arithmetic the PTX
-  performs.
+  in the halves of one int32 (the 0x4300 magic), widened by a shift or a mask, and bf16
+  x is read as int32 pairs widened the same way. The interpreter runs all of it in plain
+  Triton (bit operations only, so even bf16 is exact there), and CPU tests check the
+  same arithmetic the PTX performs.
 
 Zero points (uint8, or GGUF Q4_1's float ones) fold out of the inner loop:
 ``sum((c - z) x) = sum((c - 8) x) - (z - 8) sum(x)``.
@@ -38,6 +39,8 @@ BLOCK_N, BLOCK_K = 128, 128
 # per shape (sweep) left 1.7-2.9 programs per SM, and more only added partial traffic.
 PROGRAMS_PER_SM = 3
 _ASM = os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter cannot run inline PTX
+# How the kernel reads x: float32 elements, or int32 pairs of fp16 / bf16.
+X_FP32, X_FP16_PAIRS, X_BF16_PAIRS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 # The unpacking recentres codes on 8 (the PTX constants and 2^23 + 8 below): our symmetric zero.
 assert SYMMETRIC_ZERO == 8
@@ -51,6 +54,16 @@ def _f16_lo(v):
 @triton.jit
 def _f16_hi(v):
     return (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _bf16_half(v, HIGH: tl.constexpr):
+    """float32 of the low (HIGH=0) or high bf16 half of an int32: a shift or a mask."""
+    if HIGH:
+        r = (v & -65536).to(tl.float32, bitcast=True)
+    else:
+        r = (v << 16).to(tl.float32, bitcast=True)
+    return r
 
 
 @triton.jit
@@ -125,14 +138,15 @@ def _dot8_fp16(words, x0, x1, x2, x3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _row_partial(words, xp, scale, zero_m8, HAS_ZEROS: tl.constexpr, FP16_PAIRS: tl.constexpr,
+def _row_partial(words, xp, scale, zero_m8, HAS_ZEROS: tl.constexpr, X_MODE: tl.constexpr,
                  ASM: tl.constexpr):
     """sum_s x_s * (code_s - zero) * scale per word, for one row of x ([NG, GW, BLOCK_N]).
 
     ``xp [NG, GW]`` points at the x of each word's nibble 0: as int32 fp16 pairs
-    (FP16_PAIRS, word w covers pairs 4w .. 4w+3) or as plain elements (nibble s at +s).
+    (X_MODE 1 fp16, 2 bf16: word w covers pairs 4w .. 4w+3) or as fp32 elements (X_MODE 0,
+    nibble s at +s).
     """
-    if FP16_PAIRS:
+    if X_MODE == X_FP16_PAIRS:
         a0 = tl.expand_dims(tl.load(xp), 2)
         a1 = tl.expand_dims(tl.load(xp + 1), 2)
         a2 = tl.expand_dims(tl.load(xp + 2), 2)
@@ -152,12 +166,21 @@ def _row_partial(words, xp, scale, zero_m8, HAS_ZEROS: tl.constexpr, FP16_PAIRS:
         # 0x4300 magic), each half widened to float32 by a shift or a mask: exact, about
         # three instructions per weight. The 128 + 8 (+ zero - 8) offset is taken off once
         # per word, against sum(x).
+        if X_MODE == X_BF16_PAIRS:  # x0..x7 from four int32 bf16 pairs, widened the same way
+            a0 = tl.expand_dims(tl.load(xp), 2)
+            a1 = tl.expand_dims(tl.load(xp + 1), 2)
+            a2 = tl.expand_dims(tl.load(xp + 2), 2)
+            a3 = tl.expand_dims(tl.load(xp + 3), 2)
         for j in tl.static_range(4):
             pair = ((words >> (4 * j)) & 0x000F000F) | 0x43004300
             code_lo = (pair << 16).to(tl.float32, bitcast=True)
             code_hi = (pair & -65536).to(tl.float32, bitcast=True)
-            x_lo = tl.expand_dims(tl.load(xp + j), 2).to(tl.float32)
-            x_hi = tl.expand_dims(tl.load(xp + j + 4), 2).to(tl.float32)
+            if X_MODE == X_BF16_PAIRS:
+                x_lo = _bf16_half(a0 if j < 2 else a1, j % 2)
+                x_hi = _bf16_half(a2 if j < 2 else a3, j % 2)
+            else:
+                x_lo = tl.expand_dims(tl.load(xp + j), 2).to(tl.float32)
+                x_hi = tl.expand_dims(tl.load(xp + j + 4), 2).to(tl.float32)
             if j == 0:
                 p = code_lo * x_lo + code_hi * x_hi
                 xsum = x_lo + x_hi
@@ -198,7 +221,7 @@ def _w4a16_gemv_kernel(
     N, k_per_split, num_splits, stride_xm, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, NUM_STAGES: tl.constexpr,
-    FP16_PAIRS: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
+    X_MODE: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """Program (n, s): output columns [n BN, (n+1) BN) of every row over K slice s.
 
@@ -233,17 +256,17 @@ def _w4a16_gemv_kernel(
             words = tl.load(word_ptrs)
         else:
             words = tl.load(word_ptrs, mask=mask_n[None, None, :], other=0)
-        if FP16_PAIRS:
+        if X_MODE != X_FP32:
             xp = x_ptr + k0 // 2 + word_rows * 4  # int32 units: word w covers x[8w .. 8w+7]
         else:
             xp = x_ptr + k0 + word_rows * 8
-        acc0 += _row_partial(words, xp, scale, zero_m8, HAS_ZEROS, FP16_PAIRS, ASM)
+        acc0 += _row_partial(words, xp, scale, zero_m8, HAS_ZEROS, X_MODE, ASM)
         if BLOCK_M > 1:
-            acc1 += _row_partial(words, xp + stride_xm, scale, zero_m8, HAS_ZEROS, FP16_PAIRS, ASM)
+            acc1 += _row_partial(words, xp + stride_xm, scale, zero_m8, HAS_ZEROS, X_MODE, ASM)
         if BLOCK_M > 2:
-            acc2 += _row_partial(words, xp + 2 * stride_xm, scale, zero_m8, HAS_ZEROS, FP16_PAIRS, ASM)
+            acc2 += _row_partial(words, xp + 2 * stride_xm, scale, zero_m8, HAS_ZEROS, X_MODE, ASM)
         if BLOCK_M > 3:
-            acc3 += _row_partial(words, xp + 3 * stride_xm, scale, zero_m8, HAS_ZEROS, FP16_PAIRS, ASM)
+            acc3 += _row_partial(words, xp + 3 * stride_xm, scale, zero_m8, HAS_ZEROS, X_MODE, ASM)
     _store_row(out_ptr, ws_ptr, 0, acc0, offs_n, mask_n, pid_k, N, BLOCK_M, SPLIT)
     if BLOCK_M > 1:
         _store_row(out_ptr + stride_om, ws_ptr, 1, acc1, offs_n, mask_n, pid_k, N, BLOCK_M, SPLIT)
@@ -302,16 +325,16 @@ def w4a16_gemv(x2: torch.Tensor, weight: Int4Weight, out: torch.Tensor, num_sms:
     ng, gw = tile_groups(BLOCK_K, group)
     n_blocks = triton.cdiv(n, BLOCK_N)
     splits = choose_splits(n_blocks, k // BLOCK_K, num_sms)
-    fp16_pairs = x2.dtype == torch.float16
+    x_mode = {torch.float16: X_FP16_PAIRS, torch.bfloat16: X_BF16_PAIRS}.get(x2.dtype, X_FP32).value
     x_arg = x2.contiguous()
-    if fp16_pairs:
-        x_arg = x_arg.view(torch.int32)  # fp16 pairs, 4-byte aligned: K is a multiple of 128
+    if x_mode != X_FP32.value:
+        x_arg = x_arg.view(torch.int32)  # pairs, 4-byte aligned: K is a multiple of 128
     has_zeros = weight.zeros is not None
     workspace = torch.empty((splits, m, n), dtype=torch.float32, device=x2.device) if splits > 1 else out
     _w4a16_gemv_kernel[(n_blocks, splits)](
         x_arg, weight.qweight, weight.scales, weight.zeros if has_zeros else weight.scales, out, workspace,
         _counters(x2.device), n, k // splits, splits, x_arg.stride(0), out.stride(0),
         GROUP=group, HAS_ZEROS=has_zeros, BLOCK_M=m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NG=ng, GW=gw,
-        NUM_STAGES=3, FP16_PAIRS=fp16_pairs, ASM=_ASM, SPLIT=splits > 1, EVEN_N=n % BLOCK_N == 0,
+        NUM_STAGES=3, X_MODE=x_mode, ASM=_ASM, SPLIT=splits > 1, EVEN_N=n % BLOCK_N == 0,
         num_warps=4, num_stages=3,
     )

@@ -33,7 +33,8 @@ from cadence.kernels.quant_formats import (
     unpack_int4,
 )
 
-KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+# bf16: the reference rounds each dequantized weight to bf16, the GEMV keeps it in fp32.
+KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # (K, group) pairs the shapes allow.
 K_GROUPS = [(64, 32), (64, 64), (128, 32), (128, 128)]
 
@@ -133,7 +134,8 @@ def test_w4a16_threshold_picks_either_kernel(threshold: int, m: int, symmetric: 
     assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[torch.float16]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # fp16 pairs / the fp32 path
+# fp16 pairs, bf16 pairs (bit operations and fp32 math only: valid in the interpreter), fp32.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("n", [24, 300])  # one ragged column block; three, the last ragged
 @pytest.mark.parametrize("zeros", ["symmetric", "uint8", "float"])
