@@ -93,6 +93,12 @@ class DecodeGraphs:
         self._scalars = torch.zeros(4 * b, dtype=torch.int64, device=device)
         self._host_tables = torch.zeros(b, self.max_blocks, dtype=torch.int32, pin_memory=pinned)
         self.block_tables = torch.zeros(b, self.max_blocks, dtype=torch.int32, device=device)
+        # numpy views of the pinned buffers: element writes from Python cost far less there.
+        self._host_scalars_np = self._host_scalars.numpy()
+        self._host_tables_np = self._host_tables.numpy()
+        # Marks the last upload: the host buffers may be rewritten only once it is done (a
+        # step that samples nothing never waits on the device otherwise).
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         # One token per sequence: sequence i's query is row i.
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self._captured: dict[tuple[int, int], _Captured] = {}
@@ -159,7 +165,10 @@ class DecodeGraphs:
         """The model's final hidden states for the step, [len(items), hidden_size]."""
         n = len(items)
         batch = next(b for b in self.batch_sizes if b >= n)
-        ids, positions, slots, seq_lens = _split_scalars(self._host_scalars, batch)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        ids, positions, slots, seq_lens = _split_scalars(self._host_scalars_np, batch)
+        tables = self._host_tables_np
         longest = 0
         for i, item in enumerate(items):
             request = item.request
@@ -169,7 +178,7 @@ class DecodeGraphs:
             positions[i] = position
             slots[i] = block_ids[position // self.block_size] * self.block_size + position % self.block_size
             seq_lens[i] = position + 1
-            self._host_tables[i, : len(block_ids)] = torch.as_tensor(block_ids, dtype=torch.int32)
+            tables[i, : len(block_ids)] = block_ids
             longest = max(longest, position + 1)
         self._pad_rows(n, batch)
         self._upload(batch)
@@ -188,22 +197,24 @@ class DecodeGraphs:
     def _pad_rows(self, start: int, batch: int) -> None:
         """Rows start..batch-1 become padding: token 0 at position 0, no KV slot (the cache
         write skips it), and one token of context (a stale cache row; the output is dropped)."""
-        ids, positions, slots, seq_lens = _split_scalars(self._host_scalars, batch)
+        ids, positions, slots, seq_lens = _split_scalars(self._host_scalars_np, batch)
         ids[start:] = 0
         positions[start:] = 0
         slots[start:] = _NO_SLOT
         seq_lens[start:] = 1
-        self._host_tables[start:batch, 0] = 0
+        self._host_tables_np[start:batch, 0] = 0
 
     def _upload(self, batch: int) -> None:
-        """The batch's inputs to the device: its prefix of the scalars and its table rows.
-        Pinned host memory makes the copies asynchronous; the host buffers are not written
-        again before the step's sampled tokens are read back, which waits for them."""
+        """The batch's inputs to the device: its prefix of the scalars and its table rows,
+        copied asynchronously from pinned memory; `_uploaded` marks when they are done."""
         non_blocking = self.device.type == "cuda"
         self._scalars[: 4 * batch].copy_(self._host_scalars[: 4 * batch], non_blocking=non_blocking)
         self.block_tables[:batch].copy_(self._host_tables[:batch], non_blocking=non_blocking)
+        if self._uploaded is not None:
+            self._uploaded.record()
 
 
-def _split_scalars(flat: torch.Tensor, batch: int) -> tuple[torch.Tensor, ...]:
-    """(ids, positions, slots, seq lens) of a batch: consecutive `batch`-long runs of `flat`."""
-    return flat[: 4 * batch].split(batch)
+def _split_scalars(flat, batch: int) -> tuple:
+    """(ids, positions, slots, seq lens) of a batch: consecutive `batch`-long runs of `flat`
+    (a tensor or a numpy array)."""
+    return tuple(flat[i * batch : (i + 1) * batch] for i in range(4))

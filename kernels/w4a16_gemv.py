@@ -38,7 +38,8 @@ BLOCK_N, BLOCK_K = 128, 128
 # Programs per SM the split-K count aims at, at most: on Llama-8B's shapes the best split
 # per shape (sweep) left 1.7-2.9 programs per SM, and more only added partial traffic.
 PROGRAMS_PER_SM = 3
-_ASM = os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter cannot run inline PTX
+# The interpreter cannot run inline PTX, and ROCm has none.
+_ASM = os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
 # How the kernel reads x: float32 elements, or int32 pairs of fp16 / bf16.
 X_FP32, X_FP16_PAIRS, X_BF16_PAIRS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
@@ -330,10 +331,12 @@ def w4a16_gemv(x2: torch.Tensor, weight: Int4Weight, out: torch.Tensor, num_sms:
     if x_mode != X_FP32.value:
         x_arg = x_arg.view(torch.int32)  # pairs, 4-byte aligned: K is a multiple of 128
     has_zeros = weight.zeros is not None
+    counters = _counters(x2.device)
+    assert splits == 1 or n_blocks <= counters.numel()  # always: splitting needs few column blocks
     workspace = torch.empty((splits, m, n), dtype=torch.float32, device=x2.device) if splits > 1 else out
     _w4a16_gemv_kernel[(n_blocks, splits)](
         x_arg, weight.qweight, weight.scales, weight.zeros if has_zeros else weight.scales, out, workspace,
-        _counters(x2.device), n, k // splits, splits, x_arg.stride(0), out.stride(0),
+        counters, n, k // splits, splits, x_arg.stride(0), out.stride(0),
         GROUP=group, HAS_ZEROS=has_zeros, BLOCK_M=m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NG=ng, GW=gw,
         NUM_STAGES=3, X_MODE=x_mode, ASM=_ASM, SPLIT=splits > 1, EVEN_N=n % BLOCK_N == 0,
         num_warps=4, num_stages=3,

@@ -92,8 +92,18 @@ def test_replayed_graphs_match_eager_on_gpu(tiny_model_dir, tmp_path, kv_cache_d
     llm = LLM(path, **options)
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None and graphs.use_graphs
-    assert (1, 4) in graphs._captured  # the one-sequence ladder reaches 4 splits
+    # The one-sequence ladder reaches 4 splits; count that graph's replays.
+    split_graph = graphs._captured[(1, 4)]
+    replays = []
+
+    class CountingGraph:
+        def replay(self) -> None:
+            replays.append(1)
+            split_graph.graph.replay()
+
+    graphs._captured[(1, 4)] = type(split_graph)(CountingGraph(), split_graph.hidden)
     sizes = count_runs(graphs)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())] == expected
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[-1:], greedy())] == expected_long
     assert sizes and set(sizes) <= {4, 1}
+    assert len(replays) == MAX_TOKENS - 1  # the long prompt's decodes (1505+ tokens: 5 -> 4 splits)
