@@ -7,9 +7,9 @@ keep HBM busy. What that took on an H100 (bench/RESULTS.md has the sweep):
   words (8 KB at 128 x 128) through ``tl.range(num_stages=3)``'s async copies, and the
   2-byte scale row is loaded one step ahead in registers (async copies skip it, and
   waiting for it each step cost a full memory round trip).
-* **Split-K in one launch.** Slices of K write fp32 partials; the last program to finish
-  a column block (an acquire-release ticket) sums them in a fixed order, so the result is
-  deterministic and no memset or cast kernel runs. The counters re-arm themselves.
+* **Split-K in one launch** (``split_k.py``): slices of K write fp32 partials and the
+  last program of each column block sums them in a fixed order, so the result is
+  deterministic and no memset or cast kernel runs.
 * **Cheap unpacking.** With fp16 activations, inline PTX turns two nibbles into an exact
   fp16 pair with one ``lop3`` and the 0x6400 magic number (Marlin's trick), recentres
   them and multiplies by x pairs in ``fma.f16x2``: about two instructions per weight.
@@ -24,13 +24,13 @@ Zero points (uint8, or GGUF Q4_1's float ones) fold out of the inner loop:
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from cadence.kernels import split_k
 from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight
 
 GEMV_MAX_M = 4
@@ -276,18 +276,8 @@ def _w4a16_gemv_kernel(
     if BLOCK_M > 3:
         _store_row(out_ptr + 3 * stride_om, ws_ptr, 3, acc3, offs_n, mask_n, pid_k, N, BLOCK_M, SPLIT)
     if SPLIT:
-        # Every thread's partial is written before the release; the last program of this
-        # column block sums the partials in split order (deterministic) and re-arms.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == num_splits - 1:
-            for m in tl.static_range(BLOCK_M):
-                total = tl.zeros([BLOCK_N], tl.float32)
-                for j in range(0, num_splits):
-                    total += tl.load(ws_ptr + (j * BLOCK_M + m) * N + offs_n, mask=mask_n, other=0.0,
-                                     cache_modifier=".cg")
-                tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
-            tl.atomic_xchg(counter_ptr + pid_n, 0)
+        split_k.finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, BLOCK_M, N, num_splits,
+                       BLOCK_M, BLOCK_N)
 
 
 def tile_groups(block_k: int, group: int) -> tuple[int, int] | None:
@@ -311,13 +301,6 @@ def supports(x2: torch.Tensor, weight: Int4Weight) -> bool:
     return x2.shape[0] <= GEMV_MAX_M and k % BLOCK_K == 0 and tile_groups(BLOCK_K, weight.group_size) is not None
 
 
-@functools.lru_cache(maxsize=None)
-def _counters(device: torch.device) -> torch.Tensor:
-    """Per column block split-K tickets; every launch leaves them at zero. Sized for N up
-    to 2^20 columns, shared by launches on the stream (they run one after another)."""
-    return torch.zeros((1 << 20) // BLOCK_N, dtype=torch.int32, device=device)
-
-
 def w4a16_gemv(x2: torch.Tensor, weight: Int4Weight, out: torch.Tensor, num_sms: int) -> None:
     """``out [M, N] = x2 [M, K] @ dequant(weight).T`` for M <= 4 (see ``supports``)."""
     m, k = x2.shape
@@ -331,12 +314,10 @@ def w4a16_gemv(x2: torch.Tensor, weight: Int4Weight, out: torch.Tensor, num_sms:
     if x_mode != X_FP32.value:
         x_arg = x_arg.view(torch.int32)  # pairs, 4-byte aligned: K is a multiple of 128
     has_zeros = weight.zeros is not None
-    counters = _counters(x2.device)
-    assert splits == 1 or n_blocks <= counters.numel()  # always: splitting needs few column blocks
-    workspace = torch.empty((splits, m, n), dtype=torch.float32, device=x2.device) if splits > 1 else out
+    partials = split_k.workspace(splits, m, n, n_blocks, out)
     _w4a16_gemv_kernel[(n_blocks, splits)](
-        x_arg, weight.qweight, weight.scales, weight.zeros if has_zeros else weight.scales, out, workspace,
-        counters, n, k // splits, splits, x_arg.stride(0), out.stride(0),
+        x_arg, weight.qweight, weight.scales, weight.zeros if has_zeros else weight.scales, out, partials,
+        split_k.counters(x2.device), n, k // splits, splits, x_arg.stride(0), out.stride(0),
         GROUP=group, HAS_ZEROS=has_zeros, BLOCK_M=m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NG=ng, GW=gw,
         NUM_STAGES=3, X_MODE=x_mode, ASM=_ASM, SPLIT=splits > 1, EVEN_N=n % BLOCK_N == 0,
         num_warps=4, num_stages=3,

@@ -7,9 +7,9 @@ kernels:
 
 * ``_w8a16_gemv_kernel`` for decode-sized M (<= ``DEFAULT_SMALL_M_THRESHOLD``, 2): each
   program streams BLOCK_N whole weight rows along K, contiguous bytes, with products
-  accumulated elementwise and reduced once at the end; K is split across programs (fp32
-  atomics) until the GPU has several programs per SM, since a GEMV is won by keeping
-  many loads in flight.
+  accumulated elementwise and reduced once at the end; K is split across programs (in
+  one launch, ``split_k.py``) until the GPU has several programs per SM, since a GEMV is
+  won by keeping many loads in flight.
 * ``_w8a16_kernel`` above that: a tiled GEMM that loads ``[BLOCK_K, BLOCK_N]`` tiles
   through transposed strides for ``tl.dot``.
 
@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cadence.kernels import split_k
 from cadence.kernels.launch import as_rows, check_activations, gemv_split_k, num_sms, triton_usable
 
 # Rows up to this many take the GEMV kernel. H100, Llama-8B's four projections, bf16:
@@ -81,10 +82,10 @@ def _w8a16_kernel(
 
 @triton.jit
 def _w8a16_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr,
-    M, N, K, k_per_split,
-    stride_xm, stride_xk, stride_wn, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, counter_ptr,
+    M, N, K, k_per_split, num_splits,
+    stride_xm, stride_xk, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Program (n, s) sums K slice s of BLOCK_N output channels for every row (M <= BLOCK_M)."""
     pid_n = tl.program_id(0)
@@ -108,12 +109,14 @@ def _w8a16_gemv_kernel(
         acc += x[:, None, :] * w[None, :, :]
     scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     result = tl.sum(acc, axis=2) * scale[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if SPLIT:
+        tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], result, mask=out_mask)
+        split_k.finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N, num_splits,
+                       BLOCK_M, BLOCK_N)
     else:
-        tl.atomic_add(out_ptrs, result, mask=out_mask)
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def w8a16_matmul(
@@ -169,13 +172,13 @@ def _gemv(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out: tor
     n = qweight.shape[0]
     block_k = min(block_k, triton.next_power_of_2(k))
     k_tiles = triton.cdiv(k, block_k)
-    split_k = gemv_split_k(triton.cdiv(n, block_n), k_tiles, num_sms(x2.device))
-    k_per_split = triton.cdiv(k_tiles, split_k) * block_k
-    target = out if split_k == 1 else torch.zeros((m, n), dtype=torch.float32, device=x2.device)
-    _w8a16_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
-        x2, qweight, scale, target, m, n, k, k_per_split,
-        x2.stride(0), x2.stride(1), qweight.stride(0), target.stride(0), target.stride(1),
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+    n_blocks = triton.cdiv(n, block_n)
+    splits = gemv_split_k(n_blocks, k_tiles, num_sms(x2.device))
+    k_per_split = triton.cdiv(k_tiles, splits) * block_k
+    assert out.stride(1) == 1
+    _w8a16_gemv_kernel[(n_blocks, splits)](
+        x2, qweight, scale, out, split_k.workspace(splits, m, n, n_blocks, out), split_k.counters(x2.device),
+        m, n, k, k_per_split, splits,
+        x2.stride(0), x2.stride(1), qweight.stride(0), out.stride(0),
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1,
     )
-    if split_k > 1:
-        out.copy_(target)

@@ -37,6 +37,9 @@ def quant_cases() -> dict[str, Callable[[], object]]:
     asym = quantize_int4(w, 32, symmetric=False)
     float_zeros = Int4Weight(asym.qweight, asym.scales.half(), asym.zeros.float(), 32)  # GGUF Q4_1
     cases: dict[str, Callable[[], object]] = {}
+    long_q8, long_s8 = quantize_int8(torch.randn(n, 4096))  # a K long enough to split
+    cases["w8a16 split-K float16 M=1"] = lambda: w8a16.w8a16_matmul(torch.randn(1, 4096, dtype=torch.float16),
+                                                                      long_q8, long_s8.half())
     for dtype in (*HALF, torch.float32):
         for m in (1, 64):
             x = torch.randn(m, k, dtype=dtype)

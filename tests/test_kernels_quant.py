@@ -18,7 +18,7 @@ import pytest
 import torch
 from kernel_checks import cuda_only, gen, poisoned, rel_err
 
-from cadence.kernels import w4a16, w4a16_gemv, w8a16
+from cadence.kernels import split_k, w4a16, w4a16_gemv, w8a16
 from cadence.kernels.launch import gemv_split_k
 from cadence.kernels.quant_formats import (
     Int4Weight,
@@ -98,8 +98,12 @@ def test_w8a16_gemv_splits_ragged_k(dtype: torch.dtype, m: int, k: int) -> None:
     n = 40
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g).to(dtype)
     q, scale = quantize_int8(w.to(dtype))
-    out = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=2, gemv_block_k=64)
-    assert rel_err(out, w8a16.reference(x, q, scale)) < KERNEL_TOL[dtype]
+    first = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=2, gemv_block_k=64)
+    assert rel_err(first, w8a16.reference(x, q, scale)) < KERNEL_TOL[dtype]
+    # The split slices are summed in a fixed order, and the tickets re-arm for the next call.
+    assert not split_k.counters(x.device).any()
+    again = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=2, gemv_block_k=64)
+    assert torch.equal(again, first)
 
 
 # ---------------------------------------------------------------- W4A16
@@ -152,6 +156,7 @@ def test_w4a16_gemv_split_k_matches_reference(dtype: torch.dtype, m: int, n: int
     for _ in range(2):  # the second call finds the split counters re-armed
         out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype))
         assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[dtype]
+        assert not split_k.counters(x.device).any()
 
 
 def test_w4a16_gemv_splits_toward_three_programs_per_sm() -> None:
