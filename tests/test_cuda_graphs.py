@@ -107,3 +107,33 @@ def test_replayed_graphs_match_eager_on_gpu(tiny_model_dir, tmp_path, kv_cache_d
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[-1:], greedy())] == expected_long
     assert sizes and set(sizes) <= {4, 1}
     assert len(replays) == MAX_TOKENS - 1  # the long prompt's decodes (1505+ tokens: 5 -> 4 splits)
+
+
+@cuda
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_model_replays_match_eager_on_gpu(tmp_path, quantization: str) -> None:
+    """The decode GEMVs (with their split-K tickets) inside replayed graphs: a model wide
+    enough for the int4 GEMV's 128-wide K tiles, in fp16."""
+    path = write_wide_llama(tmp_path / "wide")
+    options = dict(dtype="float16", quantization=quantization, max_model_len=256, num_gpu_blocks=64)
+    eager = LLM(path, enforce_eager=True, **options)
+    expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, greedy())]
+    del eager
+    llm = LLM(path, **options)
+    sizes = count_runs(llm.engine.runner.decode_graphs)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())] == expected
+    assert sizes == [3] * (MAX_TOKENS - 1)
+
+
+def write_wide_llama(path) -> str:
+    """A seeded random Llama with hidden 128 and intermediate 256, plus the tiny tokenizer."""
+    from tiny_tokenizer import save_tiny_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.3, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(str(path), safe_serialization=True)
+    save_tiny_tokenizer(str(path))
+    return str(path)
