@@ -22,8 +22,11 @@ random inputs, output pre-filled with NaN, before it is timed):
 * moe       -- fused MoE (dense fp16 / int8 / int4 experts), eager and CUDA-graph
   replays, against a plain-torch per-expert loop. Bytes = the experts routed to + x + out.
 
-Timing: ``triton.testing.do_bench`` median (warm-up, L2 flushed per call), cycling
-through enough input sets to span 4x the L2. The compact table prints last (the device
+Timing: CUDA-graph replays of 20+ back-to-back calls, median per call
+(``kernels_check.graph_time_us``; do_bench's eager calls timed the Python launch path
+for kernels this short), cycling through enough input sets to span 4x the L2; a call
+that cannot be captured falls back to do_bench. The moe section's "eager" and "graph"
+rows therefore time the same thing now. The compact table prints last (the device
 tool returns only the tail of the output); ``--out DIR`` also writes kernels.json and
 kernels.md with every figure. Exit status 1 if any correctness check failed.
 """
