@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from kernels_check import replay_median_ms  # noqa: E402
 from quant import decode_tokens_per_s  # noqa: E402
 from random_llama import build_random_model  # noqa: E402
 
@@ -71,16 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def replay_ms(llm: LLM, replays: int = 200) -> float:
     """Median GPU time of one replay of the batch-1, unsplit decode graph."""
-    graph = llm.engine.runner.decode_graphs._captured[(1, 1)].graph
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return replay_median_ms(llm.engine.runner.decode_graphs._captured[(1, 1)].graph, replays)
 
 
 if __name__ == "__main__":

@@ -81,16 +81,8 @@ def cycle_calls(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
 
 
 def graph_calls(calls: Sequence[Callable[[], object]]) -> list[Callable[[], object]]:
-    """Each call captured into its own CUDA graph; the replays drop launch gaps.
-
-    Warm up on a side stream first (compiles the kernels, as torch.cuda.graph requires).
-    """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
+    """Each call captured into its own CUDA graph; the replays drop launch gaps."""
+    warm_up(calls)
     graphs = []
     for call in calls:
         graph = torch.cuda.CUDAGraph()
@@ -130,18 +122,29 @@ def graph_time_us(calls: Sequence[Callable[[], object]], min_calls: int = 20, re
     sets that together exceed the L2, so replays read HBM as a decode step does.
     """
     passes = -(-min_calls // len(calls))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up(calls)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(passes):
             for call in calls:
                 call()
     graph.replay()
+    return replay_median_ms(graph, replays) * 1e3 / (passes * len(calls))
+
+
+def warm_up(calls: Sequence[Callable[[], object]]) -> None:
+    """Run each call once on a side stream: compiles the kernels outside a capture, as
+    torch.cuda.graph requires."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def replay_median_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Median milliseconds of one replay of `graph`, timed with CUDA events."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -149,7 +152,7 @@ def graph_time_us(calls: Sequence[Callable[[], object]], min_calls: int = 20, re
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (passes * len(calls)))
+        times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
 
 

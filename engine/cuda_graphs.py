@@ -101,6 +101,8 @@ class DecodeGraphs:
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         # One token per sequence: sequence i's query is row i.
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
+        # Fixed per batch size, so computed once rather than on every step.
+        self._ladders = {batch: self.split_ladder(batch) for batch in self.batch_sizes}
         self._captured: dict[tuple[int, int], _Captured] = {}
         self._pool = None
 
@@ -122,7 +124,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         for batch in reversed(self.batch_sizes):
             self._fill_padding(batch)  # the capture runs write no KV: every slot is -1
-            for splits in self.split_ladder(batch):
+            for splits in self._ladders[batch]:
                 self._captured[(batch, splits)] = self._capture_one(batch, splits)
         torch.cuda.synchronize(self.device)
         logger.info(
@@ -183,7 +185,7 @@ class DecodeGraphs:
         self._pad_rows(n, batch)
         self._upload(batch)
         wanted = choose_num_splits(batch, self.num_kv_heads, longest, self.num_sms)
-        splits = max(s for s in self.split_ladder(batch) if s <= wanted)
+        splits = max(s for s in self._ladders[batch] if s <= wanted)
         captured = self._captured.get((batch, splits))
         if captured is None:  # use_graphs=False: the same padded inputs, run eagerly
             return self._forward_fn(batch, splits)()[:n]

@@ -135,7 +135,7 @@ class ModelRunner:
     def _graphs_supported(self, kv_cache_dtype: str) -> bool:
         """CUDA graphs need the Triton backend on a GPU, and no host sync in the step: an
         fp8 cache below compute capability 8.9 is written by torch code that syncs."""
-        if self.device.type != "cuda" or type(self.backend).__name__ != "TritonAttentionBackend":
+        if self.device.type != "cuda" or not self.backend.supports_cuda_graphs:
             return False
         return kv_cache_dtype != "fp8" or has_fp8_hardware(self.device)
 

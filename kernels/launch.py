@@ -27,9 +27,10 @@ def as_rows(x: torch.Tensor, n: int, out: torch.Tensor | None) -> tuple[torch.Te
     return rows, out, lead
 
 
-# Programs per SM the GEMV aims for. ncu on an H100 (W4A16, 4096 -> 28672) showed 2 per
-# SM giving 0.48 waves, 21% achieved occupancy and 17% of DRAM bandwidth: a GEMV needs
-# many loads in flight to hide memory latency, so it wants several resident programs.
+# Programs per SM the W8A16 GEMV aims for (its small 4 KB steps want many resident
+# programs to keep loads in flight; ncu on the first, similar W4A16 GEMV at 2 per SM saw
+# 17% of DRAM bandwidth). The W4A16 GEMV's 8 KB pipelined tiles want at most 3 per SM and
+# choose their own (w4a16_gemv.choose_splits): both were measured on an H100.
 GEMV_PROGRAMS_PER_SM = 8
 
 

@@ -76,6 +76,10 @@ class AttentionBackend(ABC):
     its scales.
     """
 
+    # Whether a step's forward may be captured in a CUDA graph: no host syncs, and
+    # metadata that a graph's static buffers can stand in for (engine/cuda_graphs.py).
+    supports_cuda_graphs = False
+
     def __init__(self, spec: AttentionSpec, block_size: int) -> None:
         self.spec = spec
         self.block_size = block_size

@@ -33,6 +33,8 @@ class TritonMetadata:
 class TritonAttentionBackend(AttentionBackend):
     """Unified paged attention in Triton (on CPU tensors it needs TRITON_INTERPRET=1)."""
 
+    supports_cuda_graphs = True
+
     def build_metadata(self, batch: StepBatch) -> TritonMetadata:
         device = batch.block_tables.device
         seq_lens = [c + q for c, q in zip(batch.context_lens, batch.query_lens)]
