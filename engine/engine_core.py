@@ -54,7 +54,8 @@ class EngineCore:
         config = ModelConfig.from_pretrained(args.model)
         self.dtype = resolve_dtype(args.dtype, config, self.device)
         self.model, self.model_config = load_model(
-            args.model, self.dtype, self.device, quantization=args.quantization
+            args.model, self.dtype, self.device, quantization=args.quantization,
+            quantize_lm_head=args.quantize_lm_head,
         )
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         spec = self.model.attention_spec()

@@ -15,6 +15,7 @@ from cadence.engine.models import get_model_class
 from cadence.engine.quantization import quantize_model, validate_quantization
 from cadence.engine.quantization.checkpoint import CheckpointQuantizer, install_placeholders
 from cadence.engine.quantization.gguf_native import GGUF_NATIVE, GgufNativeLoader
+from cadence.engine.quantization.lm_head import install_int8_lm_head
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -93,6 +94,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     quantization: str | None = None,
+    quantize_lm_head: bool | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Read config, build the model with uninitialised storage on `device`, load weights.
 
@@ -110,6 +112,10 @@ def load_model(
     projections' Q4_0/Q4_1/Q8_0 blocks from that file into Int4Linear/Int8Linear layers
     (engine/quantization/gguf_native.py); the folder's dense copies of those layers are
     read from the safetensors stream and dropped.
+
+    `quantize_lm_head` stores the LM head (and a tied embedding) as int8 per vocabulary
+    row (engine/quantization/lm_head.py), with any `quantization` or none. None means:
+    only under "gguf", and only when the file stores the head quantized.
     """
     quantization = validate_quantization(quantization)
     path = os.fspath(path)
@@ -146,4 +152,10 @@ def load_model(
     model.requires_grad_(False)
     if quantization is not None and not native_gguf:
         quantize_model(model, quantization)
+    tied = getattr(model, "lm_head", None) is None
+    if quantize_lm_head is None:
+        quantize_lm_head = gguf is not None and gguf.head_is_quantized(tied)
+    if quantize_lm_head:
+        exact = gguf.head_values(tied) if gguf is not None and gguf.head_is_quantized(tied) else None
+        install_int8_lm_head(model, exact)
     return model, config

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
         "GGUF's own Q4_0/Q4_1/Q8_0 blocks, the default for GGUF models; none loads them dense",
     )
     serve.add_argument(
+        "--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
+        help="store the LM head (and a tied embedding) as int8 per vocabulary row; default: "
+        "only for a GGUF served with --quantization gguf whose file stores the head quantized",
+    )
+    serve.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
         help="KV-cache storage: the model's dtype, or int8/fp8 with a scale per token and head",
     )

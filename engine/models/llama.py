@@ -169,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         # When tied there is no lm_head module at all: sharing a Parameter between two
         # modules would be split apart by meta-device construction + to_empty().
-        self.lm_head: nn.Linear | None = None
+        # quantize_lm_head may later install an int8 head (engine/quantization/lm_head.py).
+        self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -190,8 +191,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

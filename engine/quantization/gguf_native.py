@@ -21,7 +21,9 @@ Codes are never widened to a float matrix. Q and K rows are un-permuted (llama.c
 interleaves RoPE halves) on the codes and block scales, which are per row. q/k/v and
 gate/up are concatenated along N into our fused layers. A fused layer whose shards are
 not all int4 types or all Q8_0 (say Q6_K, or a mix) stays dense, loaded from the
-converted folder, and is logged. Embeddings, norms and the LM head stay dense.
+converted folder, and is logged. Norms stay dense. The LM head (with a tied embedding)
+becomes int8 per vocabulary row when the file stores it quantized, as llama.cpp files
+usually do (Q8_0 or Q6_K), re-quantized from the block values (``lm_head.py``).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 from torch import nn
 
 from cadence.engine.gguf_loader import SOURCE_FILE, cache_key, unpermute_rope_rows
@@ -53,6 +56,7 @@ GGUF_NATIVE = "gguf"  # the --quantization value that selects this loader
 BLOCK = 32
 _INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 _INT8_TYPES = (GGMLQuantizationType.Q8_0,)
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # HF projection suffix -> the GGUF per-layer tensor name part.
 _GGUF_PART = {
     "self_attn.q_proj": "attn_q",
@@ -187,6 +191,22 @@ class GgufNativeLoader:
         if gguf_name not in self.tensors:
             raise ValueError(f"{os.path.basename(self.path)} has no tensor {gguf_name}")
         return self.tensors[gguf_name]
+
+    def head_tensor(self, tied: bool) -> RawTensor:
+        """The file's LM head: its ``output.weight``, or ``token_embd.weight`` when tied."""
+        name = "token_embd.weight" if tied else "output.weight"
+        if name not in self.tensors:
+            raise ValueError(f"{os.path.basename(self.path)} has no tensor {name}")
+        return self.tensors[name]
+
+    def head_is_quantized(self, tied: bool) -> bool:
+        """Whether the file stores the LM head in quantized blocks (Q8_0, Q6_K, ...)."""
+        return self.head_tensor(tied).qtype not in _FLOAT_TYPES
+
+    def head_values(self, tied: bool) -> torch.Tensor:
+        """The LM head's exact values as the file's blocks give them, float32 ``[vocab, hidden]``."""
+        raw = self.head_tensor(tied)
+        return torch.from_numpy(np.asarray(dequantize(raw.data, raw.qtype), dtype=np.float32))
 
     def install_placeholders(self, model: nn.Module) -> None:
         for name in self.plan:

@@ -1,0 +1,165 @@
+"""The int8 LM head (``--quantize-lm-head``) and the tied embedding that reads its rows.
+
+Tolerances, relative Frobenius error of the logits:
+* against a dense model holding the head's dequantized int8 values: 1e-2. What is left is
+  the bf16 activations and output of the CPU packed op (measured 2.9e-3).
+* against the dense model: 5e-2, the quantization error itself. Measured 6.5e-3 for an
+  untied head and 1.0-2.1e-2 tied, where the embedding's error also runs through every
+  layer of this random model.
+"""
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from torch import nn
+
+from cadence.engine.engine_args import EngineArgs
+from cadence.engine.gguf_loader import convert_gguf
+from cadence.engine.loader import load_model
+from cadence.engine.quantization.lm_head import Int8Embedding
+from cadence.engine.quantization.linear import Int8Linear
+from cadence.kernels.quant_formats import dequantize_int8
+from gguf_writer import write_tiny_gguf
+from kernel_checks import rel_err
+from sdpa_contexts import VarlenSdpaContext
+from quant_eval import TINY_PROMPTS, greedy_tokens, prefix_agreement, tiny_llm
+from tiny_models import build_tiny_model
+from tiny_tokenizer import save_tiny_tokenizer
+
+CPU_PATH_TOL = 1e-2
+QUANT_TOL = 5e-2
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def logits_of(model: nn.Module, ids: list[int]) -> torch.Tensor:
+    """Full-prompt logits through our model with test-only SDPA attention."""
+    device = model.model.norm.weight.device
+    tokens = torch.tensor(ids, device=device)
+    ctx = VarlenSdpaContext(model.attention_spec(), [len(ids)])
+    with torch.no_grad():
+        return model.compute_logits(model(tokens, torch.arange(len(ids), device=device), ctx))
+
+
+@pytest.mark.parametrize("kind", ["llama", "tied"])
+def test_int8_head_tracks_the_dense_logits(tiny_model_dir, kind: str) -> None:
+    dense, _ = load_model(tiny_model_dir(kind), torch.float32, "cpu")
+    model, _ = load_model(tiny_model_dir(kind), torch.float32, "cpu", quantize_lm_head=True)
+    assert isinstance(model.lm_head, Int8Linear)
+    dense_head = dense.model.embed_tokens.weight if kind == "tied" else dense.lm_head.weight
+    # Per vocabulary row: every weight within half a quantization step of the dense one.
+    err = (model.lm_head.dequantized_weight(torch.float32) - dense_head).abs()
+    assert bool((err <= model.lm_head.scale[:, None] / 2 * (1 + 1e-6)).all())
+    reference, _ = load_model(tiny_model_dir(kind), torch.float32, "cpu")
+    reference_head = reference.model.embed_tokens.weight if kind == "tied" else reference.lm_head.weight
+    reference_head.copy_(model.lm_head.dequantized_weight(torch.float32))
+    for prompt in TINY_PROMPTS:
+        got = logits_of(model, prompt)
+        assert rel_err(got, logits_of(reference, prompt)) < CPU_PATH_TOL
+        assert rel_err(got, logits_of(dense, prompt)) < QUANT_TOL
+
+
+def test_a_tied_embedding_reads_the_heads_int8_rows(tiny_model_dir) -> None:
+    model, _ = load_model(tiny_model_dir("tied"), torch.float32, "cpu", quantize_lm_head=True)
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, Int8Embedding) and embedding.table is model.lm_head
+    # The dense table is gone: the only vocabulary-sized tensors are the head's int8 rows.
+    vocab = model.config.vocab_size
+    big = {name for name, t in model.state_dict().items() if t.shape[0] == vocab}
+    assert big == {"lm_head.qweight", "lm_head.scale", "model.embed_tokens.table.qweight",
+                   "model.embed_tokens.table.scale"}
+    ids = torch.tensor([[0, 5, vocab - 1], [7, 7, 2]])
+    expected = dequantize_int8(model.lm_head.qweight, model.lm_head.scale, torch.float32)[ids]
+    got = embedding(ids)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    # An untied model keeps its dense embedding: only the head changes.
+    untied, _ = load_model(tiny_model_dir("llama"), torch.float32, "cpu", quantize_lm_head=True)
+    assert type(untied.model.embed_tokens) is nn.Embedding
+
+
+def test_int8_head_on_a_quantized_body_serves_end_to_end(tiny_model_dir) -> None:
+    path = tiny_model_dir("tied")
+    dense = greedy_tokens(tiny_llm(path, None), TINY_PROMPTS, max_tokens=8)
+    llm = tiny_llm(path, "int8")
+    both = type(llm)(path, dtype="float32", quantization="int8", quantize_lm_head=True, block_size=4,
+                     max_model_len=256, num_gpu_blocks=256)
+    assert isinstance(both.engine.model.lm_head, Int8Linear)
+    body_only = greedy_tokens(llm, TINY_PROMPTS, max_tokens=8)
+    with_head = greedy_tokens(both, TINY_PROMPTS, max_tokens=8)
+    agreement = prefix_agreement(dense, with_head)
+    print(f"tiny tied model, int8 body + int8 head: greedy agreement {agreement:.2f} "
+          f"(int8 body only {prefix_agreement(dense, body_only):.2f})")
+    assert agreement >= 0.5
+
+
+def test_quantize_lm_head_option_is_validated_and_parsed() -> None:
+    from cadence.server.cli import build_parser
+
+    assert EngineArgs(model="m").quantize_lm_head is None
+    with pytest.raises(ValueError, match="quantize_lm_head must be True, False or None"):
+        EngineArgs(model="m", quantize_lm_head="yes")  # type: ignore[arg-type]
+    parse = build_parser().parse_args
+    assert parse(["serve"]).quantize_lm_head is None
+    assert parse(["serve", "--quantize-lm-head"]).quantize_lm_head is True
+    assert parse(["serve", "--no-quantize-lm-head"]).quantize_lm_head is False
+
+
+def head_q8_0(name: str) -> Q:
+    """Only the embedding (the tied head) in Q8_0, everything else F32."""
+    return Q.Q8_0 if name == "token_embd.weight" else Q.F32
+
+
+@pytest.fixture(scope="module")
+def tied_q8_head_gguf(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("gguf-head")
+    save_tiny_tokenizer(root / "tokenizer")
+    path = str(root / "tied-q8-head.gguf")
+    write_tiny_gguf(build_tiny_model("tied"), str(root / "tokenizer"), path, head_q8_0)
+    return convert_gguf(path, str(root / "cache"))
+
+
+def test_gguf_head_stored_quantized_is_served_int8_by_default(tied_q8_head_gguf) -> None:
+    model, _ = load_model(tied_q8_head_gguf, torch.bfloat16, quantization="gguf")
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.embed_tokens, Int8Embedding)
+    # Re-quantized from the file's block values, not from the bf16-rounded dense copy.
+    reader = gguf.GGUFReader(model_source_gguf(tied_q8_head_gguf))
+    raw = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    exact = torch.from_numpy(gguf.quants.dequantize(raw.data, Q.Q8_0).reshape(model.config.vocab_size, -1).copy())
+    err = (model.lm_head.dequantized_weight(torch.float32) - exact).abs()
+    assert bool((err <= model.lm_head.scale[:, None] / 2 * (1 + 1e-6)).all())
+    # Opting out, or loading dense, keeps the head as the converted folder has it.
+    kept, _ = load_model(tied_q8_head_gguf, torch.float32, quantization="gguf", quantize_lm_head=False)
+    assert kept.lm_head is None and type(kept.model.embed_tokens) is nn.Embedding
+    dense, _ = load_model(tied_q8_head_gguf, torch.float32)
+    assert dense.lm_head is None and type(dense.model.embed_tokens) is nn.Embedding
+
+
+def test_gguf_head_stored_as_floats_stays_dense(tmp_path) -> None:
+    save_tiny_tokenizer(tmp_path / "tokenizer")
+    path = str(tmp_path / "f32-head.gguf")
+    write_tiny_gguf(build_tiny_model("tied"), str(tmp_path / "tokenizer"), path, lambda name: Q.F32)
+    model, _ = load_model(convert_gguf(path, str(tmp_path / "cache")), torch.float32, quantization="gguf")
+    assert model.lm_head is None and type(model.model.embed_tokens) is nn.Embedding
+
+
+def model_source_gguf(folder: str) -> str:
+    import json
+    import os
+
+    from cadence.engine.gguf_loader import SOURCE_FILE
+
+    with open(os.path.join(folder, SOURCE_FILE), encoding="utf-8") as f:
+        return json.load(f)["gguf_path"]
+
+
+@cuda_only
+@pytest.mark.parametrize("kind", ["llama", "tied"])
+def test_int8_head_on_gpu_matches_cpu(tiny_model_dir, kind: str) -> None:
+    """On CUDA the head runs the W8A16 Triton kernels (vocab 512 rows, M = 1 and a prompt)."""
+    cpu, _ = load_model(tiny_model_dir(kind), torch.float32, "cpu")
+    gpu, _ = load_model(tiny_model_dir(kind), torch.float16, "cuda", quantize_lm_head=True)
+    for prompt in TINY_PROMPTS:
+        got = logits_of(gpu, prompt).cpu()
+        assert rel_err(got, logits_of(cpu, prompt)) < QUANT_TOL
+        assert rel_err(logits_of(gpu, prompt[:1]).cpu(), logits_of(cpu, prompt[:1])) < QUANT_TOL
