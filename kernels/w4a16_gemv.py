@@ -90,31 +90,37 @@ def _dot8_fp16(words, x0, x1, x2, x3, ASM: tl.constexpr):
 
     x_p packs (x of nibble p, x of nibble p + 4) as fp16x2. PTX: ``lop3`` with the 0x6400
     magic puts nibbles (p, p+4) into an fp16 pair as 1024 + code (or 1024 + 16 code for
-    the high nibble of a byte), ``sub``/``fma.f16x2`` recentre them exactly, four
-    ``fma.f16x2`` multiply by x, and the two halves are summed in fp32.
+    the high nibble of a byte); one ``fma.f16x2`` each maps them exactly to (code - 8) / 16;
+    four ``fma.f16x2`` multiply by x and accumulate; the two halves are summed in fp32 and
+    scaled by 16. The 1/16 keeps the fp16 accumulator 16x from overflow: it holds at most
+    four terms of |x| / 2, so only four activations beyond 32,752 in magnitude overflow
+    (with (code - 8) itself, one |x| above 8,188 did). tests/test_kernels_ptx.py runs this
+    text through a model of each instruction.
     """
     if ASM:
         r = tl.inline_asm_elementwise(
             """
             {
-            .reg .b32 t, p0, p1, p2, p3, acc, m0, m1, magic, k1032, k16, km72;
+            .reg .b32 t, p0, p1, p2, p3, acc, m0, m1, magic, k16th, km645, k256th, km45;
             .reg .b16 lo, hi;
             .reg .f32 flo, fhi;
             mov.b32 m0, 0x000F000F;
             mov.b32 m1, 0x00F000F0;
             mov.b32 magic, 0x64006400;
-            mov.b32 k1032, 0x64086408;
-            mov.b32 k16, 0x2C002C00;
-            mov.b32 km72, 0xD480D480;
+            // (1024 + c) / 16 - 64.5 and (1024 + 16 c) / 256 - 4.5 are both (c - 8) / 16.
+            mov.b32 k16th, 0x2C002C00;
+            mov.b32 km645, 0xD408D408;
+            mov.b32 k256th, 0x1C001C00;
+            mov.b32 km45, 0xC480C480;
             shr.u32 t, $1, 8;
             lop3.b32 p0, $1, m0, magic, 0xEA;
             lop3.b32 p1, $1, m1, magic, 0xEA;
             lop3.b32 p2, t, m0, magic, 0xEA;
             lop3.b32 p3, t, m1, magic, 0xEA;
-            sub.f16x2 p0, p0, k1032;
-            fma.rn.f16x2 p1, p1, k16, km72;
-            sub.f16x2 p2, p2, k1032;
-            fma.rn.f16x2 p3, p3, k16, km72;
+            fma.rn.f16x2 p0, p0, k16th, km645;
+            fma.rn.f16x2 p1, p1, k256th, km45;
+            fma.rn.f16x2 p2, p2, k16th, km645;
+            fma.rn.f16x2 p3, p3, k256th, km45;
             mul.f16x2 acc, p0, $2;
             fma.rn.f16x2 acc, p1, $3, acc;
             fma.rn.f16x2 acc, p2, $4, acc;
@@ -122,7 +128,8 @@ def _dot8_fp16(words, x0, x1, x2, x3, ASM: tl.constexpr):
             mov.b32 {lo, hi}, acc;
             cvt.f32.f16 flo, lo;
             cvt.f32.f16 fhi, hi;
-            add.f32 $0, flo, fhi;
+            add.f32 flo, flo, fhi;
+            mul.f32 $0, flo, 0f41800000;
             }
             """,
             "=f,r,r,r,r,r", [words, x0, x1, x2, x3], dtype=tl.float32, is_pure=True, pack=1)

@@ -305,3 +305,19 @@ def test_gpu_kernels_match_reference(dtype: torch.dtype, m: int) -> None:
         qw = quantize_int4(w.to(dtype), 128, symmetric)
         out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype, "cuda"))
         assert rel_err(out, w4a16.reference(x, qw)) < tol
+
+
+@cuda_only
+def test_gpu_w4a16_gemv_takes_large_fp16_activations() -> None:
+    """Activations of +-20,000 (outliers of the kind some models' MLPs produce): the PTX
+    accumulates four (code - 8) / 16 * x terms in fp16, at most 40,000 here. With
+    (code - 8) * x it reached 640,000 and turned the output to inf."""
+    k, n = 1024, 512
+    w = torch.randn(n, k, device="cuda") * 1e-3
+    x = torch.randn(1, k, device="cuda")
+    x[0, ::7] = 20000.0 * torch.sign(x[0, ::7])
+    x = x.half()
+    qw = quantize_int4(w.half(), 128, symmetric=True)
+    out = w4a16.w4a16_matmul(x, qw, out=poisoned(1, n, torch.float16, "cuda"))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[torch.float16]
