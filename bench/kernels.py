@@ -68,13 +68,13 @@ class Sizes:
 
 def pick_sizes(args: argparse.Namespace, num_sms: int) -> Sizes:
     if args.smoke:  # ragged on purpose: partial tiles, two int4 groups, a partial KV block
-        return Sizes({"tiny": (128, 48)}, [1, 5, 33], 64, (8, 2, 32, 16), [40, 64], [1, 3],
+        return Sizes({"tiny": (128, 48)}, [1, 5, 33, 256], 64, (8, 2, 32, 16), [40, 64], [1, 3],
                      {"tiny": (4, 2, 64, 32)}, [1, 5, 33], num_sms, force_split=True)
     llama8b = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
     moe = {"mixtral": (8, 2, 4096, 14336), "qwen-moe": (60, 4, 2048, 1408)}
     if args.quick:
         return Sizes(llama8b, [1, 16, 128], 128, (32, 8, 128, 16), [1024, 8192, 32768], [1, 32], moe, [1, 64], num_sms)
-    return Sizes(llama8b, [1, 2, 4, 8, 16, 32, 64, 128, 256], 128, (32, 8, 128, 16),
+    return Sizes(llama8b, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048], 128, (32, 8, 128, 16),
                  [1024, 2048, 4096, 8192, 16384, 32768], [1, 8, 32], moe, [1, 4, 16, 64, 256], num_sms)
 
 
@@ -172,6 +172,18 @@ def quant_shape(b: Bench, name: str, k: int, n: int, fp8: object | None) -> obje
         w4_sym: (lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out), w4a16.reference),
         w4_asym: (lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out), w4a16.reference),
     }
+    # From 256 rows, both sides of the tiled / dequantize-then-matmul switch
+    # (kernels/dequant.py's DEQUANT_MIN_M), whichever the default picks.
+    both_paths: dict[str, tuple[Callable, Callable]] = {
+        "w8a16 tiled": (lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out, dequant_min_m=1 << 62),
+                        kernels["w8a16"][1]),
+        "w8a16 dequant+mm": (lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out, dequant_min_m=1),
+                             kernels["w8a16"][1]),
+        f"{w4_sym} tiled": (lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out, dequant_min_m=1 << 62),
+                            w4a16.reference),
+        f"{w4_sym} dequant+mm": (lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out, dequant_min_m=1),
+                                 w4a16.reference),
+    }
     for m in b.sizes.quant_m:
         if b.rep.out_of_time():
             b.skip("quant", f"{name} M={m}", "time budget spent")
@@ -183,11 +195,13 @@ def quant_shape(b: Bench, name: str, k: int, n: int, fp8: object | None) -> obje
             calls = [lambda i=i, d=dense: F.linear(xd[i], weights[i][d]) for i in range(sets)]
             b.run("quant", case, dense, calls, None, n * k * 2 + io_bytes, flops, rate=dense)
         outs = [torch.empty(m, n, device=b.dev, dtype=F16) for _ in range(sets)]
-        for variant, (kernel, reference) in kernels.items():
-            calls = [lambda i=i, v=variant, f=kernel: f(xs[i], weights[i][v], outs[i]) for i in range(sets)]
-            ref = reference(xs[0], weights[0][variant])
+        variants = {**kernels, **both_paths} if m >= 256 else kernels
+        for variant, (kernel, reference) in variants.items():
+            wkey = variant.removesuffix(" tiled").removesuffix(" dequant+mm")
+            calls = [lambda i=i, v=wkey, f=kernel: f(xs[i], weights[i][v], outs[i]) for i in range(sets)]
+            ref = reference(xs[0], weights[0][wkey])
             b.run("quant", case, variant, calls, poisoned_check(calls[0], outs[0], ref),
-                  nbytes(weights[0][variant]) + io_bytes, flops)
+                  nbytes(weights[0][wkey]) + io_bytes, flops)
         if fp8 is not None:
             fp8 = bench_fp8(b, fp8, case, xs, weights, outs, io_bytes, flops)
     return fp8

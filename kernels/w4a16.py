@@ -11,6 +11,8 @@ along K):
   BLOCK_K dividing the group size, so a K tile lies in one group and the scale (and
   zero) is a single ``[BLOCK_N]`` vector load per tile. Weights are dequantized to the
   activation dtype (rounding once, as the reference does) and accumulated in fp32.
+* from ``DEQUANT_MIN_M`` rows (prefill): the whole weight dequantized for the call and
+  a dense torch.matmul (``dequant.py``).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cadence.kernels.dequant import DEQUANT_MIN_M, int4_to_dense
 from cadence.kernels.launch import as_rows, check_activations, num_sms, triton_usable
 from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
 from cadence.kernels.w4a16_gemv import GEMV_MAX_M, supports as gemv_supports, w4a16_gemv
@@ -102,11 +105,13 @@ def w4a16_matmul(
     out: torch.Tensor | None = None,
     *,
     small_m_threshold: int = DEFAULT_SMALL_M_THRESHOLD,
+    dequant_min_m: int = DEQUANT_MIN_M,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """``x [..., K]`` (fp16/fp32) @ dequant(weight).T -> ``[..., N]`` in x's dtype.
 
-    Rows M <= ``small_m_threshold`` take the GEMV kernel, more take the tiled GEMM. CPU
+    Rows M <= ``small_m_threshold`` take the GEMV kernel, more take the tiled GEMM, and
+    from ``dequant_min_m`` a transient dense weight and torch.matmul (``dequant.py``). CPU
     tensors without ``TRITON_INTERPRET=1`` take :func:`reference`. ``out`` (optional,
     ``[M, N]``, x's dtype) lets tests pre-fill it with NaN to catch unwritten elements.
     """
@@ -124,6 +129,9 @@ def w4a16_matmul(
         out.copy_(reference(x2, weight))
         return out.reshape(*lead, n)
 
+    if m >= dequant_min_m:
+        torch.matmul(x2, int4_to_dense(weight, x2.dtype), out=out)
+        return out.reshape(*lead, n)
     # The kernels index qweight/scales/zeros with row stride N.
     qweight = weight.qweight.contiguous()
     scales = weight.scales.contiguous()

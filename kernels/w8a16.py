@@ -12,6 +12,8 @@ kernels:
   won by keeping many loads in flight.
 * ``_w8a16_kernel`` above that: a tiled GEMM that loads ``[BLOCK_K, BLOCK_N]`` tiles
   through transposed strides for ``tl.dot``.
+* from ``DEQUANT_MIN_M`` rows (prefill): the whole weight dequantized for the call and a
+  dense torch.matmul (``dequant.py``), which rounds the weight to x's dtype once.
 
 Both widen int8 to float exactly (|q| <= 127) and accumulate in fp32. The per-channel
 scale is constant along K, so it multiplies the accumulator once at the end.
@@ -24,6 +26,7 @@ import triton
 import triton.language as tl
 
 from cadence.kernels import split_k
+from cadence.kernels.dequant import DEQUANT_MIN_M, int8_to_dense
 from cadence.kernels.launch import as_rows, check_activations, gemv_split_k, num_sms, triton_usable
 
 # Rows up to this many take the GEMV kernel. H100, Llama-8B's four projections, bf16:
@@ -126,6 +129,7 @@ def w8a16_matmul(
     out: torch.Tensor | None = None,
     *,
     small_m_threshold: int = DEFAULT_SMALL_M_THRESHOLD,
+    dequant_min_m: int = DEQUANT_MIN_M,
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
@@ -134,6 +138,8 @@ def w8a16_matmul(
 ) -> torch.Tensor:
     """``x [..., K]`` (fp16/fp32) @ dequant(``qweight int8 [N, K]``, ``scale [N]``).T -> ``[..., N]``.
 
+    Rows M <= ``small_m_threshold`` take the GEMV, more the tiled kernel, and from
+    ``dequant_min_m`` a transient dense weight and torch.matmul (``dequant.py``).
     CPU tensors without ``TRITON_INTERPRET=1`` take :func:`reference` (Triton cannot run).
     ``out`` (optional, ``[M, N]`` contiguous, x's dtype) lets callers and tests pre-fill it.
     """
@@ -147,6 +153,9 @@ def w8a16_matmul(
         return out.reshape(*lead, n)
     if not triton_usable(x):
         out.copy_(reference(x2, qweight, scale))
+        return out.reshape(*lead, n)
+    if m >= dequant_min_m:
+        torch.matmul(x2, int8_to_dense(qweight, scale, x2.dtype).t(), out=out)
         return out.reshape(*lead, n)
     # tl.dot needs every block dim >= 16; larger M tiles only when there are rows to fill.
     if m <= small_m_threshold and qweight.stride(1) == 1:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from cadence.kernels import fused_moe, kv_cache_write, paged_attention, rms_norm, rotary, silu_and_mul, w4a16, w8a16, w8a8_fp8
+from cadence.kernels import dequant, fused_moe, kv_cache_write, paged_attention, rms_norm, rotary, silu_and_mul, w4a16, w8a16, w8a8_fp8
 from cadence.kernels.fp8_format import quantize_fp8_weight
 from cadence.kernels.quant_formats import Int4Weight, quantize_int4, quantize_int8
 from triton_aot import Launch, dump_launches, record_launches
@@ -40,6 +40,10 @@ def quant_cases() -> dict[str, Callable[[], object]]:
     long_q8, long_s8 = quantize_int8(torch.randn(n, 4096))  # a K long enough to split
     cases["w8a16 split-K float16 M=1"] = lambda: w8a16.w8a16_matmul(torch.randn(1, 4096, dtype=torch.float16),
                                                                       long_q8, long_s8.half())
+    for dtype in HALF:  # the large-M path's whole-weight dequantize
+        cases[f"dequant int4 g32 zeros {str(dtype)[6:]}"] = lambda dtype=dtype: dequant.int4_to_dense(asym, dtype)
+        cases[f"dequant int4 g128 sym {str(dtype)[6:]}"] = lambda dtype=dtype: dequant.int4_to_dense(sym, dtype)
+        cases[f"dequant int8 {str(dtype)[6:]}"] = lambda dtype=dtype: dequant.int8_to_dense(q8, s8, dtype)
     for dtype in (*HALF, torch.float32):
         for m in (1, 64):
             x = torch.randn(m, k, dtype=dtype)
@@ -143,7 +147,8 @@ def test_every_wrapper_launch_was_recorded(compiled) -> None:
     kernels = {launch.kernel for launch in launches}
     assert kernels == {"_w8a16_kernel", "_w8a16_gemv_kernel", "_w4a16_gemv_kernel", "_w4a16_gemm_kernel", "_w8a8_fp8_kernel",
                        "_attention_kernel", "_merge_kernel", "_write_kernel", "_moe_gemm_kernel",
-                       "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
+                       "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_int4_to_dense_kernel",
+                       "_int8_to_dense_kernel"}
 
 
 def test_every_launch_compiles_for_a100_and_h100(compiled) -> None:
