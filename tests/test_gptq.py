@@ -1,0 +1,118 @@
+"""GPTQ (engine/quantization/gptq.py, gptq_model.py) and ``cadence quantize``.
+
+GPTQ's claim is a smaller layer *output* error than round-to-nearest for the same int4
+grid, on inputs like its calibration data. The synthetic check uses correlated inputs
+with a few large features, the structure real activations have; measured there, GPTQ's
+relative output error is 0.47-0.48x RTN's on the calibration rows and 0.51-0.52x on fresh
+rows (bounds: 0.7x and 0.8x). End to end, a tiny model's GPTQ
+checkpoint must load through the ordinary GPTQ loader into exactly the codes and scales
+GPTQ chose.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from cadence import LLM
+from cadence.engine.loader import iterate_weights, load_model
+from cadence.engine.quantization import gptq_model, linear as linear_module
+from cadence.engine.quantization.gptq import HessianAccumulator, gptq_quantize
+from cadence.engine.quantization.linear import Int4Linear
+from cadence.kernels.quant_formats import dequantize_int4, quantize_int4
+from kernel_checks import gen
+from quant_eval import TINY_PROMPTS, greedy_tokens
+
+
+def correlated_inputs(rows: int, mix: torch.Tensor, seed: int) -> torch.Tensor:
+    """Rows mixed by ``mix`` (shared structure) plus noise, with eight large features."""
+    g = gen(seed)
+    k = mix.shape[0]
+    x = torch.randn(rows, k, generator=g) @ mix + 0.1 * torch.randn(rows, k, generator=g)
+    x[:, :8] *= 20
+    return x
+
+
+def output_error(x: torch.Tensor, w: torch.Tensor, q) -> float:
+    y = x @ w.t()
+    return float((y - x @ dequantize_int4(q, torch.float32).t()).norm() / y.norm())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group", [32, 128])
+def test_gptq_halves_the_output_error_of_rounding(symmetric: bool, group: int) -> None:
+    k, n = 256, 96
+    w = torch.randn(n, k, generator=gen(1)) * 0.02
+    mix = torch.randn(k, k, generator=gen(2)) / k**0.5
+    calibration = correlated_inputs(2048, mix, seed=3)
+    acc = HessianAccumulator(k)
+    acc.add(calibration)
+    q = gptq_quantize(w, acc.hessian, group, symmetric)
+    assert q.qweight.shape == (k // 8, n) and q.scales.shape == (k // group, n)
+    assert (q.zeros is None) == symmetric
+    rtn = quantize_int4(w, group, symmetric, scale_dtype=torch.float16)
+    assert output_error(calibration, w, q) < 0.7 * output_error(calibration, w, rtn)
+    # Fresh rows from the same distribution: the gain is not an artefact of the fit.
+    fresh = correlated_inputs(1024, mix, seed=4)
+    assert output_error(fresh, w, q) < 0.8 * output_error(fresh, w, rtn)
+
+
+def test_hessian_is_the_same_however_rows_are_batched() -> None:
+    x = torch.randn(300, 16, generator=gen(3))
+    whole, parts = HessianAccumulator(16), HessianAccumulator(16)
+    whole.add(x)
+    for chunk in (x[:7], x[7:200], x[200:]):
+        parts.add(chunk)
+    expected = 2.0 / 300 * (x.double().t() @ x.double())
+    assert torch.allclose(whole.hessian, expected) and torch.allclose(parts.hessian, expected)
+
+
+def test_inputs_never_seen_do_not_break_the_factorisation() -> None:
+    x = torch.randn(512, 64, generator=gen(4))
+    x[:, 5] = 0.0  # a dead feature: H has a zero row and column
+    acc = HessianAccumulator(64)
+    acc.add(x)
+    q = gptq_quantize(torch.randn(32, 64, generator=gen(5)), acc.hessian, 32)
+    assert torch.isfinite(dequantize_int4(q, torch.float32)).all()
+
+
+def test_checkpoint_loads_into_the_codes_gptq_chose(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    source = tiny_model_dir("llama")
+    model, config = load_model(source, torch.float32)
+    samples = torch.randint(3, config.vocab_size, (4, 32), generator=gen(6))
+    chosen = gptq_model.gptq_model(model, samples, 32, symmetric=False, chunk=3)
+    assert len(chosen) == 4 * config.num_hidden_layers
+    sizes = gptq_model.shard_sizes(config)
+    dense = dict(iterate_weights(source))
+    out = str(tmp_path / "gptq")
+    gptq_model.write_gptq_checkpoint(source, out, dense, chosen, sizes, 32, False, {"source": "test"})
+    # Keep Int4Linear in our layout so its buffers can be compared code for code.
+    monkeypatch.setattr(linear_module.Int4Linear, "_convert_for_cpu", lambda self: None)
+    loaded, _ = load_model(out, torch.float32)
+    for name, weight in chosen.items():
+        layer = loaded.get_submodule(name)
+        assert isinstance(layer, Int4Linear)
+        assert torch.equal(layer.qweight, weight.qweight) and torch.equal(layer.scales, weight.scales), name
+        assert torch.equal(layer.zeros, weight.zeros), name
+    # gptq_model left the model holding the dequantized weights: the loaded checkpoint is
+    # the same function.
+    for name in chosen:
+        assert torch.equal(model.get_submodule(name).weight, dequantize_int4(chosen[name], torch.float32))
+
+
+def test_cadence_quantize_writes_a_servable_checkpoint(tiny_model_dir, tmp_path) -> None:
+    from cadence.server.cli import main
+
+    out = str(tmp_path / "gptq-cli")
+    main(["quantize", tiny_model_dir("tied"), out, "--samples", "3", "--sample-length", "24", "--group-size", "64",
+          "--log-level", "warning"])
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+        qconfig = json.load(f)["quantization_config"]
+    assert qconfig["quant_method"] == "gptq" and qconfig["group_size"] == 64 and qconfig["sym"] is True
+    assert qconfig["calibration"]["source"] == "self-generated" and qconfig["calibration"]["samples"] == 3
+    llm = LLM(out, dtype="float32", block_size=4, max_model_len=128, num_gpu_blocks=64)
+    assert isinstance(llm.engine.model.get_submodule("model.layers.0.mlp.down_proj"), Int4Linear)
+    tokens = greedy_tokens(llm, TINY_PROMPTS[:2], max_tokens=4)
+    assert all(len(t) == 4 for t in tokens)
