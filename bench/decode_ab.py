@@ -2,7 +2,7 @@
 
     python bench/decode_ab.py                                  # dense vs int8 LM head (gguf body)
     python bench/decode_ab.py --a dtype=float32 --b dtype=bfloat16
-    python bench/decode_ab.py --base quantization=none --a quantize_lm_head=false --b quantize_lm_head=true
+    python bench/decode_ab.py --base quantization=none                     # LM heads on a dense body
 
 ``--base`` holds the options both engines share (default: the default model's own
 ``quantization=gguf``); ``--a`` and ``--b`` what differs. Values are EngineArgs fields as
@@ -63,8 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     path = resolve_model_path(args.model)
     base = {"max_model_len": 1024, "num_gpu_blocks": 128, **parse_options(args.base)}
-    if base.get("quantization") == "none":
-        base["quantization"] = None
     configs = {"A": args.a, "B": args.b}
     engines = {label: LLM(path, **{**base, **parse_options(items)}) for label, items in configs.items()}
     probes = {label: StepProbe(llm) for label, llm in engines.items()}

@@ -30,7 +30,8 @@ class EngineArgs:
     # "fp8" (W8A8: e4m3 weights per output channel, activations per token at run time).
     quantization: str | None = None
     # The LM head (and a tied embedding) as int8 per vocabulary row: True, False, or None
-    # for "as the checkpoint has it" (int8 for a GGUF that stores it quantized, else dense).
+    # for "as the checkpoint has it": int8 under quantization="gguf" when the file stores
+    # the head quantized, dense otherwise.
     quantize_lm_head: bool | None = None
     # The KV cache's storage: "auto" (the model's dtype), or "int8" / "fp8" with a scale
     # per token and KV head, which holds about 2-4x more tokens in the same memory.
@@ -45,7 +46,7 @@ class EngineArgs:
         from cadence.kernels.kv_quant import KV_CACHE_DTYPES
 
         self.quantization = validate_quantization(self.quantization)
-        if self.quantize_lm_head not in (None, True, False):
+        if self.quantize_lm_head is not None and not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"quantize_lm_head must be True, False or None, got {self.quantize_lm_head!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use auto, int8 or fp8")

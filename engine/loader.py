@@ -158,4 +158,8 @@ def load_model(
     if quantize_lm_head:
         exact = gguf.head_values(tied) if gguf is not None and gguf.head_is_quantized(tied) else None
         install_int8_lm_head(model, exact)
+    if device.type == "cuda":
+        # Hand back what loading and quantizing freed: the caching allocator would keep it,
+        # and the KV cache is sized from the memory the device reports free.
+        torch.cuda.empty_cache()
     return model, config

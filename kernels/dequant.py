@@ -90,10 +90,5 @@ def int8_to_dense(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 
 def reference_int4(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
-    """What ``int4_to_dense`` computes, in plain torch."""
+    """What ``int4_to_dense`` computes, in plain torch (for int8, ``quant_formats.dequantize_int8``)."""
     return dequantize_int4(weight, dtype).t()
-
-
-def reference_int8(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What ``int8_to_dense`` computes, in plain torch."""
-    return (qweight.float() * scale.float()[:, None]).to(dtype)

@@ -98,8 +98,6 @@ def run_ptx(asm: str, args: list[np.ndarray]) -> np.ndarray:
             out = _lop3(value(ops[0]), value(ops[1]), value(ops[2]), int(ops[3], 0))
         elif opcode == "prmt.b32":
             out = _prmt(value(ops[0]), value(ops[1]), int(ops[2], 0))
-        elif opcode == "sub.f16x2":
-            out = _f16x2(lambda x, y: x - y, value(ops[0]), value(ops[1]))
         elif opcode == "mul.f16x2":
             out = _f16x2(lambda x, y: x * y, value(ops[0]), value(ops[1]))
         elif opcode == "fma.rn.f16x2":

@@ -116,3 +116,31 @@ def test_cadence_quantize_writes_a_servable_checkpoint(tiny_model_dir, tmp_path)
     assert isinstance(llm.engine.model.get_submodule("model.layers.0.mlp.down_proj"), Int4Linear)
     tokens = greedy_tokens(llm, TINY_PROMPTS[:2], max_tokens=4)
     assert all(len(t) == 4 for t in tokens)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_all_zero_and_all_positive_groups_stay_exact_and_portable(symmetric: bool) -> None:
+    w = torch.randn(16, 64, generator=gen(8)) * 0.02
+    w[3, :32] = 0.0  # a pruned group: scale 0 must not become 0 / 0
+    w[5, 32:] = w[5, 32:].abs()  # nothing below zero in the group
+    acc = HessianAccumulator(64)
+    acc.add(torch.randn(256, 64, generator=gen(9)))
+    q = gptq_quantize(w, acc.hessian, 32, symmetric)
+    dense = dequantize_int4(q, torch.float32)
+    assert torch.isfinite(dense).all() and bool((dense[3, :32] == 0).all())
+    if not symmetric:
+        # GPTQ v1 stores zero - 1 in four bits: a zero of 0 would be written as 15.
+        assert int(q.zeros.min()) >= 1
+
+
+def test_cadence_quantize_refuses_what_it_cannot_calibrate(tiny_model_dir, tmp_path) -> None:
+    source = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match="at least one calibration sample of at least 2 tokens"):
+        gptq_model.quantize_checkpoint(source, str(tmp_path / "a"), num_samples=0)
+    with pytest.raises(ValueError, match="at least one calibration sample"):
+        gptq_model.quantize_checkpoint(source, str(tmp_path / "b"), sample_length=1)
+    # An already-quantized checkpoint (here, one this test writes) is refused by name.
+    out = str(tmp_path / "gptq")
+    gptq_model.quantize_checkpoint(source, out, group_size=32, num_samples=2, sample_length=16)
+    with pytest.raises(ValueError, match="already quantized"):
+        gptq_model.quantize_checkpoint(out, str(tmp_path / "c"), num_samples=2, sample_length=16)

@@ -12,7 +12,7 @@ import torch
 from kernel_checks import cuda_only, gen, poisoned, rel_err
 
 from cadence.kernels import dequant, w4a16, w8a16
-from cadence.kernels.quant_formats import Int4Weight, quantize_int4, quantize_int8
+from cadence.kernels.quant_formats import Int4Weight, dequantize_int8, quantize_int4, quantize_int8
 
 KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -41,10 +41,10 @@ def test_int4_to_dense_equals_the_torch_definition(dtype: torch.dtype, k: int, n
 def test_int8_to_dense_equals_the_torch_definition(dtype: torch.dtype, n: int, k: int) -> None:
     qweight, scale = quantize_int8(torch.randn(n, k, generator=gen(n + k)))
     got = dequant.int8_to_dense(qweight, scale, dtype)
-    assert got.shape == (n, k) and torch.equal(got, dequant.reference_int8(qweight, scale, dtype))
+    assert got.shape == (n, k) and torch.equal(got, dequantize_int8(qweight, scale, dtype))
     # A column slice (row stride != K) reads through its strides.
     view = qweight[:, 8:]
-    assert torch.equal(dequant.int8_to_dense(view, scale, dtype), dequant.reference_int8(view, scale, dtype))
+    assert torch.equal(dequant.int8_to_dense(view, scale, dtype), dequantize_int8(view, scale, dtype))
 
 
 class CallCounter:
@@ -81,10 +81,19 @@ def test_w8a16_takes_the_dense_path_from_the_threshold(monkeypatch: pytest.Monke
     scale = scale.to(dtype)
     for m, dense_path in ((7, False), (8, True), (19, True)):
         before = spy.calls
-        x = torch.randn(2, m, k, generator=gen(m)).to(dtype)[0]  # leading dims flatten to rows
+        x = torch.randn(m, k, generator=gen(m)).to(dtype)
         out = w8a16.w8a16_matmul(x, qweight, scale, out=poisoned(m, n, dtype), dequant_min_m=8)
         assert (spy.calls > before) == dense_path, m
         assert rel_err(out, w8a16.reference(x, qweight, scale)) < KERNEL_TOL[dtype], m
+
+
+def test_w8a16_dense_path_takes_a_float32_scale_with_half_activations() -> None:
+    # The int8 LM head's case during prefill with prompt logprobs: fp32 scales, fp16 rows.
+    qweight, scale = quantize_int8(torch.randn(72, 96, generator=gen(6)), torch.float32)
+    x = torch.randn(2, 5, 96, generator=gen(7)).half()  # leading dims flatten to rows
+    out = w8a16.w8a16_matmul(x, qweight, scale, dequant_min_m=8)
+    assert out.shape == (2, 5, 72) and out.dtype == torch.float16
+    assert rel_err(out, w8a16.reference(x, qweight, scale)) < KERNEL_TOL[torch.float16]
 
 
 def test_decode_batches_stay_below_the_threshold() -> None:

@@ -18,9 +18,10 @@ from torch import nn
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.gguf_loader import convert_gguf
 from cadence.engine.loader import load_model
+from cadence.engine.quantization import lm_head
 from cadence.engine.quantization.lm_head import Int8Embedding
 from cadence.engine.quantization.linear import Int8Linear
-from cadence.kernels.quant_formats import dequantize_int8
+from cadence.kernels.quant_formats import dequantize_int8, quantize_int8
 from gguf_writer import write_tiny_gguf
 from kernel_checks import rel_err
 from sdpa_contexts import VarlenSdpaContext
@@ -93,12 +94,22 @@ def test_int8_head_on_a_quantized_body_serves_end_to_end(tiny_model_dir) -> None
     assert agreement >= 0.5
 
 
+def test_the_head_is_quantized_in_row_chunks_without_changing_it(tiny_model_dir, monkeypatch) -> None:
+    dense, _ = load_model(tiny_model_dir("llama"), torch.float32, "cpu")
+    qweight, scale = quantize_int8(dense.lm_head.weight, torch.float32)
+    monkeypatch.setattr(lm_head, "ROWS_PER_CHUNK", 100)  # 512 rows: five full chunks and a partial one
+    model, _ = load_model(tiny_model_dir("llama"), torch.float32, "cpu", quantize_lm_head=True)
+    assert torch.equal(model.lm_head.qweight, qweight) and torch.equal(model.lm_head.scale, scale)
+
+
 def test_quantize_lm_head_option_is_validated_and_parsed() -> None:
     from cadence.server.cli import build_parser
 
     assert EngineArgs(model="m").quantize_lm_head is None
     with pytest.raises(ValueError, match="quantize_lm_head must be True, False or None"):
         EngineArgs(model="m", quantize_lm_head="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="quantize_lm_head must be"):
+        EngineArgs(model="m", quantize_lm_head=1)  # type: ignore[arg-type]
     parse = build_parser().parse_args
     assert parse(["serve"]).quantize_lm_head is None
     assert parse(["serve", "--quantize-lm-head"]).quantize_lm_head is True

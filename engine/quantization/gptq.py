@@ -38,15 +38,27 @@ class HessianAccumulator:
         self.hessian += (2.0 / self.rows) * (x.t() @ x)
 
 
-def _group_grid(w: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, zero) per output row for the columns ``w [N, g]``, as quantize_int4 picks them."""
+def _group_grid(w: torch.Tensor, symmetric: bool, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) per output row for the columns ``w [N, g]``, as quantize_int4 picks
+    them, with the scale already rounded to ``scale_dtype`` (what the checkpoint stores)."""
     if symmetric:
-        scale = (w.abs().amax(dim=1) / 7.0).clamp(min=1e-8)
-        return scale, torch.full_like(scale, float(SYMMETRIC_ZERO))
-    lo = w.amin(dim=1).clamp(max=0.0)
-    hi = w.amax(dim=1).clamp(min=0.0)
-    scale = ((hi - lo) / 15.0).clamp(min=1e-8)
-    return scale, torch.round(-lo / scale).clamp(0, 15)
+        scale = w.abs().amax(dim=1) / 7.0
+        zero = torch.full_like(scale, float(SYMMETRIC_ZERO))
+    else:
+        lo = w.amin(dim=1).clamp(max=0.0)
+        hi = w.amax(dim=1).clamp(min=0.0)
+        scale = (hi - lo) / 15.0
+        zero = torch.round(-lo / scale.clamp(min=1e-30)).clamp(0, 15)
+        # GPTQ's v1 format stores zero - 1 in four bits, so a zero of 0 is written as 15,
+        # which vLLM's and AutoGPTQ's kernels read as 16. A group with nothing below zero
+        # therefore takes zero 1 and a scale that still reaches its maximum with code 15.
+        lowest = zero == 0
+        scale = torch.where(lowest, hi / 14.0, scale)
+        zero = torch.where(lowest, torch.ones_like(zero), zero)
+    scale = scale.to(scale_dtype).to(torch.float64)
+    # An all-zero group (or one below the scale dtype's range) has scale 0: any scale
+    # codes it exactly as its zero point, and 1 avoids dividing by zero.
+    return torch.where(scale == 0, torch.ones_like(scale), scale), zero
 
 
 def gptq_quantize(
@@ -82,9 +94,7 @@ def gptq_quantize(
             column = start + j
             if column % group_size == 0:
                 g = column // group_size
-                scale, zero = _group_grid(w_block[:, j : j + group_size], symmetric)
-                # Round the scale to what the checkpoint will store, so codes fit it.
-                scales[g], zeros[g] = scale.to(scale_dtype).to(torch.float64), zero
+                scales[g], zeros[g] = _group_grid(w_block[:, j : j + group_size], symmetric, scale_dtype)
             g = column // group_size
             code = torch.round(w_block[:, j] / scales[g] + zeros[g]).clamp(0, 15)
             codes[:, column] = code.to(torch.uint8)

@@ -129,7 +129,11 @@ def gptq_model(
             for hook in hooks:
                 hook.remove()
         for suffix, module in projections.items():
-            weight = gptq_quantize(module.weight, hessians[suffix].hessian, group_size, symmetric, damping)
+            try:
+                weight = gptq_quantize(module.weight, hessians[suffix].hessian, group_size, symmetric, damping)
+            except torch.linalg.LinAlgError as exc:
+                raise ValueError(f"GPTQ of model.layers.{index}.{suffix}: its Hessian is not positive definite "
+                                 f"even with damping {damping}; raise --damping or calibrate on more text") from exc
             module.weight.copy_(dequantize_int4(weight, module.weight.dtype))
             results[f"model.layers.{index}.{suffix}"] = weight
         hidden, residual = run(layer)
@@ -219,7 +223,14 @@ def quantize_checkpoint(
     sample_length: int = 256, calibration_file: str | None = None, seed: int = 0, device: str = "cpu",
     damping: float = DEFAULT_DAMPING,
 ) -> dict[str, object]:
-    """GPTQ a dense HF folder into a 4-bit GPTQ checkpoint at ``out``; returns what was done."""
+    """GPTQ a dense HF folder into a 4-bit GPTQ checkpoint at ``out``; returns what was done.
+
+    The model is held in float32 on ``device`` (an 8B model needs about 32 GB there)."""
+    if num_samples < 1 or sample_length < 2:
+        raise ValueError(f"GPTQ needs at least one calibration sample of at least 2 tokens, "
+                         f"got {num_samples} x {sample_length}")
+    if ModelConfig.from_pretrained(source).quantization is not None:
+        raise ValueError(f"{source} is already quantized; GPTQ starts from a dense checkpoint")
     if calibration_file is not None:
         from transformers import AutoTokenizer
 

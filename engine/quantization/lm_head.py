@@ -22,6 +22,10 @@ from cadence.kernels.quant_formats import quantize_int8
 
 logger = logging.getLogger(__name__)
 
+# Vocabulary rows quantized at a time: the fp32 temporaries of a whole 128k-row head
+# would be gigabytes on the GPU, and the caching allocator would keep them from the KV cache.
+ROWS_PER_CHUNK = 4096
+
 
 class Int8Embedding(nn.Module):
     """Token embeddings read from an ``Int8Linear``'s rows: ``qweight[ids] * scale[ids]``."""
@@ -51,11 +55,10 @@ def install_int8_lm_head(model: nn.Module, exact_weight: torch.Tensor | None = N
     embedding: nn.Embedding = model.model.embed_tokens  # type: ignore[union-attr, assignment]
     tied = model.lm_head is None
     dense = embedding.weight if tied else model.lm_head.weight  # type: ignore[union-attr]
-    source = dense if exact_weight is None else exact_weight.to(dense.device)
+    source = dense if exact_weight is None else exact_weight
     if source.shape != dense.shape:
         raise ValueError(f"LM head weight {tuple(source.shape)} does not match the model's {tuple(dense.shape)}")
-    qweight, scale = quantize_int8(source.detach(), torch.float32)
-    head = Int8Linear(qweight, scale)
+    head = Int8Linear(*_quantize_rows(source.detach(), dense.device))
     before = dense.numel() * dense.element_size()
     model.lm_head = head
     if tied:
@@ -64,3 +67,15 @@ def install_int8_lm_head(model: nn.Module, exact_weight: torch.Tensor | None = N
     logger.info("LM head stored as int8 per row%s: %.1f MiB -> %.1f MiB",
                 " (the tied embedding reads the same rows)" if tied else "", before / 2**20, after / 2**20)
     return before - after
+
+
+def _quantize_rows(weight: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_int8`` of ``weight`` onto ``device``, a chunk of rows at a time (each row
+    has its own scale, so chunking changes nothing)."""
+    rows = weight.shape[0]
+    qweight = torch.empty(weight.shape, dtype=torch.int8, device=device)
+    scale = torch.empty(rows, dtype=torch.float32, device=device)
+    for start in range(0, rows, ROWS_PER_CHUNK):
+        stop = min(start + ROWS_PER_CHUNK, rows)
+        qweight[start:stop], scale[start:stop] = quantize_int8(weight[start:stop].to(device), torch.float32)
+    return qweight, scale
