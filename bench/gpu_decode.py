@@ -2,6 +2,7 @@
 
     python bench/gpu_decode.py                 # a random Llama-3.2-1B-shaped model
     python bench/gpu_decode.py --layers 32 --hidden 4096 --intermediate 14336   # 8B-shaped
+    python bench/gpu_decode.py --no-eager --quantize-lm-head   # adds int8/int4 with an int8 LM head
 
 Issue 4's targets are 1.8x (int8) and 2.8x (int4) over bf16. The model has random
 weights (speed does not depend on their values), built once under bench/out/models/.
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--no-eager", action="store_true", help="skip the --enforce-eager runs (they are slow at 8B)")
+    ap.add_argument("--quantize-lm-head", action="store_true",
+                    help="also run int8 and int4 with the int8 LM head (--quantize-lm-head)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -51,11 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     print("| weights | graphs tok/s | vs dense | eager tok/s | graphs / eager | graph GPU ms | layers GB/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     base = None
-    for method in (None, "int8", "int4"):
+    runs = [(None, False), ("int8", False), ("int4", False)]
+    if args.quantize_lm_head:
+        runs += [("int8", True), ("int4", True)]
+    for method, int8_head in runs:
         rates = {}
         for eager in (False,) if args.no_eager else (False, True):
-            llm = LLM(path, dtype=args.dtype, quantization=method, max_model_len=1024, num_gpu_blocks=256,
-                      enforce_eager=eager)
+            llm = LLM(path, dtype=args.dtype, quantization=method, quantize_lm_head=int8_head, max_model_len=1024,
+                      num_gpu_blocks=256, enforce_eager=eager)
             rates[eager] = decode_tokens_per_s(llm, prompt, args.new_tokens, args.repeats)
             if not eager:
                 gpu_ms = replay_ms(llm)
@@ -65,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         base = base or rates[False]
         eager_cells = f"{rates[True]:.1f} | {rates[False] / rates[True]:.2f}x" if True in rates else "- | -"
-        print(f"| {method or 'dense'} | {rates[False]:.1f} | {rates[False] / base:.2f}x | {eager_cells} | "
+        label = (method or "dense") + (" + int8 head" if int8_head else "")
+        print(f"| {label} | {rates[False]:.1f} | {rates[False] / base:.2f}x | {eager_cells} | "
               f"{gpu_ms:.3f} | {layer_bytes / gpu_ms / 1e6:.0f} |", flush=True)
     return 0
 
