@@ -134,7 +134,7 @@ def load_model(
                     f"{path} is already quantized ({prequantized.describe()}); "
                     f"quantization={quantization!r} cannot be applied on top, leave it unset"
                 )
-            install_placeholders(model)
+            install_placeholders(model, prequantized.lm_head)
         gguf = GgufNativeLoader(path, model, config.num_attention_heads, config.num_key_value_heads) if native_gguf else None
         if gguf is not None:
             gguf.install_placeholders(model)

@@ -18,7 +18,7 @@ from torch import nn
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.gguf_loader import convert_gguf
 from cadence.engine.loader import load_model
-from cadence.engine.quantization import lm_head
+from cadence.engine.quantization import linear as linear_module, lm_head
 from cadence.engine.quantization.lm_head import Int8Embedding
 from cadence.engine.quantization.linear import Int8Linear
 from cadence.kernels.quant_formats import dequantize_int8, quantize_int8
@@ -174,3 +174,47 @@ def test_int8_head_on_gpu_matches_cpu(tiny_model_dir, kind: str) -> None:
         got = logits_of(gpu, prompt).cpu()
         assert rel_err(got, logits_of(cpu, prompt)) < QUANT_TOL
         assert rel_err(logits_of(gpu, prompt[:1]).cpu(), logits_of(cpu, prompt[:1])) < QUANT_TOL
+
+
+@pytest.mark.parametrize("kind", ["llama", "tied"])
+def test_gptq_checkpoint_with_a_quantized_head_loads_it(tiny_model_dir, tmp_path, monkeypatch, kind: str) -> None:
+    """GPTQ's ``lm_head: true``: ``lm_head.qweight`` & co. become an Int4Linear head. With
+    tied embeddings the lookup table stays dense (the checkpoint stores it as such)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from cadence.engine.quantization import gptq_model
+    from cadence.engine.quantization.linear import Int4Linear
+    from cadence.kernels.quant_formats import dequantize_int4, quantize_int4, to_gptq
+
+    source = tiny_model_dir(kind)
+    out = str(tmp_path / "gptq-head")
+    gptq_model.quantize_checkpoint(source, out, group_size=32, num_samples=2, sample_length=16)
+    dense, _ = load_model(source, torch.float32)
+    head = dense.model.embed_tokens.weight if kind == "tied" else dense.lm_head.weight
+    int4_head = quantize_int4(head, 32, symmetric=True, scale_dtype=torch.float16)
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    tensors.pop("lm_head.weight", None)
+    tensors.update({f"lm_head.{k}": v for k, v in to_gptq(int4_head).items()})
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["quantization_config"]["lm_head"] = True
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    monkeypatch.setattr(linear_module.Int4Linear, "_convert_for_cpu", lambda self: None)
+    model, _ = load_model(out, torch.float32)
+    assert isinstance(model.lm_head, Int4Linear)
+    assert torch.equal(model.lm_head.qweight, int4_head.qweight) and torch.equal(model.lm_head.scales, int4_head.scales)
+    assert type(model.model.embed_tokens) is nn.Embedding
+    if kind == "tied":
+        assert torch.equal(model.model.embed_tokens.weight, dense.model.embed_tokens.weight)
+    hidden = torch.randn(3, model.config.hidden_size)
+    expected = hidden @ dequantize_int4(int4_head, torch.float32).t()
+    assert torch.allclose(model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
+    # A config that promises a quantized head the tensors do not hold is refused by name.
+    save_file({k: v for k, v in tensors.items() if not k.startswith("lm_head.")}, os.path.join(out, "model.safetensors"))
+    with pytest.raises(ValueError, match="missing quantized weights: lm_head"):
+        load_model(out, torch.float32)

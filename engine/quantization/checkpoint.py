@@ -5,7 +5,8 @@ Supported (everything else is refused with a ValueError naming what is unsupport
 
 * GPTQ: ``bits`` 4, any ``group_size`` (-1 = one group per row), ``desc_act`` false,
   ``sym`` true or false, ``checkpoint_format`` "gptq" (zero - 1 stored, the common
-  AutoGPTQ "v1" format) or "gptq_v2" (zero stored);
+  AutoGPTQ "v1" format) or "gptq_v2" (zero stored); ``lm_head`` true quantizes the head
+  the same way (with tied embeddings the lookup table stays dense);
 * AWQ: ``bits``/``w_bit`` 4, ``group_size``/``q_group_size``, ``zero_point`` true,
   ``version`` "gemm".
 
@@ -17,7 +18,8 @@ with ``from_gptq`` / ``from_awq`` into Cadence's ``Int4Weight`` as soon as its t
 are in, concatenates q/k/v (and gate/up) along N into the fused layer, and swaps in an
 ``Int4Linear`` for the placeholder left in the model. Only the int4 tensors of one fused
 layer are ever pending, so no dense copy of the model exists at any point.
-Embeddings, norms and lm_head stream through ``load_weights`` as dense weights.
+Embeddings, norms and (unless ``lm_head``) the head stream through ``load_weights`` as
+dense weights.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ FUSED_SHARDS: dict[str, tuple[str, ...]] = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
 }
+LM_HEAD = "lm_head"
 _REQUIRED = ("qweight", "qzeros", "scales")
 _OPTIONAL = ("g_idx", "bias")
 _AWQ_VERSIONS_REFUSED = ("gemv", "gemv_fast", "marlin", "exllama", "exllamav2", "ipex")
@@ -61,6 +64,7 @@ class CheckpointQuantization:
     group_size: int  # -1 (GPTQ): one group spanning K
     symmetric: bool  # GPTQ sym; AWQ always stores zero points (False)
     zero_minus_one: bool = True  # GPTQ v1 stores zero - 1
+    lm_head: bool = False  # GPTQ's lm_head: the head is quantized too
 
     def describe(self) -> str:
         sym = "symmetric" if self.symmetric else "asymmetric"
@@ -95,13 +99,12 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> CheckpointQuantizat
             )
         if raw.get("dynamic"):
             raise ValueError("GPTQ per-module overrides ('dynamic') are not supported")
-        if raw.get("lm_head"):
-            raise ValueError("GPTQ checkpoints with a quantized lm_head are not supported")
         fmt = str(raw.get("checkpoint_format") or "gptq").lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported; use 'gptq' or 'gptq_v2'")
         group = _group_size(raw, "group_size")
-        return CheckpointQuantization("gptq", 4, group, bool(raw.get("sym", True)), fmt == "gptq")
+        return CheckpointQuantization("gptq", 4, group, bool(raw.get("sym", True)), fmt == "gptq",
+                                      bool(raw.get("lm_head", False)))
     if method == "awq":
         bits = int(_get(raw, "bits", "w_bit", default=0))
         if bits != 4:
@@ -179,9 +182,14 @@ class PendingInt4Linear(nn.Module):
         raise RuntimeError("quantized projection was never loaded from the checkpoint")
 
 
-def install_placeholders(model: nn.Module) -> list[str]:
-    """Replace each decoder projection ``nn.Linear`` with a PendingInt4Linear (on meta)."""
+def install_placeholders(model: nn.Module, lm_head: bool = False) -> list[str]:
+    """Replace each decoder projection ``nn.Linear`` with a PendingInt4Linear (on meta),
+    and with ``lm_head`` the head too (a tied model gets a head of its own)."""
     names = []
+    if lm_head:
+        config = model.config  # type: ignore[union-attr]
+        model.lm_head = PendingInt4Linear(config.hidden_size, config.vocab_size, False)
+        names.append(LM_HEAD)
     for name, module in list(model.named_modules()):
         for suffix in FUSED_SHARDS:
             if name.endswith("." + suffix) and isinstance(module, nn.Linear):
@@ -206,7 +214,7 @@ class CheckpointQuantizer:
         self.model, self.quant, self.dtype, self.device = model, quant, dtype, device
         self.expected: dict[str, set[str]] = {}  # HF projection module -> tensor attrs present
         for name in names:
-            proj = projection_of(name)
+            proj = self._quantized_module(name)
             if proj is not None:
                 self.expected.setdefault(proj[0], set()).add(name.rsplit(".", 1)[1])
         self.received: dict[str, dict[str, torch.Tensor]] = {}  # HF projection -> tensors so far
@@ -216,7 +224,7 @@ class CheckpointQuantizer:
     def filter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the dense tensors; consume (and convert) the quantized projections'."""
         for name, tensor in weights:
-            proj = projection_of(name)
+            proj = self._quantized_module(name)
             if proj is None:
                 yield name, tensor
                 continue
@@ -231,6 +239,12 @@ class CheckpointQuantizer:
             if set(got) >= self.expected[module] and all(a in got for a in _REQUIRED):
                 self._convert(module, self.received.pop(module))
 
+    def _quantized_module(self, name: str) -> tuple[str, str] | None:
+        """(module, attr) of a tensor that belongs to a quantized layer, else None."""
+        if self.quant.lm_head and name.startswith(LM_HEAD + "."):
+            return LM_HEAD, name[len(LM_HEAD) + 1:]
+        return projection_of(name)
+
     def _convert(self, hf_module: str, t: dict[str, torch.Tensor]) -> None:
         q = self.quant
         try:
@@ -241,6 +255,9 @@ class CheckpointQuantizer:
                 weight = from_awq(t["qweight"], t["qzeros"], t["scales"], group_size=q.group_size)
         except ValueError as exc:
             raise ValueError(f"{hf_module}: {exc}") from None
+        if hf_module == LM_HEAD:
+            self._build(LM_HEAD, [(weight, t.get("bias"))])
+            return
         prefix, fused, shard = fused_of(hf_module)
         shards = self.converted.setdefault(prefix + fused, {})
         shards[shard] = (weight, t.get("bias"))
@@ -270,8 +287,8 @@ class CheckpointQuantizer:
         if placeholder.has_bias and bias is None:
             raise ValueError(f"checkpoint is missing the bias of {name!r}")
         layer = Int4Linear(weight.to(self.device), None if bias is None else bias.to(self.device))
-        parent_name, child = name.rsplit(".", 1)
-        setattr(self.model.get_submodule(parent_name), child, layer)
+        parent_name, _, child = name.rpartition(".")
+        setattr(self.model.get_submodule(parent_name), child, layer)  # "" is the model itself
         self.built += 1
 
     def finish(self) -> None:
