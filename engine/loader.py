@@ -153,11 +153,10 @@ def load_model(
     if quantization is not None and not native_gguf:
         quantize_model(model, quantization)
     tied = getattr(model, "lm_head", None) is None
-    if quantize_lm_head is None:
-        quantize_lm_head = gguf is not None and gguf.head_is_quantized(tied)
-    if quantize_lm_head:
-        exact = gguf.head_values(tied) if gguf is not None and gguf.head_is_quantized(tied) else None
-        install_int8_lm_head(model, exact)
+    file_head_quantized = gguf is not None and gguf.head_is_quantized(tied)
+    int8_head = file_head_quantized if quantize_lm_head is None else quantize_lm_head
+    if int8_head:
+        install_int8_lm_head(model, gguf.head_values(tied) if file_head_quantized else None)  # type: ignore[union-attr]
     if device.type == "cuda":
         # Hand back what loading and quantizing freed: the caching allocator would keep it,
         # and the KV cache is sized from the memory the device reports free.

@@ -17,6 +17,7 @@ from torch import nn
 
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.gguf_loader import convert_gguf
+from cadence.engine.quantization.gguf_native import open_source_gguf
 from cadence.engine.loader import load_model
 from cadence.engine.quantization import linear as linear_module, lm_head
 from cadence.engine.quantization.lm_head import Int8Embedding
@@ -134,7 +135,7 @@ def test_gguf_head_stored_quantized_is_served_int8_by_default(tied_q8_head_gguf)
     model, _ = load_model(tied_q8_head_gguf, torch.bfloat16, quantization="gguf")
     assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.embed_tokens, Int8Embedding)
     # Re-quantized from the file's block values, not from the bf16-rounded dense copy.
-    reader = gguf.GGUFReader(model_source_gguf(tied_q8_head_gguf))
+    reader = gguf.GGUFReader(open_source_gguf(tied_q8_head_gguf)[0])
     raw = next(t for t in reader.tensors if t.name == "token_embd.weight")
     exact = torch.from_numpy(gguf.quants.dequantize(raw.data, Q.Q8_0).reshape(model.config.vocab_size, -1).copy())
     err = (model.lm_head.dequantized_weight(torch.float32) - exact).abs()
@@ -152,16 +153,6 @@ def test_gguf_head_stored_as_floats_stays_dense(tmp_path) -> None:
     write_tiny_gguf(build_tiny_model("tied"), str(tmp_path / "tokenizer"), path, lambda name: Q.F32)
     model, _ = load_model(convert_gguf(path, str(tmp_path / "cache")), torch.float32, quantization="gguf")
     assert model.lm_head is None and type(model.model.embed_tokens) is nn.Embedding
-
-
-def model_source_gguf(folder: str) -> str:
-    import json
-    import os
-
-    from cadence.engine.gguf_loader import SOURCE_FILE
-
-    with open(os.path.join(folder, SOURCE_FILE), encoding="utf-8") as f:
-        return json.load(f)["gguf_path"]
 
 
 @cuda_only

@@ -45,12 +45,12 @@ class Int8Embedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows shared with the head"
 
 
-def install_int8_lm_head(model: nn.Module, exact_weight: torch.Tensor | None = None) -> int:
+def install_int8_lm_head(model: nn.Module, exact_weight: torch.Tensor | None = None) -> None:
     """Swap the model's LM head (and a tied embedding) for int8 per vocabulary row.
 
     ``exact_weight`` is the head's full-precision ``[vocab, hidden]`` value when the
     loaded one was rounded (a GGUF's blocks read into a bf16 model); otherwise the loaded
-    weight is quantized. Returns the bytes saved.
+    weight is quantized.
     """
     embedding: nn.Embedding = model.model.embed_tokens  # type: ignore[union-attr, assignment]
     tied = model.lm_head is None
@@ -66,7 +66,6 @@ def install_int8_lm_head(model: nn.Module, exact_weight: torch.Tensor | None = N
     after = sum(b.numel() * b.element_size() for b in head.buffers())
     logger.info("LM head stored as int8 per row%s: %.1f MiB -> %.1f MiB",
                 " (the tied embedding reads the same rows)" if tied else "", before / 2**20, after / 2**20)
-    return before - after
 
 
 def _quantize_rows(weight: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
