@@ -184,6 +184,14 @@ def quant_shape(b: Bench, name: str, k: int, n: int, fp8: object | None) -> obje
         f"{w4_sym} dequant+mm": (lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out, dequant_min_m=1),
                                  w4a16.reference),
     }
+    # Where the tiled kernels split K by default (one M block, above the GEMVs' rows),
+    # the same kernels unsplit, to tune launch.TILED_PROGRAMS_PER_SM.
+    unsplit: dict[str, tuple[Callable, Callable, range]] = {
+        "w8a16 unsplit": (lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out, k_splits=1),
+                          kernels["w8a16"][1], range(w8a16.DEFAULT_SMALL_M_THRESHOLD + 1, 65)),
+        f"{w4_sym} unsplit": (lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out, k_splits=1),
+                              w4a16.reference, range(w4a16.DEFAULT_SMALL_M_THRESHOLD + 1, 65)),
+    }
     for m in b.sizes.quant_m:
         if b.rep.out_of_time():
             b.skip("quant", f"{name} M={m}", "time budget spent")
@@ -195,9 +203,10 @@ def quant_shape(b: Bench, name: str, k: int, n: int, fp8: object | None) -> obje
             calls = [lambda i=i, d=dense: F.linear(xd[i], weights[i][d]) for i in range(sets)]
             b.run("quant", case, dense, calls, None, n * k * 2 + io_bytes, flops, rate=dense)
         outs = [torch.empty(m, n, device=b.dev, dtype=F16) for _ in range(sets)]
-        variants = {**kernels, **both_paths} if m >= 256 else kernels
+        variants = {**kernels, **both_paths} if m >= 256 else dict(kernels)
+        variants.update({v: (kernel, ref) for v, (kernel, ref, rows) in unsplit.items() if m in rows})
         for variant, (kernel, reference) in variants.items():
-            wkey = variant.removesuffix(" tiled").removesuffix(" dequant+mm")
+            wkey = variant.removesuffix(" tiled").removesuffix(" dequant+mm").removesuffix(" unsplit")
             calls = [lambda i=i, v=wkey, f=kernel: f(xs[i], weights[i][v], outs[i]) for i in range(sets)]
             ref = reference(xs[0], weights[0][wkey])
             b.run("quant", case, variant, calls, poisoned_check(calls[0], outs[0], ref),

@@ -32,17 +32,36 @@ def as_rows(x: torch.Tensor, n: int, out: torch.Tensor | None) -> tuple[torch.Te
 # 17% of DRAM bandwidth). The W4A16 GEMV's 8 KB pipelined tiles want at most 3 per SM and
 # choose their own (w4a16_gemv.choose_splits): both were measured on an H100.
 GEMV_PROGRAMS_PER_SM = 8
+# The tiled W8A16/W4A16 GEMMs at small M (3-64 rows). Without a split, Llama-8B's o_proj
+# and down_proj (N = 4096, BLOCK_N = 64) are 64 programs: half of an H100's 132 SMs sit
+# idle and each program walks all of K alone (0.74-0.94x dense at M = 3-16). Their
+# [16-64, 64] tiles hold more registers than a GEMV step, so they aim lower. Not yet
+# tuned on a GPU (bench/kernels.py times each case with and without the split).
+TILED_PROGRAMS_PER_SM = 4
 
 
-def gemv_split_k(n_blocks: int, k_tiles: int, num_sms: int) -> int:
-    """How many K slices the GEMV splits into: enough programs for GEMV_PROGRAMS_PER_SM
-    (N / BLOCK_N alone leaves most of an H100 idle at Llama-8B's N = 4096), a power of
-    two dividing the K tiles so every slice is whole tiles, at least two of them."""
+def split_k_to_fill(n_blocks: int, k_tiles: int, num_sms: int, programs_per_sm: int) -> int:
+    """How many K slices to split a launch of ``n_blocks`` programs into: enough programs
+    for ``programs_per_sm`` on every SM, a power of two dividing the K tiles so every
+    slice is whole tiles, at least two of them."""
     split = 1
-    while (n_blocks * split < GEMV_PROGRAMS_PER_SM * num_sms and k_tiles % (2 * split) == 0
+    while (n_blocks * split < programs_per_sm * num_sms and k_tiles % (2 * split) == 0
            and k_tiles // (2 * split) >= 2):
         split *= 2
     return split
+
+
+def tiled_split_k(m_blocks: int, n_blocks: int, k_tiles: int, device: torch.device, requested: int | None) -> int:
+    """K slices for a tiled GEMM launch: ``requested``, or by default enough to fill the
+    GPU (``split_k_to_fill``). Only a launch whose rows fit one M block splits, since
+    ``split_k.finish`` sums one block's rows; larger M has programs enough anyway."""
+    if requested is not None:
+        if requested < 1 or (requested > 1 and m_blocks > 1):
+            raise ValueError(f"k_splits={requested} needs a single M block (got {m_blocks}) and must be >= 1")
+        return requested
+    if m_blocks > 1:
+        return 1
+    return split_k_to_fill(n_blocks, k_tiles, num_sms(device), TILED_PROGRAMS_PER_SM)
 
 
 def num_sms(device: torch.device) -> int:

@@ -11,6 +11,7 @@ along K):
   BLOCK_K dividing the group size, so a K tile lies in one group and the scale (and
   zero) is a single ``[BLOCK_N]`` vector load per tile. Weights are dequantized to the
   activation dtype (rounding once, as the reference does) and accumulated in fp32.
+  While M fits one block, K is split across programs (``split_k.py``) to fill the GPU.
 * from ``DEQUANT_MIN_M`` rows (prefill): the whole weight dequantized for the call and
   a dense torch.matmul (``dequant.py``).
 """
@@ -21,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from cadence.kernels import split_k
 from cadence.kernels.dequant import DEQUANT_MIN_M, int4_to_dense
-from cadence.kernels.launch import as_rows, check_activations, num_sms, triton_usable
+from cadence.kernels.launch import as_rows, check_activations, num_sms, tiled_split_k, triton_usable
 from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
 from cadence.kernels.w4a16_gemv import GEMV_MAX_M, supports as gemv_supports, w4a16_gemv
 
@@ -62,22 +64,27 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N,
 
 @triton.jit
 def _w4a16_gemm_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-    M, N, K,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, counter_ptr,
+    M, N, K, k_per_split, num_splits,
     stride_xm, stride_xk, stride_om, stride_on,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32_IEEE: tl.constexpr,
+    FP32_IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """Program (m, n, s) multiplies K slice s (whole BLOCK_K tiles) of a [BLOCK_M, BLOCK_N]
+    output tile; with SPLIT (one M block only) the slices meet in ``split_k.finish``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0: no K mask needed
+    for k0 in range(k_start, k_stop, BLOCK_K):  # K % BLOCK_K == 0: no K mask needed
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
                     mask=mask_m[:, None], other=0.0)
         w = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N, GROUP, HAS_ZEROS, SYM_ZERO)
@@ -86,8 +93,14 @@ def _w4a16_gemm_kernel(
             acc = tl.dot(x, w, acc, input_precision="ieee")  # not TF32 for fp32 inputs
         else:
             acc = tl.dot(x, w, acc)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
+        tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
+        split_k.finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N, num_splits,
+                       BLOCK_M, BLOCK_N)
+    else:
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _block_k_for(group_size: int, cap: int = 64) -> int:
@@ -107,12 +120,14 @@ def w4a16_matmul(
     small_m_threshold: int = DEFAULT_SMALL_M_THRESHOLD,
     dequant_min_m: int = DEQUANT_MIN_M,
     block_n: int | None = None,
+    k_splits: int | None = None,
 ) -> torch.Tensor:
     """``x [..., K]`` (fp16/fp32) @ dequant(weight).T -> ``[..., N]`` in x's dtype.
 
     Rows M <= ``small_m_threshold`` take the GEMV kernel, more take the tiled GEMM, and
-    from ``dequant_min_m`` a transient dense weight and torch.matmul (``dequant.py``). CPU
-    tensors without ``TRITON_INTERPRET=1`` take :func:`reference`. ``out`` (optional,
+    from ``dequant_min_m`` a transient dense weight and torch.matmul (``dequant.py``). The
+    tiled GEMM splits K into ``k_splits`` slices (default: enough to fill the GPU when M
+    fits one block; 1 turns it off). CPU tensors without ``TRITON_INTERPRET=1`` take :func:`reference`. ``out`` (optional,
     ``[M, N]``, x's dtype) lets tests pre-fill it with NaN to catch unwritten elements.
     """
     k, n, group = weight.in_features, weight.out_features, weight.group_size
@@ -147,10 +162,13 @@ def w4a16_matmul(
             raise ValueError(f"group_size {group} must be a multiple of 16 for the tiled kernel")
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         bn = block_n or 64
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-        _w4a16_gemm_kernel[grid](
-            x2, qweight, scales, zeros, out, m, n, k,
+        m_blocks, n_blocks = triton.cdiv(m, bm), triton.cdiv(n, bn)
+        splits = tiled_split_k(m_blocks, n_blocks, k // bk, x2.device, k_splits)
+        assert splits == 1 or out.stride(1) == 1
+        _w4a16_gemm_kernel[(m_blocks, n_blocks, splits)](
+            x2, qweight, scales, zeros, out, split_k.workspace(splits, m, n, n_blocks, out),
+            split_k.counters(x2.device), m, n, k, triton.cdiv(k // bk, splits) * bk, splits,
             x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_IEEE=x.dtype == torch.float32, **common,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_IEEE=x.dtype == torch.float32, SPLIT=splits > 1, **common,
         )
     return out.reshape(*lead, n)

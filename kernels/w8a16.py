@@ -11,7 +11,8 @@ kernels:
   one launch, ``split_k.py``) until the GPU has several programs per SM, since a GEMV is
   won by keeping many loads in flight.
 * ``_w8a16_kernel`` above that: a tiled GEMM that loads ``[BLOCK_K, BLOCK_N]`` tiles
-  through transposed strides for ``tl.dot``.
+  through transposed strides for ``tl.dot``. While M fits one block, K is split across
+  programs as for the GEMV, since N / BLOCK_N tiles alone leave much of a GPU idle.
 * from ``DEQUANT_MIN_M`` rows (prefill): the whole weight dequantized for the call and a
   dense torch.matmul (``dequant.py``), which rounds the weight to x's dtype once.
 
@@ -27,7 +28,15 @@ import triton.language as tl
 
 from cadence.kernels import split_k
 from cadence.kernels.dequant import DEQUANT_MIN_M, int8_to_dense
-from cadence.kernels.launch import as_rows, check_activations, gemv_split_k, num_sms, triton_usable
+from cadence.kernels.launch import (
+    GEMV_PROGRAMS_PER_SM,
+    as_rows,
+    check_activations,
+    num_sms,
+    split_k_to_fill,
+    tiled_split_k,
+    triton_usable,
+)
 
 # Rows up to this many take the GEMV kernel. H100, Llama-8B's four projections, bf16:
 # at M = 2 the GEMV is 1.02x dense against the tiled kernel's 0.82x; at M = 4 it falls
@@ -43,28 +52,33 @@ def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> to
 
 @triton.jit
 def _w8a16_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr,
-    M, N, K,
+    x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, counter_ptr,
+    M, N, K, k_per_split, num_splits,
     stride_xm, stride_xk,
     stride_wn, stride_wk,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32_IEEE: tl.constexpr,
+    FP32_IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """Program (m, n, s) multiplies K slice s of a [BLOCK_M, BLOCK_N] output tile; with
+    SPLIT (one M block only) the slices meet in ``split_k.finish``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
 
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
     # [BLOCK_K, BLOCK_N] view of the [N, K] weight: no transpose copy in memory.
-    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    w_ptrs = w_ptr + (k_start + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = (k0 + offs_k) < K
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        mask_k = (k0 + offs_k) < k_stop
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
         w = w.to(x.dtype)
@@ -78,9 +92,14 @@ def _w8a16_kernel(
 
     scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     acc = acc * scale[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
+        tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
+        split_k.finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N, num_splits,
+                       BLOCK_M, BLOCK_N)
+    else:
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -135,12 +154,14 @@ def w8a16_matmul(
     block_k: int = 64,
     gemv_block_n: int = 16,
     gemv_block_k: int = 256,
+    k_splits: int | None = None,
 ) -> torch.Tensor:
     """``x [..., K]`` (fp16/fp32) @ dequant(``qweight int8 [N, K]``, ``scale [N]``).T -> ``[..., N]``.
 
     Rows M <= ``small_m_threshold`` take the GEMV, more the tiled kernel, and from
-    ``dequant_min_m`` a transient dense weight and torch.matmul (``dequant.py``).
-    CPU tensors without ``TRITON_INTERPRET=1`` take :func:`reference` (Triton cannot run).
+    ``dequant_min_m`` a transient dense weight and torch.matmul (``dequant.py``). The
+    tiled kernel splits K into ``k_splits`` slices (default: enough to fill the GPU when
+    M fits one block; 1 turns it off). CPU tensors without ``TRITON_INTERPRET=1`` take :func:`reference` (Triton cannot run).
     ``out`` (optional, ``[M, N]`` contiguous, x's dtype) lets callers and tests pre-fill it.
     """
     n, k = qweight.shape
@@ -162,15 +183,17 @@ def w8a16_matmul(
         _gemv(x2, qweight, scale, out, gemv_block_n, gemv_block_k)
         return out.reshape(*lead, n)
     bm = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, block_n))
-    _w8a16_kernel[grid](
-        x2, qweight, scale, out,
-        m, n, k,
+    m_blocks, n_blocks, k_tiles = triton.cdiv(m, bm), triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    splits = tiled_split_k(m_blocks, n_blocks, k_tiles, x2.device, k_splits)
+    assert splits == 1 or out.stride(1) == 1
+    _w8a16_kernel[(m_blocks, n_blocks, splits)](
+        x2, qweight, scale, out, split_k.workspace(splits, m, n, n_blocks, out), split_k.counters(x2.device),
+        m, n, k, triton.cdiv(k_tiles, splits) * block_k, splits,
         x2.stride(0), x2.stride(1),
         qweight.stride(0), qweight.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-        FP32_IEEE=x.dtype == torch.float32,
+        FP32_IEEE=x.dtype == torch.float32, SPLIT=splits > 1,
     )
     return out.reshape(*lead, n)
 
@@ -182,7 +205,7 @@ def _gemv(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out: tor
     block_k = min(block_k, triton.next_power_of_2(k))
     k_tiles = triton.cdiv(k, block_k)
     n_blocks = triton.cdiv(n, block_n)
-    splits = gemv_split_k(n_blocks, k_tiles, num_sms(x2.device))
+    splits = split_k_to_fill(n_blocks, k_tiles, num_sms(x2.device), GEMV_PROGRAMS_PER_SM)
     k_per_split = triton.cdiv(k_tiles, splits) * block_k
     assert out.stride(1) == 1
     _w8a16_gemv_kernel[(n_blocks, splits)](

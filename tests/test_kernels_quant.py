@@ -19,7 +19,7 @@ import torch
 from kernel_checks import cuda_only, gen, poisoned, rel_err
 
 from cadence.kernels import split_k, w4a16, w4a16_gemv, w8a16
-from cadence.kernels.launch import gemv_split_k
+from cadence.kernels.launch import GEMV_PROGRAMS_PER_SM, TILED_PROGRAMS_PER_SM, split_k_to_fill, tiled_split_k
 from cadence.kernels.quant_formats import (
     Int4Weight,
     dequantize_int4,
@@ -169,10 +169,66 @@ def test_w4a16_gemv_splits_toward_three_programs_per_sm() -> None:
 
 
 def test_gemv_split_k_fills_the_gpu_with_whole_tiles() -> None:
-    assert gemv_split_k(n_blocks=448, k_tiles=64, num_sms=132) == 4  # 1792 programs >= 8 per SM
-    assert gemv_split_k(n_blocks=64, k_tiles=32, num_sms=132) == 16  # capped: two tiles per slice
-    assert gemv_split_k(n_blocks=64, k_tiles=6, num_sms=132) == 2  # 6 tiles halve once, into 3-tile slices
-    assert gemv_split_k(n_blocks=1100, k_tiles=64, num_sms=132) == 1
+    def fill(n_blocks: int, k_tiles: int) -> int:
+        return split_k_to_fill(n_blocks, k_tiles, num_sms=132, programs_per_sm=GEMV_PROGRAMS_PER_SM)
+
+    assert fill(n_blocks=448, k_tiles=64) == 4  # 1792 programs >= 8 per SM
+    assert fill(n_blocks=64, k_tiles=32) == 16  # capped: two tiles per slice
+    assert fill(n_blocks=64, k_tiles=6) == 2  # 6 tiles halve once, into 3-tile slices
+    assert fill(n_blocks=1100, k_tiles=64) == 1
+
+
+def test_tiled_split_k_fills_the_gpu_only_for_one_m_block() -> None:
+    def fill(n_blocks: int, k_tiles: int) -> int:
+        return split_k_to_fill(n_blocks, k_tiles, num_sms=132, programs_per_sm=TILED_PROGRAMS_PER_SM)
+
+    # Llama-8B at M <= 16 with BLOCK_N = 64, BLOCK_K = 64: o_proj and down_proj are 64
+    # column blocks, gate_up_proj 448 (already 3.4 per SM).
+    assert fill(n_blocks=64, k_tiles=64) == 16  # o_proj: 1024 programs, 4 tiles per slice
+    assert fill(n_blocks=448, k_tiles=64) == 2
+    cpu = torch.device("cpu")  # the interpreter's nominal 8 SMs
+    assert tiled_split_k(1, 1, 8, cpu, None) == 4  # two tiles per slice at least
+    assert tiled_split_k(2, 1, 8, cpu, None) == 1  # two M blocks: finish() sums one block's rows
+    assert tiled_split_k(2, 1, 8, cpu, 1) == 1
+    with pytest.raises(ValueError, match="single M block"):
+        tiled_split_k(2, 1, 8, cpu, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [3, 17, 40])  # BLOCK_M 16, 32, 64: one M block each
+def test_w8a16_tiled_split_k_matches_reference(dtype: torch.dtype, m: int) -> None:
+    """The tiled kernel at small M splits a long, ragged K; the partials meet in order."""
+    n, k = 72, 1000  # two column blocks, the last ragged; 16 K tiles, the last partial
+    g = gen(400 + m)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g).to(dtype)
+    q, scale = quantize_int8(w.to(dtype))
+    assert tiled_split_k(1, 2, 16, x.device, None) > 1
+    ref = w8a16.reference(x, q, scale)
+    first = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0)
+    assert rel_err(first, ref) < KERNEL_TOL[dtype]
+    assert not split_k.counters(x.device).any()  # the tickets re-arm for the next call
+    assert torch.equal(w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0), first)
+    unsplit = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0, k_splits=1)
+    assert rel_err(unsplit, ref) < KERNEL_TOL[dtype]
+    # A split count that does not divide the tiles leaves the last slices short or empty.
+    odd = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0, k_splits=5)
+    assert rel_err(odd, ref) < KERNEL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [5, 33])
+@pytest.mark.parametrize("group,symmetric", [(32, False), (128, True)])
+def test_w4a16_tiled_split_k_matches_reference(dtype: torch.dtype, m: int, group: int, symmetric: bool) -> None:
+    """Above the GEMV's rows the tiled GEMM splits K in whole tiles, groups intact."""
+    n, k = 72, 512
+    g = gen(500 + m + group)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g).to(dtype)
+    qw = quantize_int4(w.to(dtype), group, symmetric)
+    ref = w4a16.reference(x, qw)
+    for k_splits in (None, 1, 3):
+        out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype), k_splits=k_splits)
+        assert rel_err(out, ref) < KERNEL_TOL[dtype]
+        assert not split_k.counters(x.device).any()
 
 
 @pytest.mark.parametrize("m", [1, 17])  # the GEMV and the tiled kernel
