@@ -1,8 +1,8 @@
 """Rotary position embedding of q and k, in place, in one Triton kernel.
 
 The torch version (``layer_ops_reference.rotary``) gathers cos/sin for the positions, casts
-them, and rotates q and k with four multiplies, two adds and a concatenation each: about
-fourteen launches per layer. Here one program rotates every head of one token, q and k
+them, and rotates q and k with a roll, two multiplies and an add each: about ten launches
+per layer. Here one program rotates every head of one token, q and k
 together, writing back into their (possibly strided, e.g. views of the fused qkv output)
 storage.
 

@@ -36,7 +36,11 @@ class DecodeGroup:
     start: int
     end: int
     gather_slots: torch.Tensor  # [rows, max_len] slots, padded
-    attn_mask: torch.Tensor  # [rows, 1, 1, max_len] bool, True = attend
+    # [rows, 1, 1, max_len] bool, True = attend. None on a CPU when every row attends to
+    # all max_len positions (no padding, no window cut), as in any batch-1 decode: SDPA
+    # would convert the all-True mask on every call for nothing. CUDA keeps it, because
+    # there a mask also decides which SDPA kernel runs (flash takes none).
+    attn_mask: torch.Tensor | None
 
 
 @dataclass
@@ -70,6 +74,7 @@ def gather_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size:
 
 # cuDNN attention builds an execution plan for every new shape; with decode lengths that
 # change every step that cost ~1.5 ms of host time per call on an H100, 25x the GPU work.
+# CPU has no cuDNN, so CPU calls skip the `sdpa_kernel` context (~10 us per entry).
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -120,14 +125,18 @@ class TorchSDPABackend(AttentionBackend):
         decode_lens = [n + 1 for n in batch.context_lens[:num_decodes]]
         decode_groups = []
         for start, end in group_by_length(decode_lens):
-            max_len = max(decode_lens[start:end])
-            seq_lens = torch.tensor(decode_lens[start:end], device=device)[:, None]
+            lens = decode_lens[start:end]
+            max_len = max(lens)
             positions = torch.arange(max_len, device=device).expand(end - start, max_len)
-            mask = positions < seq_lens
-            if window is not None:
-                mask &= positions >= seq_lens - window
             slots = gather_slots(tables[start:end], positions, self.block_size)
-            decode_groups.append(DecodeGroup(start, end, slots, mask[:, None, None, :]))
+            mask = None
+            if device.type == "cuda" or min(lens) < max_len or (window is not None and max_len > window):
+                seq_lens = torch.tensor(lens, device=device)[:, None]
+                mask = positions < seq_lens
+                if window is not None:
+                    mask &= positions >= seq_lens - window
+                mask = mask[:, None, None, :]
+            decode_groups.append(DecodeGroup(start, end, slots, mask))
 
         prefills = []
         for i in range(num_decodes, batch.num_seqs):
@@ -167,6 +176,8 @@ class TorchSDPABackend(AttentionBackend):
         ]
         caches[0].write(slots, key)
         caches[1].write(slots, value)
+        if not query.is_cuda:
+            return self._attend(query, key, value, caches[0], caches[1], metadata)
         with sdpa_kernel(_SDPA_BACKENDS):
             return self._attend(query, key, value, caches[0], caches[1], metadata)
 

@@ -16,7 +16,7 @@ from torch import nn
 from cadence.engine.attention.backend import AttentionContext, AttentionSpec
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.fused_ops import rms_norm, silu_and_mul
-from cadence.engine.models.rotary import RotaryEmbedding
+from cadence.engine.models.rotary import PositionedRotary, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Self-attention with fused qkv projection and RoPE; the cache lives in the backend."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -57,11 +57,8 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = rotary  # shared by all layers; not a submodule
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
+    def forward(self, rope: PositionedRotary, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -70,7 +67,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # Qwen3 normalises per head before RoPE
-        q, k = self.rotary(positions, q, k)
+        q, k = rope(q, k)
         out = ctx.attend(self.layer_idx, q, k, v.contiguous())
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -100,21 +97,23 @@ class DecoderLayer(nn.Module):
     the input to the next norm is their sum.
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx, rotary)
+        self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext
+        self, rope: PositionedRotary, x: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope` is RoPE prepared for the pass's positions (``RotaryEmbedding.at``), once
+        for all layers."""
         if residual is None:  # the first layer: its input is the residual
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(positions, x, ctx), residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, ctx), residual)
         return self.mlp(x), residual
 
 
@@ -131,7 +130,7 @@ class LlamaModel(nn.Module):
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -139,8 +138,9 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.at(positions)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
+            x, residual = layer(rope, x, residual, ctx)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]

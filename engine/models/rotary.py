@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from cadence.engine.models.fused_ops import apply_rotary
+from cadence.kernels import layer_ops_reference as reference
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -129,11 +130,33 @@ class RotaryEmbedding:
         self.cos = freqs.cos() * self.attention_scaling
         self.sin = freqs.sin() * self.attention_scaling
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H, D] and k [T, KV, D] by positions [T] (on a GPU in place)."""
+    def at(self, positions: torch.Tensor) -> PositionedRotary:
+        """RoPE for one forward pass's tokens at `positions [T]`, to apply in every layer."""
         if self.cos is None or self.cos.device != positions.device:
             self.build(positions.device)
         assert self.cos is not None and self.sin is not None
-        return apply_rotary(positions, q, k, self.cos, self.sin)
+        return PositionedRotary(positions, self.cos, self.sin)
+
+
+class PositionedRotary:
+    """Rotates each layer's q [T, H, D] and k [T, KV, D] by one forward pass's positions.
+
+    On a CPU the per-token cos/sin factors are gathered and cast once per pass, not once
+    per layer: at batch 1 that took about as long as the rotation itself. A GPU's Triton
+    kernel reads the tables by position itself (and rotates in place).
+    """
+
+    def __init__(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.positions = positions
+        self.cos = cos
+        self.sin = sin
+        # Keyed by dtype because the factors are rounded to q's; one entry in practice.
+        self._rows: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda:
+            return apply_rotary(self.positions, q, k, self.cos, self.sin)
+        rows = self._rows.get(q.dtype)
+        if rows is None:
+            rows = self._rows[q.dtype] = reference.rotary_rows(self.positions, self.cos, self.sin, q.dtype)
+        return reference.rotate(q, *rows), reference.rotate(k, *rows)

@@ -113,7 +113,7 @@ def gptq_model(
             stop = min(start + rows, s * length)
             ctx = CausalContext(spec, (stop - start) // length, length)
             r = None if residual is None else residual[start:stop]
-            out, res = layer(positions[start:stop], hidden[start:stop], r, ctx)
+            out, res = layer(decoder.rotary.at(positions[start:stop]), hidden[start:stop], r, ctx)
             outs.append(out)
             resids.append(res)
         return torch.cat(outs), torch.cat(resids)

@@ -1,0 +1,166 @@
+"""The CPU decode shortcuts against what they replace, bit for bit.
+
+RoPE: the per-pass factors and the roll-based rotation (kernels/layer_ops_reference.py,
+engine/models/rotary.py) against the per-half formula they replaced. Decode attention
+(engine/attention/torch_sdpa.py): a group without padding or a window cut runs without
+a mask, and that changes no output; groups that need a mask keep it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cadence.engine.attention import torch_sdpa
+from cadence.engine.attention.backend import AttentionSpec, StepBatch
+from cadence.engine.attention.torch_sdpa import TorchSDPABackend
+from cadence.engine.models import fused_ops
+from cadence.engine.models.rotary import RotaryEmbedding
+from cadence.kernels import layer_ops_reference as reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention
+BLOCK_SIZE = 4
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _per_half_rotary(
+    positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The formula the rotation had before: each half's products and sum rounded to x's dtype."""
+    c = cos[positions].unsqueeze(1).to(x.dtype)
+    s = sin[positions].unsqueeze(1).to(x.dtype)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def _q_and_k(tokens: int, dtype: torch.dtype, fused: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] and k [T, KV, D]: strided views of one fused qkv output, as the model
+    passes them, or separate contiguous tensors. Magnitudes span a few decades."""
+    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv = (torch.randn(tokens, width, generator=_gen(seed)) * torch.logspace(-2, 2, width)).to(dtype)
+    q, k, _ = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    q, k = q.view(tokens, HEADS, HEAD_DIM), k.view(tokens, KV_HEADS, HEAD_DIM)
+    return (q, k) if fused else (q.contiguous(), k.contiguous())
+
+
+def _tables(rotary: RotaryEmbedding, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rotary.build(positions.device)
+    assert rotary.cos is not None and rotary.sin is not None
+    return rotary.cos, rotary.sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("positions", [[41], [0, 3, 2047, 7, 7, 500]])
+def test_rotary_is_bit_identical_to_the_per_half_formula(dtype: torch.dtype, fused: bool, positions: list[int]) -> None:
+    rotary = RotaryEmbedding(HEAD_DIM, 2048, 100000.0)
+    pos = torch.tensor(positions)
+    q, k = _q_and_k(len(positions), dtype, fused, seed=len(positions))
+    q_before, k_before = q.clone(), k.clone()
+    expected_q = _per_half_rotary(pos, q, *_tables(rotary, pos))
+    expected_k = _per_half_rotary(pos, k, *_tables(rotary, pos))
+
+    for op in (reference.rotary, fused_ops.apply_rotary):
+        got_q, got_k = op(pos, q, k, *_tables(rotary, pos))
+        assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    rope = rotary.at(pos)
+    for _ in range(2):  # the second call, as the next layer, reuses the gathered factors
+        got_q, got_k = rope(q, k)
+        assert got_q.dtype == dtype and torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # CPU rotary returns copies
+
+
+def test_one_pass_rotates_each_dtype_with_factors_rounded_to_it() -> None:
+    rotary = RotaryEmbedding(HEAD_DIM, 2048, 10000.0)
+    pos = torch.tensor([5, 1999])
+    rope = rotary.at(pos)
+    for dtype in DTYPES:  # factors cached for one dtype must not serve another
+        q, k = _q_and_k(2, dtype, fused=True, seed=9)
+        got_q, got_k = rope(q, k)
+        assert torch.equal(got_q, _per_half_rotary(pos, q, *_tables(rotary, pos)))
+        assert torch.equal(got_k, _per_half_rotary(pos, k, *_tables(rotary, pos)))
+
+
+def _decode_batch(context_lens: list[int]) -> StepBatch:
+    """Decodes of sequences with these cached lengths, each in its own run of blocks."""
+    widths = [n // BLOCK_SIZE + 1 for n in context_lens]
+    tables = torch.zeros(len(context_lens), max(widths), dtype=torch.long)
+    first = 0
+    for row, width in enumerate(widths):
+        tables[row, :width] = torch.arange(first, first + width)
+        first += width
+    slots = [int(tables[row, n // BLOCK_SIZE]) * BLOCK_SIZE + n % BLOCK_SIZE for row, n in enumerate(context_lens)]
+    return StepBatch(
+        query_starts=list(range(len(context_lens))),
+        query_lens=[1] * len(context_lens),
+        context_lens=context_lens,
+        block_tables=tables,
+        num_decodes=len(context_lens),
+        slot_mapping=torch.tensor(slots),
+    )
+
+
+def _backend(window: int | None = None) -> TorchSDPABackend:
+    return TorchSDPABackend(AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, window), BLOCK_SIZE)
+
+
+def _expected_mask(context_lens: list[int], window: int | None) -> torch.Tensor:
+    lens = torch.tensor(context_lens)[:, None] + 1
+    positions = torch.arange(int(lens.max()))[None, :]
+    mask = positions < lens
+    if window is not None:
+        mask &= positions >= lens - window
+    return mask[:, None, None, :]
+
+
+@pytest.mark.parametrize("context_lens,window", [([40], None), ([7, 7, 7], None), ([40], 41), ([30, 30], 64)])
+def test_decode_group_attending_everywhere_has_no_mask(context_lens: list[int], window: int | None) -> None:
+    (group,) = _backend(window).build_metadata(_decode_batch(context_lens)).decode_groups
+    assert group.attn_mask is None
+
+
+@pytest.mark.parametrize("context_lens,window", [([5, 8], None), ([20, 33, 33], None), ([40], 40), ([12, 20], 10)])
+def test_padded_or_windowed_decode_group_keeps_its_mask(context_lens: list[int], window: int | None) -> None:
+    (group,) = _backend(window).build_metadata(_decode_batch(context_lens)).decode_groups
+    assert group.attn_mask is not None
+    assert torch.equal(group.attn_mask, _expected_mask(context_lens, window))
+
+
+def _decode_inputs(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A filled cache, then query, key and value for `rows` decodes."""
+    cache = torch.randn(2, 32, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=_gen(1)).to(dtype)
+    query = torch.randn(rows, HEADS, HEAD_DIM, generator=_gen(2)).to(dtype)
+    key = torch.randn(rows, KV_HEADS, HEAD_DIM, generator=_gen(3)).to(dtype)
+    value = torch.randn(rows, KV_HEADS, HEAD_DIM, generator=_gen(4)).to(dtype)
+    return cache, query, key, value
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("context_lens", [[40], [17, 17]])
+def test_mask_free_decode_attends_exactly_as_the_all_true_mask(dtype: torch.dtype, context_lens: list[int]) -> None:
+    backend = _backend()
+    metadata = backend.build_metadata(_decode_batch(context_lens))
+    (group,) = metadata.decode_groups
+    all_true = _expected_mask(context_lens, None)
+    assert group.attn_mask is None and bool(all_true.all())
+    masked = dataclasses.replace(metadata, decode_groups=[dataclasses.replace(group, attn_mask=all_true)])
+    cache, query, key, value = _decode_inputs(len(context_lens), dtype)
+    without = backend.forward(query, key, value, cache.clone(), metadata)
+    assert torch.equal(without, backend.forward(query, key, value, cache.clone(), masked))
+
+
+def test_cpu_attention_skips_the_cuda_backend_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("CPU attention entered the sdpa_kernel context, which only CUDA needs")
+
+    monkeypatch.setattr(torch_sdpa, "sdpa_kernel", refuse)
+    backend = _backend()
+    metadata = backend.build_metadata(_decode_batch([9, 12]))
+    cache, query, key, value = _decode_inputs(2, torch.float32)
+    assert backend.forward(query, key, value, cache, metadata).shape == query.shape
