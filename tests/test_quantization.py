@@ -28,7 +28,7 @@ from cadence.engine.quantization import (
 )
 from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.kernels import w4a16
-from cadence.engine.quantization.cpu_int4_layout import unpack_cpu_int4
+from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_transposed, unpack_cpu_int4
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
 from quant_eval import EVAL_TEXT, TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
 
@@ -116,6 +116,28 @@ def test_int4_linear_cpu_prefill_path_dequantizes_the_packed_bytes(symmetric: bo
     packed = mod._cpu_packed_matmul(x) + lin.bias
     assert rel_err(mod(x), packed) < CPU_PATH_TOL  # same weights, same bf16 activations
     assert rel_err(mod(x), lin(x)) < 0.2
+
+
+@pytest.mark.parametrize("zeros", ["symmetric", "uint8", "float"])
+@pytest.mark.parametrize("group", [32, 128])
+def test_cpu_int4_dequantize_rounds_as_the_packed_ops_formula(zeros: str, group: int) -> None:
+    """The prefill path's fp32 arithmetic gives, bit for bit, ``(code - 8) * scale + zero``
+    rounded once to bf16 (a bf16 addcmul), over weights spanning four decades."""
+    n, k = 192, 256
+    g = torch.Generator().manual_seed(group + len(zeros))
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, k)
+    weight = quantize_int4(w, group, zeros == "symmetric")
+    if zeros == "float":  # GGUF Q4_1's real-valued zero points
+        weight = Int4Weight(weight.qweight, weight.scales, weight.zeros.float() + torch.rand(weight.zeros.shape, generator=g), group)
+    mod = Int4Linear(weight)
+    if mod.cpu_block_n is None:
+        pytest.skip("this torch/CPU packs int4 in a layout cpu_int4_layout does not recognise")
+    cg, sz = mod.cpu_group_size, mod.cpu_scales_zeros
+    codes = unpack_cpu_int4(mod.cpu_packed, n, k, mod.cpu_block_n).to(torch.bfloat16).reshape(n, k // cg, cg)
+    expected = torch.addcmul(sz[..., 1].t().unsqueeze(-1), codes - 8, sz[..., 0].t().unsqueeze(-1)).reshape(n, k)
+    got = dequantize_cpu_int4_transposed(mod.cpu_packed, sz, n, k, cg, mod.cpu_block_n)
+    assert got.shape == (k, n) and got.dtype == torch.bfloat16
+    assert torch.equal(got.t(), expected)
 
 
 @pytest.mark.parametrize("k,group,cpu_group", [(512, 512, 256), (192, 192, 64)])

@@ -37,12 +37,25 @@ def matching_block_n(packed: torch.Tensor, codes: torch.Tensor) -> int | None:
     return None
 
 
-def dequantize_cpu_int4(
+def dequantize_cpu_int4_transposed(
     packed: torch.Tensor, scales_zeros: torch.Tensor, n: int, k: int, group_size: int, block_n: int
 ) -> torch.Tensor:
-    """Dense ``[N, K]`` bf16 weight: ``(code - 8) * scale + zero``, the packed op's formula,
-    with its ``[K / group, N, 2]`` scales-and-zeros."""
-    codes = unpack_cpu_int4(packed, n, k, block_n).to(torch.bfloat16).reshape(n, k // group_size, group_size)
-    scale = scales_zeros[..., 0].t().unsqueeze(-1)
-    zero = scales_zeros[..., 1].t().unsqueeze(-1)
-    return torch.addcmul(zero, codes - 8, scale).reshape(n, k)
+    """The dense weight's transpose ``[K, N]`` in bf16: ``(code - 8) * scale + zero``, the
+    packed op's formula, with its ``[K / group, N, 2]`` scales-and-zeros.
+
+    ``[K, N]`` because that is the packed bytes' own order (a 64-row block's bytes run
+    along K with the rows innermost), so the nibbles land in place with two strided copies
+    and no transpose pass, and the scales broadcast along the contiguous N. The arithmetic
+    runs in fp32, where CPU elementwise kernels are several times faster than in bf16 with
+    broadcasting: ``code * scale`` (4 x 8 significant bits) and adding ``zero - 8 * scale``
+    are exact there, so the one rounding to bf16 gives what a bf16 ``addcmul`` gives.
+    """
+    half = block_n // 2
+    blocks = packed.view(n // block_n, k, half)
+    codes = torch.empty(k, n // block_n, 2, half, dtype=torch.float32)
+    codes[:, :, 0] = (blocks & 0xF).transpose(0, 1)
+    codes[:, :, 1] = (blocks >> 4).transpose(0, 1)
+    scale = scales_zeros[..., 0].float().unsqueeze(1)  # [K / group, 1, N]
+    offset = scales_zeros[..., 1].float().unsqueeze(1) - 8 * scale
+    grouped = codes.view(k // group_size, group_size, n)
+    return grouped.mul_(scale).add_(offset).view(k, n).to(torch.bfloat16)

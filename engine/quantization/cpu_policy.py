@@ -13,9 +13,12 @@ size"; bench/quant.py's crossover table):
   matmul costs a flat ~130-1000 us on SmolLM2's shapes; the packed op grows with M and
   crosses it between M = 16 and M = 32 (e.g. gate_up 576->3072: 534 vs 779 us at M=16,
   1069 vs 677 at M=32). Hence ``int8_packed_max_m = 16``.
-* int4: unpacking nibbles in torch costs more than the packed op does at the batch sizes
-  we serve, so int4 always takes the packed op -- prefill (large M) is therefore slower
-  than dense bf16 (3.4 ms vs 0.29 ms at M=256 on 576->1536), the price of the memory.
+* int4: the packed op grows with M; dequantizing the packed bytes per call
+  (``cpu_int4_layout``, fp32 arithmetic, ~0.5-1.5 ms a projection) and running the bf16
+  matmul costs a flat ~4.5-5.5 ms over SmolLM2's four projections. They cross between
+  M = 64 and 96 (packed 4.2-5.1 vs 4.7-5.5 ms at 64; 6.0-8.3 vs 4.8-6.7 at 96), hence
+  ``int4_packed_max_m = 64``. Prefill stays slower than dense bf16 by the dequantize
+  pass, the price of the memory.
 
 Without AVX512-BF16/AMX, bf16 matmuls are slow, so the per-call dequantized path runs in
 the activation dtype instead, and the packed op is kept for longer (M <= 32); that
@@ -74,8 +77,8 @@ def has_fast_fp16() -> bool:
 @functools.lru_cache(maxsize=1)
 def cpu_policy() -> CpuQuantPolicy:
     """The policy for this process's CPU (computed once)."""
-    # See the module docstring for where 16 comes from; without bf16 hardware the dense
+    # See the module docstring for where 16 and 64 come from; without bf16 hardware the dense
     # matmul is fp32 (3-5x slower at M >= 16), so the packed op stays ahead for longer.
     fast = has_fast_bf16()
     return CpuQuantPolicy(fast_bf16=fast, int8_packed_max_m=16 if fast else 32, fast_fp16=has_fast_fp16(),
-                          int4_packed_max_m=128 if fast else 1 << 30)
+                          int4_packed_max_m=64 if fast else 1 << 30)

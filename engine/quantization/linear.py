@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4, matching_block_n
+from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_transposed, matching_block_n
 from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.kernels.quant_formats import (
     SYMMETRIC_ZERO,
@@ -190,9 +190,9 @@ class Int4Linear(QuantizedLinear):
             return self._cpu_packed_matmul(x2)
         # Large M: the packed op is compute-bound; a per-call bf16 copy of the weight
         # (freed right after) lets the AMX matmul run, as for int8.
-        w = dequantize_cpu_int4(self.cpu_packed, self.cpu_scales_zeros, self.out_features, self.in_features,
-                                self.cpu_group_size, self.cpu_block_n)
-        return F.linear(x2.to(torch.bfloat16), w).to(x2.dtype)
+        w_t = dequantize_cpu_int4_transposed(self.cpu_packed, self.cpu_scales_zeros, self.out_features,
+                                             self.in_features, self.cpu_group_size, self.cpu_block_n)
+        return torch.matmul(x2.to(torch.bfloat16), w_t).to(x2.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
