@@ -202,7 +202,11 @@ def from_gptq(
                          f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group {group_size}")
     zeros = unpack_nibbles(qzeros, dim=1).to(torch.int16)
     if zero_minus_one:
-        zeros = (zeros + 1) & 0xF  # v1 stores z-1 in 4 bits; wraps like GPTQ's own kernels
+        # v1 stores z - 1 in 4 bits, so a zero of 0 was written as 15. Wrapping it back
+        # to 0 is what the quantizer meant and what AutoGPTQ's torch path reads; its CUDA
+        # kernels and vLLM's read 16 instead, which is why `cadence quantize` never
+        # writes a zero of 0 (gptq._group_grid).
+        zeros = (zeros + 1) & 0xF
     return Int4Weight(qweight.to(torch.int32).contiguous(), scales.contiguous(),
                       _zeros_or_symmetric(zeros), group_size)
 
