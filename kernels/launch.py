@@ -34,10 +34,14 @@ def as_rows(x: torch.Tensor, n: int, out: torch.Tensor | None) -> tuple[torch.Te
 GEMV_PROGRAMS_PER_SM = 8
 # The tiled W8A16/W4A16 GEMMs at small M (3-64 rows). Without a split, Llama-8B's o_proj
 # and down_proj (N = 4096, BLOCK_N = 64) are 64 programs: half of an H100's 132 SMs sit
-# idle and each program walks all of K alone (0.74-0.94x dense at M = 3-16). Their
-# [16-64, 64] tiles hold more registers than a GEMV step, so they aim lower. Not yet
-# tuned on a GPU (bench/kernels.py times each case with and without the split).
-TILED_PROGRAMS_PER_SM = 4
+# idle and each program walks all of K alone (0.74-0.94x dense at M = 3-16). ptxas gives
+# their [16-64, 64] tiles 166-255 registers at 4 warps, so two programs fit on an SM at
+# once: the split aims for one full wave. Not yet tuned on a GPU (bench/kernels.py times
+# each case with and without the split).
+TILED_PROGRAMS_PER_SM = 2
+# Each split writes its fp32 partials and the last program reads them back: 8 bytes per
+# output element per split. They may add at most this share of the weight's own bytes.
+SPLIT_TRAFFIC_SHARE = 0.25
 
 
 def split_k_to_fill(n_blocks: int, k_tiles: int, num_sms: int, programs_per_sm: int) -> int:
@@ -51,17 +55,25 @@ def split_k_to_fill(n_blocks: int, k_tiles: int, num_sms: int, programs_per_sm: 
     return split
 
 
-def tiled_split_k(m_blocks: int, n_blocks: int, k_tiles: int, device: torch.device, requested: int | None) -> int:
+def tiled_split_k(m: int, m_blocks: int, n_blocks: int, k_tiles: int, weight_bytes_per_column: int,
+                  out: torch.Tensor, requested: int | None) -> int:
     """K slices for a tiled GEMM launch: ``requested``, or by default enough to fill the
-    GPU (``split_k_to_fill``). Only a launch whose rows fit one M block splits, since
-    ``split_k.finish`` sums one block's rows; larger M has programs enough anyway."""
+    GPU (``split_k_to_fill``), fewer where the partials' traffic would pass
+    ``SPLIT_TRAFFIC_SHARE`` of the weight bytes. Only a launch whose rows fit one M block
+    splits (``split_k.finish_tile`` sums one block), into an ``out`` with unit column
+    stride; larger M has programs enough anyway."""
+    splittable = m_blocks == 1 and out.stride(1) == 1
     if requested is not None:
-        if requested < 1 or (requested > 1 and m_blocks > 1):
-            raise ValueError(f"k_splits={requested} needs a single M block (got {m_blocks}) and must be >= 1")
+        if requested < 1 or (requested > 1 and not splittable):
+            raise ValueError(f"k_splits={requested}: a split needs one M block (got {m_blocks}) and an output "
+                             f"with unit column stride (got {out.stride(1)}); 1 turns it off")
         return requested
-    if m_blocks > 1:
+    if not splittable:
         return 1
-    return split_k_to_fill(n_blocks, k_tiles, num_sms(device), TILED_PROGRAMS_PER_SM)
+    split = split_k_to_fill(n_blocks, k_tiles, num_sms(out.device), TILED_PROGRAMS_PER_SM)
+    while split > 1 and split * m * 8 > SPLIT_TRAFFIC_SHARE * weight_bytes_per_column:
+        split //= 2
+    return split
 
 
 def num_sms(device: torch.device) -> int:

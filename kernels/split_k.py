@@ -34,13 +34,21 @@ def workspace(num_splits: int, m: int, n: int, n_blocks: int, out: torch.Tensor)
 
 
 @triton.jit
-def finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N, num_splits,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Called by every program after storing its rows ``ws[pid_k, m, offs_n]``; the last
-    program of column block ``pid_n`` writes ``out[m, offs_n]`` for the M rows."""
+def _last_to_arrive(counter_ptr, pid_n, num_splits):
+    """Every program of column block ``pid_n`` calls this after storing its partials;
+    True in the one that arrives last, which then sees all of them."""
     tl.debug_barrier()  # every thread's partial is stored before the release below
     ticket = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    if ticket == num_splits - 1:
+    return ticket == num_splits - 1
+
+
+@triton.jit
+def finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N, num_splits,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the GEMVs (M <= BLOCK_M <= 4, any M): after storing its rows
+    ``ws[pid_k, m, offs_n]``, the last program of column block ``pid_n`` writes
+    ``out[m, offs_n]`` for the M rows, one row at a time."""
+    if _last_to_arrive(counter_ptr, pid_n, num_splits):
         for m in tl.static_range(BLOCK_M):
             if m < M:
                 total = tl.zeros([BLOCK_N], tl.float32)
@@ -48,4 +56,21 @@ def finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N,
                     total += tl.load(ws_ptr + (j * M + m) * N + offs_n, mask=mask_n, other=0.0,
                                      cache_modifier=".cg")
                 tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+        tl.atomic_xchg(counter_ptr + pid_n, 0)
+
+
+@triton.jit
+def finish_tile(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_m, offs_n, mask_m, mask_n, M, N,
+                num_splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the tiled GEMMs (one M block of up to 64 rows): as ``finish``, but the last
+    program reads each split's whole ``[BLOCK_M, BLOCK_N]`` tile at once, so its wait is
+    ``num_splits`` round trips to L2, not M times that."""
+    if _last_to_arrive(counter_ptr, pid_n, num_splits):
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for j in range(0, num_splits):
+            total += tl.load(ws_ptr + j * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+        out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
         tl.atomic_xchg(counter_ptr + pid_n, 0)

@@ -72,7 +72,7 @@ def _w4a16_gemm_kernel(
     FP32_IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Program (m, n, s) multiplies K slice s (whole BLOCK_K tiles) of a [BLOCK_M, BLOCK_N]
-    output tile; with SPLIT (one M block only) the slices meet in ``split_k.finish``."""
+    output tile; with SPLIT (one M block only) the slices meet in ``split_k.finish_tile``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -96,8 +96,8 @@ def _w4a16_gemm_kernel(
     out_mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:
         tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
-        split_k.finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N, num_splits,
-                       BLOCK_M, BLOCK_N)
+        split_k.finish_tile(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_m, offs_n, mask_m, mask_n, M, N,
+                            num_splits, BLOCK_M, BLOCK_N)
     else:
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -126,8 +126,8 @@ def w4a16_matmul(
 
     Rows M <= ``small_m_threshold`` take the GEMV kernel, more take the tiled GEMM, and
     from ``dequant_min_m`` a transient dense weight and torch.matmul (``dequant.py``). The
-    tiled GEMM splits K into ``k_splits`` slices (default: enough to fill the GPU when M
-    fits one block; 1 turns it off). CPU tensors without ``TRITON_INTERPRET=1`` take :func:`reference`. ``out`` (optional,
+    tiled GEMM splits K into ``k_splits`` slices (default: ``launch.tiled_split_k``; 1
+    turns it off; the GEMV and dequantize paths choose their own). CPU tensors without ``TRITON_INTERPRET=1`` take :func:`reference`. ``out`` (optional,
     ``[M, N]``, x's dtype) lets tests pre-fill it with NaN to catch unwritten elements.
     """
     k, n, group = weight.in_features, weight.out_features, weight.group_size
@@ -163,8 +163,7 @@ def w4a16_matmul(
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         bn = block_n or 64
         m_blocks, n_blocks = triton.cdiv(m, bm), triton.cdiv(n, bn)
-        splits = tiled_split_k(m_blocks, n_blocks, k // bk, x2.device, k_splits)
-        assert splits == 1 or out.stride(1) == 1
+        splits = tiled_split_k(m, m_blocks, n_blocks, k // bk, k // 2, out, k_splits)
         _w4a16_gemm_kernel[(m_blocks, n_blocks, splits)](
             x2, qweight, scales, zeros, out, split_k.workspace(splits, m, n, n_blocks, out),
             split_k.counters(x2.device), m, n, k, triton.cdiv(k // bk, splits) * bk, splits,

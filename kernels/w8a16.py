@@ -61,7 +61,7 @@ def _w8a16_kernel(
     FP32_IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Program (m, n, s) multiplies K slice s of a [BLOCK_M, BLOCK_N] output tile; with
-    SPLIT (one M block only) the slices meet in ``split_k.finish``."""
+    SPLIT (one M block only) the slices meet in ``split_k.finish_tile``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -95,8 +95,8 @@ def _w8a16_kernel(
     out_mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:
         tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
-        split_k.finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N, num_splits,
-                       BLOCK_M, BLOCK_N)
+        split_k.finish_tile(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_m, offs_n, mask_m, mask_n, M, N,
+                            num_splits, BLOCK_M, BLOCK_N)
     else:
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -160,8 +160,8 @@ def w8a16_matmul(
 
     Rows M <= ``small_m_threshold`` take the GEMV, more the tiled kernel, and from
     ``dequant_min_m`` a transient dense weight and torch.matmul (``dequant.py``). The
-    tiled kernel splits K into ``k_splits`` slices (default: enough to fill the GPU when
-    M fits one block; 1 turns it off). CPU tensors without ``TRITON_INTERPRET=1`` take :func:`reference` (Triton cannot run).
+    tiled kernel splits K into ``k_splits`` slices (default: ``launch.tiled_split_k``;
+    1 turns it off; the GEMV and dequantize paths choose their own). CPU tensors without ``TRITON_INTERPRET=1`` take :func:`reference` (Triton cannot run).
     ``out`` (optional, ``[M, N]`` contiguous, x's dtype) lets callers and tests pre-fill it.
     """
     n, k = qweight.shape
@@ -184,8 +184,7 @@ def w8a16_matmul(
         return out.reshape(*lead, n)
     bm = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
     m_blocks, n_blocks, k_tiles = triton.cdiv(m, bm), triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    splits = tiled_split_k(m_blocks, n_blocks, k_tiles, x2.device, k_splits)
-    assert splits == 1 or out.stride(1) == 1
+    splits = tiled_split_k(m, m_blocks, n_blocks, k_tiles, k, out, k_splits)
     _w8a16_kernel[(m_blocks, n_blocks, splits)](
         x2, qweight, scale, out, split_k.workspace(splits, m, n, n_blocks, out), split_k.counters(x2.device),
         m, n, k, triton.cdiv(k_tiles, splits) * block_k, splits,

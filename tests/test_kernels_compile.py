@@ -40,9 +40,10 @@ def quant_cases() -> dict[str, Callable[[], object]]:
     long_q8, long_s8 = quantize_int8(torch.randn(n, 4096))  # a K long enough to split
     cases["w8a16 split-K float16 M=1"] = lambda: w8a16.w8a16_matmul(torch.randn(1, 4096, dtype=torch.float16),
                                                                       long_q8, long_s8.half())
-    x64 = torch.randn(64, k, dtype=torch.float16)  # M = 64 splits K by default; these do not
-    cases["w8a16 unsplit float16 M=64"] = lambda: w8a16.w8a16_matmul(x64, q8, s8.half(), k_splits=1)
-    cases["w4a16 g32 zeros unsplit float16 M=64"] = lambda: w4a16.w4a16_matmul(x64, asym, k_splits=1)
+    long_asym = quantize_int4(torch.randn(n, 4096), 32, symmetric=False)
+    x16 = torch.randn(16, 4096, dtype=torch.float16)  # the tiled kernels' split-K variant
+    cases["w8a16 tiled split-K float16 M=16"] = lambda: w8a16.w8a16_matmul(x16, long_q8, long_s8.half(), k_splits=4)
+    cases["w4a16 g32 zeros tiled split-K float16 M=16"] = lambda: w4a16.w4a16_matmul(x16, long_asym, k_splits=4)
     for dtype in HALF:  # the large-M path's whole-weight dequantize
         cases[f"dequant int4 g32 zeros {str(dtype)[6:]}"] = lambda dtype=dtype: dequant.int4_to_dense(asym, dtype)
         cases[f"dequant int4 g128 sym {str(dtype)[6:]}"] = lambda dtype=dtype: dequant.int4_to_dense(sym, dtype)

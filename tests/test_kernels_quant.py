@@ -19,7 +19,8 @@ import torch
 from kernel_checks import cuda_only, gen, poisoned, rel_err
 
 from cadence.kernels import split_k, w4a16, w4a16_gemv, w8a16
-from cadence.kernels.launch import GEMV_PROGRAMS_PER_SM, TILED_PROGRAMS_PER_SM, split_k_to_fill, tiled_split_k
+from cadence.kernels import launch
+from cadence.kernels.launch import GEMV_PROGRAMS_PER_SM, TILED_PROGRAMS_PER_SM, split_k_to_fill
 from cadence.kernels.quant_formats import (
     Int4Weight,
     dequantize_int4,
@@ -178,57 +179,113 @@ def test_gemv_split_k_fills_the_gpu_with_whole_tiles() -> None:
     assert fill(n_blocks=1100, k_tiles=64) == 1
 
 
-def test_tiled_split_k_fills_the_gpu_only_for_one_m_block() -> None:
-    def fill(n_blocks: int, k_tiles: int) -> int:
-        return split_k_to_fill(n_blocks, k_tiles, num_sms=132, programs_per_sm=TILED_PROGRAMS_PER_SM)
+def test_tiled_split_k_fills_one_wave_within_a_traffic_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama-8B on 132 SMs, BLOCK_N = BLOCK_K = 64: o_proj and down_proj are 64 column
+    blocks. The partials' traffic (8 bytes per output per split) stays within a quarter
+    of the weight bytes, so the split shrinks as M grows, faster for int4."""
+    monkeypatch.setattr(launch, "num_sms", lambda device: 132)
+    assert split_k_to_fill(n_blocks=64, k_tiles=64, num_sms=132, programs_per_sm=TILED_PROGRAMS_PER_SM) == 8
 
-    # Llama-8B at M <= 16 with BLOCK_N = 64, BLOCK_K = 64: o_proj and down_proj are 64
-    # column blocks, gate_up_proj 448 (already 3.4 per SM).
-    assert fill(n_blocks=64, k_tiles=64) == 16  # o_proj: 1024 programs, 4 tiles per slice
-    assert fill(n_blocks=448, k_tiles=64) == 2
-    cpu = torch.device("cpu")  # the interpreter's nominal 8 SMs
-    assert tiled_split_k(1, 1, 8, cpu, None) == 4  # two tiles per slice at least
-    assert tiled_split_k(2, 1, 8, cpu, None) == 1  # two M blocks: finish() sums one block's rows
-    assert tiled_split_k(2, 1, 8, cpu, 1) == 1
-    with pytest.raises(ValueError, match="single M block"):
-        tiled_split_k(2, 1, 8, cpu, 2)
+    def split(m: int, n_blocks: int, k: int, weight_bytes: int, out: torch.Tensor | None = None) -> int:
+        out = torch.empty(m, 64) if out is None else out
+        return launch.tiled_split_k(m, 1, n_blocks, k // 64, weight_bytes, out, None)
+
+    assert split(16, 64, 4096, 4096) == 8  # o_proj int8: 8 x 16 x 8 B = 1 KiB, a quarter of 4 KiB
+    assert split(16, 64, 4096, 2048) == 4  # int4 has half the bytes
+    assert split(64, 64, 4096, 4096) == 2
+    assert split(64, 64, 4096, 2048) == 1
+    assert split(4, 448, 4096, 2048) == 1  # gate_up_proj: 448 programs already fill a wave
+    assert split(4, 64, 4096, 4096, out=torch.empty(64, 4).t()) == 1  # finish_tile writes unit stride
+    assert launch.tiled_split_k(100, 2, 1, 8, 4096, torch.empty(100, 64), None) == 1  # two M blocks
+    assert launch.tiled_split_k(100, 2, 1, 8, 4096, torch.empty(100, 64), 1) == 1
+    with pytest.raises(ValueError, match="one M block"):
+        launch.tiled_split_k(100, 2, 1, 8, 4096, torch.empty(100, 64), 2)
+
+
+@pytest.fixture
+def launched_splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The split count of every W8A16/W4A16 launch that asks split_k for a workspace."""
+    seen: list[int] = []
+    workspace = split_k.workspace
+
+    def recording(num_splits: int, *args: object) -> torch.Tensor:
+        seen.append(num_splits)
+        return workspace(num_splits, *args)
+
+    monkeypatch.setattr(split_k, "workspace", recording)
+    return seen
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m", [3, 17, 40])  # BLOCK_M 16, 32, 64: one M block each
-def test_w8a16_tiled_split_k_matches_reference(dtype: torch.dtype, m: int) -> None:
-    """The tiled kernel at small M splits a long, ragged K; the partials meet in order."""
+def test_w8a16_tiled_split_k_matches_reference(dtype: torch.dtype, m: int, launched_splits: list[int]) -> None:
+    """The tiled kernel splits a long, ragged K; the partials meet in order. Counts that
+    do not divide the 16 tiles leave the last slices short or empty (5: 4 x 4 tiles + 0)."""
     n, k = 72, 1000  # two column blocks, the last ragged; 16 K tiles, the last partial
     g = gen(400 + m)
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g).to(dtype)
     q, scale = quantize_int8(w.to(dtype))
-    assert tiled_split_k(1, 2, 16, x.device, None) > 1
     ref = w8a16.reference(x, q, scale)
-    first = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0)
-    assert rel_err(first, ref) < KERNEL_TOL[dtype]
+    default = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0)
+    assert launched_splits == [launch.tiled_split_k(m, 1, 2, 16, k, default, None)]
+    assert launched_splits[0] > 1 or m > 3  # M = 3 splits by default; more rows cost more traffic
+    results = [default]
+    for k_splits in (4, 5, 1):
+        launched_splits.clear()
+        results.append(w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0,
+                                          k_splits=k_splits))
+        assert launched_splits == [k_splits]
+    for out in results:
+        assert rel_err(out, ref) < KERNEL_TOL[dtype]
     assert not split_k.counters(x.device).any()  # the tickets re-arm for the next call
-    assert torch.equal(w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0), first)
-    unsplit = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0, k_splits=1)
-    assert rel_err(unsplit, ref) < KERNEL_TOL[dtype]
-    # A split count that does not divide the tiles leaves the last slices short or empty.
-    odd = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0, k_splits=5)
-    assert rel_err(odd, ref) < KERNEL_TOL[dtype]
+    assert torch.equal(w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0,
+                                          k_splits=4), results[1])  # the sum's order is fixed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m", [5, 33])
 @pytest.mark.parametrize("group,symmetric", [(32, False), (128, True)])
-def test_w4a16_tiled_split_k_matches_reference(dtype: torch.dtype, m: int, group: int, symmetric: bool) -> None:
-    """Above the GEMV's rows the tiled GEMM splits K in whole tiles, groups intact."""
-    n, k = 72, 512
+def test_w4a16_tiled_split_k_matches_reference(dtype: torch.dtype, m: int, group: int, symmetric: bool,
+                                               launched_splits: list[int]) -> None:
+    """Above the GEMV's rows the tiled GEMM splits K in whole tiles, groups intact; 5
+    slices of 16 or 32 tiles leave the last one short or empty."""
+    n, k = 72, 2048
     g = gen(500 + m + group)
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g).to(dtype)
     qw = quantize_int4(w.to(dtype), group, symmetric)
     ref = w4a16.reference(x, qw)
-    for k_splits in (None, 1, 3):
+    for k_splits in (None, 1, 5):
+        launched_splits.clear()
         out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype), k_splits=k_splits)
         assert rel_err(out, ref) < KERNEL_TOL[dtype]
         assert not split_k.counters(x.device).any()
+        if k_splits is None:
+            assert launched_splits == [launch.tiled_split_k(m, 1, 2, k // min(group, 64), k // 2, out, None)]
+            assert launched_splits[0] > 1 or m > 5  # 5 rows split by default; more cost more traffic
+        else:
+            assert launched_splits == [k_splits]
+
+
+@pytest.mark.parametrize("kernel", ["w8a16", "w4a16"])
+def test_tiled_kernels_write_an_output_with_any_column_stride(kernel: str) -> None:
+    """A caller's transposed ``out``: the split's finish writes unit stride only, so
+    the launch does not split, and asking for a split is an error."""
+    m, n, k = 17, 72, 1024
+    g = gen(600)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g).half()
+    q8, s8 = quantize_int8(w.half())
+    qw = quantize_int4(w.half(), 64, False)
+
+    def run(out: torch.Tensor, k_splits: int | None = None) -> torch.Tensor:
+        if kernel == "w8a16":
+            return w8a16.w8a16_matmul(x, q8, s8, out=out, small_m_threshold=0, k_splits=k_splits)
+        return w4a16.w4a16_matmul(x, qw, out=out, k_splits=k_splits)
+
+    ref = w8a16.reference(x, q8, s8) if kernel == "w8a16" else w4a16.reference(x, qw)
+    out = torch.full((n, m), float("nan"), dtype=torch.float16).t()
+    assert rel_err(run(out), ref) < KERNEL_TOL[torch.float16]
+    with pytest.raises(ValueError, match="unit column stride"):
+        run(out, k_splits=2)
 
 
 @pytest.mark.parametrize("m", [1, 17])  # the GEMV and the tiled kernel
