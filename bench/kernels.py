@@ -74,7 +74,7 @@ def pick_sizes(args: argparse.Namespace, num_sms: int) -> Sizes:
     moe = {"mixtral": (8, 2, 4096, 14336), "qwen-moe": (60, 4, 2048, 1408)}
     if args.quick:
         return Sizes(llama8b, [1, 16, 128], 128, (32, 8, 128, 16), [1024, 8192, 32768], [1, 32], moe, [1, 64], num_sms)
-    return Sizes(llama8b, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048], 128, (32, 8, 128, 16),
+    return Sizes(llama8b, [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 2048], 128, (32, 8, 128, 16),
                  [1024, 2048, 4096, 8192, 16384, 32768], [1, 8, 32], moe, [1, 4, 16, 64, 256], num_sms)
 
 
