@@ -96,6 +96,7 @@ class DecodeGraphs:
         # numpy views of the pinned buffers: element writes from Python cost far less there.
         self._host_scalars_np = self._host_scalars.numpy()
         self._host_tables_np = self._host_tables.numpy()
+        self._table_rows = TableRows(self._host_tables_np)
         # Marks the last upload: the host buffers may be rewritten only once it is done (a
         # step that samples nothing never waits on the device otherwise).
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
@@ -170,7 +171,6 @@ class DecodeGraphs:
         if self._uploaded is not None:
             self._uploaded.synchronize()
         ids, positions, slots, seq_lens = _split_scalars(self._host_scalars_np, batch)
-        tables = self._host_tables_np
         longest = 0
         for i, item in enumerate(items):
             request = item.request
@@ -180,7 +180,7 @@ class DecodeGraphs:
             positions[i] = position
             slots[i] = block_ids[position // self.block_size] * self.block_size + position % self.block_size
             seq_lens[i] = position + 1
-            tables[i, : len(block_ids)] = block_ids
+            self._table_rows.write(i, block_ids, position // self.block_size)
             longest = max(longest, position + 1)
         self._pad_rows(n, batch)
         self._upload(batch)
@@ -205,6 +205,7 @@ class DecodeGraphs:
         slots[start:] = _NO_SLOT
         seq_lens[start:] = 1
         self._host_tables_np[start:batch, 0] = 0
+        self._table_rows.forget(start, batch)
 
     def _upload(self, batch: int) -> None:
         """The batch's inputs to the device: its prefix of the scalars and its table rows,
@@ -214,6 +215,39 @@ class DecodeGraphs:
         self.block_tables[:batch].copy_(self._host_tables[:batch], non_blocking=non_blocking)
         if self._uploaded is not None:
             self._uploaded.record()
+
+
+class TableRows:
+    """The host block-table rows, each step rewritten only from where they may differ.
+
+    Rewriting every sequence's whole row each step costs O(all blocks held): from Python
+    lists into numpy, 1 ms at batch 256 with 2k-token contexts and 16 ms at 32k on this
+    project's CPU, host time every decode step would wait on. A row that last held the
+    same request's block list (the list object itself, kept referenced so its identity
+    cannot be reused) is rewritten from the block this step writes, or from where the
+    last write ended if the request ran eagerly since. Blocks before the one being
+    written are full and never change: copy-on-write replaces only the block a step
+    writes into, and preemption or finishing gives a request a new list.
+    """
+
+    def __init__(self, table) -> None:  # numpy int32 [rows, max_blocks]
+        self.table = table
+        self._lists: list[list[int] | None] = [None] * table.shape[0]
+        self._written = [0] * table.shape[0]
+
+    def write(self, row: int, block_ids: list[int], write_block: int) -> None:
+        """Row `row` holds `block_ids`; the step writes KV into block `write_block`."""
+        first = 0
+        if self._lists[row] is block_ids and len(block_ids) >= self._written[row]:
+            first = min(write_block, self._written[row])
+        self.table[row, first : len(block_ids)] = block_ids[first:]
+        self._lists[row] = block_ids
+        self._written[row] = len(block_ids)
+
+    def forget(self, start: int, stop: int) -> None:
+        """Rows start..stop-1 were overwritten (padding): write them whole next time."""
+        for row in range(start, stop):
+            self._lists[row] = None
 
 
 def _split_scalars(flat, batch: int) -> tuple:
