@@ -26,6 +26,7 @@ from cadence.engine.quantization import (
     quantize_model,
     validate_quantization,
 )
+from cadence.engine.quantization import linear as linear_module
 from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.kernels import w4a16
 from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_transposed, unpack_cpu_int4
@@ -51,9 +52,11 @@ def make_linear(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
 # ---------------------------------------------------------------- Int8Linear (CPU)
 
 
-@pytest.mark.parametrize("path", ["packed", "dequantized"])
+@pytest.mark.parametrize("path", ["packed", "dequantized", "dequantized in chunks"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_cpu_paths_match_reference(path: str, bias: bool) -> None:
+def test_int8_linear_cpu_paths_match_reference(path: str, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "dequantized in chunks":  # 96 output rows as 40 + 40 + 16, as a vocabulary-sized head is
+        monkeypatch.setattr(linear_module, "DEQUANT_CHUNK_ELEMENTS", 40 * 160)
     lin = make_linear(96, 160, bias, seed=1)
     mod = Int8Linear.from_linear(lin)
     limit = cpu_policy().int8_packed_max_m
