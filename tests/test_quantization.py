@@ -103,15 +103,21 @@ def test_int4_linear_cpu_packed_matches_reference(group: int, symmetric: bool, m
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_int4_linear_cpu_prefill_path_dequantizes_the_packed_bytes(symmetric: bool) -> None:
-    """Above int4_packed_max_m rows the layer unpacks torch's packed bytes to a bf16 weight."""
-    lin = make_linear(128, 256, bias=True, seed=5)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_int4_linear_cpu_prefill_path_dequantizes_the_packed_bytes(
+    symmetric: bool, chunked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above int4_packed_max_m rows the layer unpacks torch's packed bytes to a bf16 weight
+    (for a large weight, a block of output rows at a time: here 192 rows as 3 x 64)."""
+    if chunked:
+        monkeypatch.setattr(linear_module, "DEQUANT_CHUNK_ELEMENTS", 64 * 256)
+    lin = make_linear(192, 256, bias=True, seed=5)
     weight = quantize_int4(lin.weight, 64, symmetric)
     mod = Int4Linear(Int4Weight(weight.qweight.clone(), weight.scales, weight.zeros, 64), lin.bias)
     if mod.cpu_block_n is None:
         pytest.skip("this torch/CPU packs int4 in a layout cpu_int4_layout does not recognise")
     codes = unpack_int4(weight).t()
-    assert torch.equal(unpack_cpu_int4(mod.cpu_packed, 128, 256, mod.cpu_block_n), codes)
+    assert torch.equal(unpack_cpu_int4(mod.cpu_packed, 192, 256, mod.cpu_block_n), codes)
     m = cpu_policy().int4_packed_max_m + 5
     if m > 4096:
         pytest.skip("no fast bf16 on this CPU: the packed op serves every batch size")

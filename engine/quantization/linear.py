@@ -35,8 +35,8 @@ from cadence.kernels.quant_formats import (
 
 # The CPU int4 op packs N in blocks of 16 and accepts these group sizes.
 _CPU_INT4_GROUPS = (32, 64, 128, 256)
-# Int8Linear's per-call dense copy is made this many weights at a time (output rows in
-# chunks). A vocabulary-sized head (49,152 x 576) dequantized whole is a 56 MB bf16
+# Int8Linear's and Int4Linear's per-call dense copy is made this many weights at a time
+# (output rows in chunks). A vocabulary-sized head (49,152 x 576) dequantized whole is a 56 MB bf16
 # temporary, freshly mapped and page-faulted on every call: 55-70 ms at M = 32-64,
 # against 15-18 ms in ~2M-weight chunks, which also beat the dense fp32 head there.
 DEQUANT_CHUNK_ELEMENTS = 1 << 21
@@ -201,10 +201,24 @@ class Int4Linear(QuantizedLinear):
         if x2.shape[0] <= cpu_policy().int4_packed_max_m or self.cpu_block_n is None:
             return self._cpu_packed_matmul(x2)
         # Large M: the packed op is compute-bound; a per-call bf16 copy of the weight
-        # (freed right after) lets the AMX matmul run, as for int8.
-        w_t = dequantize_cpu_int4_transposed(self.cpu_packed, self.cpu_scales_zeros, self.out_features,
-                                             self.in_features, self.cpu_group_size, self.cpu_block_n)
-        return torch.matmul(x2.to(torch.bfloat16), w_t).to(x2.dtype)
+        # (freed right after) lets the AMX matmul run, as for int8, in chunks of whole
+        # packed row blocks once the weight is large.
+        n, k, block_n = self.out_features, self.in_features, self.cpu_block_n
+        xb = x2.to(torch.bfloat16)
+        rows = max(block_n, DEQUANT_CHUNK_ELEMENTS // k // block_n * block_n)
+        if rows >= n:
+            w_t = dequantize_cpu_int4_transposed(self.cpu_packed, self.cpu_scales_zeros, n, k,
+                                                 self.cpu_group_size, block_n)
+            return torch.matmul(xb, w_t).to(x2.dtype)
+        out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        packed_bytes = self.cpu_packed.view(-1)  # row blocks of block_n rows lie one after another
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            w_t = dequantize_cpu_int4_transposed(packed_bytes[start * k // 2 : stop * k // 2],
+                                                 self.cpu_scales_zeros[:, start:stop], stop - start, k,
+                                                 self.cpu_group_size, block_n)
+            out[:, start:stop] = torch.matmul(xb, w_t)
+        return out.to(x2.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
