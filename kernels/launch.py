@@ -60,7 +60,7 @@ def tiled_split_k(m: int, m_blocks: int, n_blocks: int, k_tiles: int, weight_byt
     """K slices for a tiled GEMM launch: ``requested``, or by default enough to fill the
     GPU (``split_k_to_fill``), fewer where the partials' traffic would pass
     ``SPLIT_TRAFFIC_SHARE`` of the weight bytes. Only a launch whose rows fit one M block
-    splits (``split_k.finish_tile`` sums one block), into an ``out`` with unit column
+    splits (``split_k.store_tile`` sums one block), into an ``out`` with unit column
     stride; larger M has programs enough anyway."""
     splittable = m_blocks == 1 and out.stride(1) == 1
     if requested is not None:

@@ -60,17 +60,23 @@ def finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N,
 
 
 @triton.jit
-def finish_tile(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_m, offs_n, mask_m, mask_n, M, N,
-                num_splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """For the tiled GEMMs (one M block of up to 64 rows): as ``finish``, but the last
-    program reads each split's whole ``[BLOCK_M, BLOCK_N]`` tile at once, so its wait is
-    ``num_splits`` round trips to L2, not M times that."""
-    if _last_to_arrive(counter_ptr, pid_n, num_splits):
+def store_tile(acc, ws_ptr, counter_ptr, out_ptr, stride_om, stride_on, pid_k, pid_n, offs_m, offs_n, mask_m, mask_n,
+               M, N, num_splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """The tiled GEMMs' epilogue: the fp32 ``[BLOCK_M, BLOCK_N]`` tile ``acc`` straight to
+    ``out``, or, with SPLIT (one M block only), as K slice ``pid_k``'s partial. The last
+    program of the column block then reads each split's whole tile at once, so its wait is
+    ``num_splits`` round trips to L2, not M times that as in ``finish``."""
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
         tile = offs_m[:, None] * N + offs_n[None, :]
-        mask = mask_m[:, None] & mask_n[None, :]
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for j in range(0, num_splits):
-            total += tl.load(ws_ptr + j * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-        out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(counter_ptr + pid_n, 0)
+        tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=mask)
+        if _last_to_arrive(counter_ptr, pid_n, num_splits):
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for j in range(0, num_splits):
+                total += tl.load(ws_ptr + j * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
+    else:
+        out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)

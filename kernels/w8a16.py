@@ -61,7 +61,7 @@ def _w8a16_kernel(
     FP32_IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Program (m, n, s) multiplies K slice s of a [BLOCK_M, BLOCK_N] output tile; with
-    SPLIT (one M block only) the slices meet in ``split_k.finish_tile``."""
+    SPLIT (one M block only) the slices meet in ``split_k.store_tile``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -92,14 +92,8 @@ def _w8a16_kernel(
 
     scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     acc = acc * scale[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT:
-        tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
-        split_k.finish_tile(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_m, offs_n, mask_m, mask_n, M, N,
-                            num_splits, BLOCK_M, BLOCK_N)
-    else:
-        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    split_k.store_tile(acc, ws_ptr, counter_ptr, out_ptr, stride_om, stride_on, pid_k, pid_n, offs_m, offs_n,
+                       mask_m, mask_n, M, N, num_splits, BLOCK_M, BLOCK_N, SPLIT)
 
 
 @triton.jit

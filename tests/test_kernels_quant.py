@@ -195,7 +195,7 @@ def test_tiled_split_k_fills_one_wave_within_a_traffic_budget(monkeypatch: pytes
     assert split(64, 64, 4096, 4096) == 2
     assert split(64, 64, 4096, 2048) == 1
     assert split(4, 448, 4096, 2048) == 1  # gate_up_proj: 448 programs already fill a wave
-    assert split(4, 64, 4096, 4096, out=torch.empty(64, 4).t()) == 1  # finish_tile writes unit stride
+    assert split(4, 64, 4096, 4096, out=torch.empty(64, 4).t()) == 1  # store_tile writes unit stride
     assert launch.tiled_split_k(100, 2, 1, 8, 4096, torch.empty(100, 64), None) == 1  # two M blocks
     assert launch.tiled_split_k(100, 2, 1, 8, 4096, torch.empty(100, 64), 1) == 1
     with pytest.raises(ValueError, match="one M block"):
