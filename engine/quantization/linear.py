@@ -16,6 +16,7 @@ moved to CUDA afterwards. Outputs are in the activation dtype; bias is added in 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,23 @@ DEQUANT_CHUNK_ELEMENTS = 1 << 21
 
 
 logger = logging.getLogger(__name__)
+
+
+def _matmul_in_row_chunks(
+    x: torch.Tensor, n: int, k: int, row_multiple: int, dense_t: Callable[[int, int], torch.Tensor]
+) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for an ``[N, K]`` weight held quantized, where ``dense_t(start,
+    stop)`` makes ``W[start:stop].T`` dense for this call: ``DEQUANT_CHUNK_ELEMENTS``
+    weights at a time (a multiple of ``row_multiple`` rows), so no temporary is ever
+    weight-sized. A weight under that size is one chunk."""
+    rows = max(row_multiple, DEQUANT_CHUNK_ELEMENTS // k // row_multiple * row_multiple)
+    if rows >= n:
+        return torch.matmul(x, dense_t(0, n))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        out[:, start:stop] = torch.matmul(x, dense_t(start, stop))
+    return out
 
 
 class QuantizedLinear(nn.Module):
@@ -106,15 +124,10 @@ class Int8Linear(QuantizedLinear):
         # memory saving.
         dtype = policy.dense_dtype(x2.dtype)
         scale = self.scale_bf16 if dtype == torch.bfloat16 else self.scale.to(dtype)
-        xd = x2.to(dtype)
-        rows = max(1, DEQUANT_CHUNK_ELEMENTS // self.in_features)
-        if rows >= self.out_features:
-            return F.linear(xd, self.qweight.to(dtype) * scale[:, None]).to(x2.dtype)
-        out = torch.empty(x2.shape[0], self.out_features, dtype=dtype)
-        for start in range(0, self.out_features, rows):
-            chunk = slice(start, start + rows)
-            out[:, chunk] = F.linear(xd, self.qweight[chunk].to(dtype) * scale[chunk, None])
-        return out.to(x2.dtype)
+        def dense_t(start: int, stop: int) -> torch.Tensor:
+            return (self.qweight[start:stop].to(dtype) * scale[start:stop, None]).t()
+
+        return _matmul_in_row_chunks(x2.to(dtype), self.out_features, self.in_features, 1, dense_t).to(x2.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -203,22 +216,15 @@ class Int4Linear(QuantizedLinear):
         # Large M: the packed op is compute-bound; a per-call bf16 copy of the weight
         # (freed right after) lets the AMX matmul run, as for int8, in chunks of whole
         # packed row blocks once the weight is large.
-        n, k, block_n = self.out_features, self.in_features, self.cpu_block_n
-        xb = x2.to(torch.bfloat16)
-        rows = max(block_n, DEQUANT_CHUNK_ELEMENTS // k // block_n * block_n)
-        if rows >= n:
-            w_t = dequantize_cpu_int4_transposed(self.cpu_packed, self.cpu_scales_zeros, n, k,
-                                                 self.cpu_group_size, block_n)
-            return torch.matmul(xb, w_t).to(x2.dtype)
-        out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        k, block_n = self.in_features, self.cpu_block_n
         packed_bytes = self.cpu_packed.view(-1)  # row blocks of block_n rows lie one after another
-        for start in range(0, n, rows):
-            stop = min(start + rows, n)
-            w_t = dequantize_cpu_int4_transposed(packed_bytes[start * k // 2 : stop * k // 2],
-                                                 self.cpu_scales_zeros[:, start:stop], stop - start, k,
-                                                 self.cpu_group_size, block_n)
-            out[:, start:stop] = torch.matmul(xb, w_t)
-        return out.to(x2.dtype)
+
+        def dense_t(start: int, stop: int) -> torch.Tensor:
+            return dequantize_cpu_int4_transposed(packed_bytes[start * k // 2 : stop * k // 2],
+                                                  self.cpu_scales_zeros[:, start:stop], stop - start, k,
+                                                  self.cpu_group_size, block_n)
+
+        return _matmul_in_row_chunks(x2.to(torch.bfloat16), self.out_features, k, block_n, dense_t).to(x2.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
