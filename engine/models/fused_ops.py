@@ -4,8 +4,11 @@ RMSNorm (with the residual add before it), rotary embedding and SwiGLU's activat
 a few kilobytes of work per token; as torch ops they were ~30 launches per decoder layer,
 which dominated a batch-1 decode step's GPU time once CUDA graphs removed the launch cost.
 The kernels round as the torch code does where it matters (``kernels/layer_ops_reference.py``),
-so the two paths agree to a unit in the last place. CPU tensors take the torch code: triton is only needed where the kernels
-run, so it is imported on first use.
+so the two paths agree to a unit in the last place. CPU tensors take the torch code;
+triton is only needed where the kernels run, so it is imported on first use.
+
+Rotary embedding dispatches in ``rotary.PositionedRotary`` instead, because its CPU
+path prepares the per-token factors once per forward pass, for all layers.
 """
 from __future__ import annotations
 
@@ -23,17 +26,6 @@ def rms_norm(
 
         return kernel(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
-
-
-def apply_rotary(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k rotated by their positions (on a GPU in place; on a CPU as new tensors)."""
-    if q.is_cuda:
-        from cadence.kernels.rotary import apply_rotary as kernel
-
-        return kernel(positions, q, k, cos, sin)
-    return reference.rotary(positions, q, k, cos, sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

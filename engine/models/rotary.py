@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from cadence.engine.models.fused_ops import apply_rotary
 from cadence.kernels import layer_ops_reference as reference
 
 
@@ -154,7 +153,9 @@ class PositionedRotary:
         self._rows: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.is_cuda:
+        if q.is_cuda:  # triton is only imported where its kernels run
+            from cadence.kernels.rotary import apply_rotary
+
             return apply_rotary(self.positions, q, k, self.cos, self.sin)
         rows = self._rows.get(q.dtype)
         if rows is None:
