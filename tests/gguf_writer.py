@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import gguf
 import torch
 from transformers import PreTrainedModel
+
+from tiny_tokenizer import save_tiny_tokenizer
 
 CHATML = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -112,3 +115,13 @@ def write_tiny_gguf(model: PreTrainedModel, tokenizer_dir: str, path: str,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_tiny_gguf_in(root: Path, model: PreTrainedModel, filename: str,
+                       matrix_type: Callable[[str], gguf.GGMLQuantizationType] = mixed_q8_0) -> str:
+    """The tiny tokenizer saved to ``root / "tokenizer"`` and the model written with it to
+    ``root / filename``, as the GGUF tests each need; returns the file's path."""
+    save_tiny_tokenizer(root / "tokenizer")
+    path = str(root / filename)
+    write_tiny_gguf(model, str(root / "tokenizer"), path, matrix_type)
+    return path

@@ -25,9 +25,8 @@ from cadence.engine import default_model, gguf_loader
 from cadence.engine.default_model import default_model_gguf, resolve_model_path
 from cadence.engine.gguf_loader import convert_gguf, unpermute_rope_rows
 from cadence.engine.gguf_tokenizer import build_tokenizer
-from gguf_writer import llama_cpp_permute, write_tiny_gguf
+from gguf_writer import llama_cpp_permute, write_tiny_gguf_in
 from tiny_models import build_tiny_model
-from tiny_tokenizer import save_tiny_tokenizer
 
 TEXTS = ["Paris is the capital of France.", "  odd  spacing\tand\nnewlines 12345 {}[]", "naïve café 日本"]
 PROMPTS = [[5, 9, 13], [20 + i for i in range(17)], [300 + 3 * i for i in range(9)]]
@@ -39,10 +38,7 @@ def tiny_gguf(request, tmp_path_factory) -> tuple[PreTrainedModel, str, str]:
     """(original model, tiny tokenizer folder, GGUF path)."""
     root = tmp_path_factory.mktemp(f"gguf-{request.param}")
     model = build_tiny_model(request.param)
-    save_tiny_tokenizer(root / "tokenizer")
-    path = str(root / "tiny.gguf")
-    write_tiny_gguf(model, str(root / "tokenizer"), path)
-    return model, str(root / "tokenizer"), path
+    return model, str(root / "tokenizer"), write_tiny_gguf_in(root, model, "tiny.gguf")
 
 
 @pytest.fixture(scope="module")

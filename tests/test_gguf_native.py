@@ -25,11 +25,10 @@ from cadence.engine.quantization import linear as linear_module
 from cadence.engine.quantization.gguf_native import decode_q4, decode_q8_0, int4_from_gguf, int8_from_q8_0
 from cadence.engine.quantization.linear import Int4Linear, Int8Linear
 from cadence.kernels.quant_formats import dequantize_int4, dequantize_int8
-from gguf_writer import write_tiny_gguf
+from gguf_writer import write_tiny_gguf_in
 from kernel_checks import gen, rel_err
 from quant_eval import EVAL_TEXT, greedy_tokens, perplexity, prefix_agreement
 from tiny_models import build_tiny_model
-from tiny_tokenizer import save_tiny_tokenizer
 
 
 CONSTANT = 0.0123  # small: a bf16 zero term of 8 + min would round it away
@@ -91,9 +90,7 @@ def per_layer_types(name: str) -> Q:
 def tiny_mixed_gguf(tmp_path_factory) -> str:
     """A converted folder of the tiny 3-layer llama, written with per_layer_types."""
     root = tmp_path_factory.mktemp("gguf-native")
-    save_tiny_tokenizer(root / "tokenizer")
-    path = str(root / "tiny-mixed.gguf")
-    write_tiny_gguf(build_tiny_model("llama"), str(root / "tokenizer"), path, per_layer_types)
+    path = write_tiny_gguf_in(root, build_tiny_model("llama"), "tiny-mixed.gguf", per_layer_types)
     return convert_gguf(path, str(root / "cache"))
 
 

@@ -23,12 +23,11 @@ from cadence.engine.quantization import linear as linear_module, lm_head
 from cadence.engine.quantization.lm_head import Int8Embedding
 from cadence.engine.quantization.linear import Int8Linear
 from cadence.kernels.quant_formats import dequantize_int8, quantize_int8
-from gguf_writer import write_tiny_gguf
+from gguf_writer import write_tiny_gguf_in
 from kernel_checks import rel_err
 from sdpa_contexts import VarlenSdpaContext
 from quant_eval import TINY_PROMPTS, greedy_tokens, prefix_agreement, tiny_llm
 from tiny_models import build_tiny_model
-from tiny_tokenizer import save_tiny_tokenizer
 
 CPU_PATH_TOL = 1e-2
 QUANT_TOL = 5e-2
@@ -125,9 +124,7 @@ def head_q8_0(name: str) -> Q:
 @pytest.fixture(scope="module")
 def tied_q8_head_gguf(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("gguf-head")
-    save_tiny_tokenizer(root / "tokenizer")
-    path = str(root / "tied-q8-head.gguf")
-    write_tiny_gguf(build_tiny_model("tied"), str(root / "tokenizer"), path, head_q8_0)
+    path = write_tiny_gguf_in(root, build_tiny_model("tied"), "tied-q8-head.gguf", head_q8_0)
     return convert_gguf(path, str(root / "cache"))
 
 
@@ -148,9 +145,7 @@ def test_gguf_head_stored_quantized_is_served_int8_by_default(tied_q8_head_gguf)
 
 
 def test_gguf_head_stored_as_floats_stays_dense(tmp_path) -> None:
-    save_tiny_tokenizer(tmp_path / "tokenizer")
-    path = str(tmp_path / "f32-head.gguf")
-    write_tiny_gguf(build_tiny_model("tied"), str(tmp_path / "tokenizer"), path, lambda name: Q.F32)
+    path = write_tiny_gguf_in(tmp_path, build_tiny_model("tied"), "f32-head.gguf", lambda name: Q.F32)
     model, _ = load_model(convert_gguf(path, str(tmp_path / "cache")), torch.float32, quantization="gguf")
     assert model.lm_head is None and type(model.model.embed_tokens) is nn.Embedding
 
