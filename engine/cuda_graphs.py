@@ -31,6 +31,7 @@ from torch import nn
 
 from cadence.engine.attention.backend import AttentionContext, KVCache
 from cadence.engine.attention.triton_backend import TritonAttentionBackend, TritonMetadata
+from cadence.engine.block_tables import TableRows
 from cadence.kernels.launch import num_sms
 from cadence.kernels.paged_attention import choose_num_splits
 
@@ -215,39 +216,6 @@ class DecodeGraphs:
         self.block_tables[:batch].copy_(self._host_tables[:batch], non_blocking=non_blocking)
         if self._uploaded is not None:
             self._uploaded.record()
-
-
-class TableRows:
-    """The host block-table rows, each step rewritten only from where they may differ.
-
-    Rewriting every sequence's whole row each step costs O(all blocks held): from Python
-    lists into numpy, 1 ms at batch 256 with 2k-token contexts and 16 ms at 32k on this
-    project's CPU, host time every decode step would wait on. A row that last held the
-    same request's block list (the list object itself, kept referenced so its identity
-    cannot be reused) is rewritten from the block this step writes, or from where the
-    last write ended if the request ran eagerly since. Blocks before the one being
-    written are full and never change: copy-on-write replaces only the block a step
-    writes into, and preemption or finishing gives a request a new list.
-    """
-
-    def __init__(self, table) -> None:  # numpy int32 [rows, max_blocks]
-        self.table = table
-        self._lists: list[list[int] | None] = [None] * table.shape[0]
-        self._written = [0] * table.shape[0]
-
-    def write(self, row: int, block_ids: list[int], write_block: int) -> None:
-        """Row `row` holds `block_ids`; the step writes KV into block `write_block`."""
-        first = 0
-        if self._lists[row] is block_ids and len(block_ids) >= self._written[row]:
-            first = min(write_block, self._written[row])
-        self.table[row, first : len(block_ids)] = block_ids[first:]
-        self._lists[row] = block_ids
-        self._written[row] = len(block_ids)
-
-    def forget(self, start: int, stop: int) -> None:
-        """Rows start..stop-1 were overwritten (padding): write them whole next time."""
-        for row in range(start, stop):
-            self._lists[row] = None
 
 
 def _split_scalars(flat, batch: int) -> tuple:

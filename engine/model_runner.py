@@ -21,6 +21,7 @@ from cadence.engine.attention.backend import (
     split_kv_cache,
 )
 from cadence.engine.attention.selector import create_attention_backend
+from cadence.engine.block_tables import EagerBlockTables
 from cadence.kernels.kv_quant import KV_CACHE_DTYPES
 from cadence.kernels.launch import has_fp8_hardware
 from cadence.engine.protocol import TokenLogprobs
@@ -97,6 +98,7 @@ class ModelRunner:
                 block_size=block_size, device=device,
             )
             self.decode_graphs.capture()
+        self._block_tables = EagerBlockTables()
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         # Prompt positions whose logprobs were already reported: a preempted request
@@ -159,12 +161,11 @@ class ModelRunner:
         self, items: list[ScheduledRequest], query_starts: list[int], positions: torch.Tensor
     ) -> StepBatch:
         query_lens = [item.num_new_tokens for item in items]
-        width = max(len(item.request.block_ids) for item in items)
-        tables = torch.tensor(
-            [item.request.block_ids + [0] * (width - len(item.request.block_ids)) for item in items],
-            dtype=torch.long,
-            device=self.device,
-        )
+        rows = [
+            (item.request.request_id, item.request.block_ids, item.request.num_computed_tokens // self.block_size)
+            for item in items
+        ]
+        tables = torch.from_numpy(self._block_tables.build(rows)).to(self.device)
         seq_index = torch.repeat_interleave(
             torch.arange(len(items), device=self.device), torch.tensor(query_lens, device=self.device)
         )

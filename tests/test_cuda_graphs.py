@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from test_engine_correctness import hf_greedy
 
 from cadence import LLM, SamplingParams
-from cadence.engine.cuda_graphs import CAPTURE_BATCH_SIZES, DecodeGraphs, TableRows
+from cadence.engine.cuda_graphs import CAPTURE_BATCH_SIZES, DecodeGraphs
 
 # Three sequences pad to a batch of 4; the lengths differ so the rows' contexts differ.
 PROMPTS = [[5, 9, 13], [20 + i for i in range(9)], [7, 7, 7, 7, 8]]
@@ -57,32 +56,6 @@ def test_padded_static_inputs_give_the_eager_tokens(tiny_model_dir) -> None:
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())] == expected
     # Every step after the prefill was a 3-sequence decode through the padded path.
     assert sizes == [3] * (MAX_TOKENS - 1)
-
-
-def test_table_rows_rewrite_a_row_from_where_it_may_differ() -> None:
-    """Sentinels (-1) in entries that must not need rewriting show what each write touched."""
-    table = np.full((2, 8), -7, dtype=np.int32)
-    rows = TableRows(table)
-    held = [10, 11]
-    rows.write(0, held, 1)
-    assert table[0, :2].tolist() == [10, 11]
-    table[0, :2] = -1
-    held.append(12)  # the same request's list grows a block: written from the write block
-    rows.write(0, held, 2)
-    assert table[0, :3].tolist() == [-1, -1, 12]
-    held[2] = 20  # copy-on-write swaps the block being written, in place
-    rows.write(0, held, 2)
-    assert table[0, :3].tolist() == [-1, -1, 20]
-    held += [13, 14]  # eager steps since: from where the last write ended, not the write block
-    rows.write(0, held, 4)
-    assert table[0, :5].tolist() == [-1, -1, 20, 13, 14]
-    rows.write(0, list(held), 4)  # an equal list that is another object (preempted, re-admitted)
-    assert table[0, :5].tolist() == held
-    table[0, :] = 0  # padding overwrote the row
-    rows.forget(0, 1)
-    rows.write(0, [30, 31], 1)
-    rows.write(1, held, 4)  # a list moves to another row: that row is written whole
-    assert table[0, :2].tolist() == [30, 31] and table[1, :5].tolist() == held
 
 
 def test_batch_sizes_and_split_ladder() -> None:
