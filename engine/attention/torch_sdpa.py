@@ -192,18 +192,25 @@ class TorchSDPABackend(AttentionBackend):
     ) -> torch.Tensor:
         out = torch.empty_like(query)
         scale = self.spec.scale
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
         for group in metadata.decode_groups:
             keys = key_cache.gather(group.gather_slots).transpose(1, 2)  # [rows, kv_heads, max_len, head_dim]
             values = value_cache.gather(group.gather_slots).transpose(1, 2)
+            rows = group.end - group.start
+            # A decode token's query heads that share a KV head go in as that head's query
+            # rows ([rows, kv_heads, heads per kv head, D]), not through enable_gqa: each
+            # row attends to the same keys under the same mask, and the CPU flash kernel
+            # then reads each K/V block once per KV head rather than once per query head,
+            # 1.2-2x faster (RESULTS.md). Query head h maps to KV head h // group size, as
+            # enable_gqa (and transformers' repeat_kv) map it.
             decoded = F.scaled_dot_product_attention(
-                query[group.start : group.end].unsqueeze(2),
+                query[group.start : group.end].view(rows, num_kv_heads, -1, head_dim),
                 keys,
                 values,
                 attn_mask=group.attn_mask,
                 scale=scale,
-                enable_gqa=True,
             )
-            out[group.start : group.end] = decoded.squeeze(2)
+            out[group.start : group.end] = decoded.view(rows, -1, head_dim)
         for chunk in metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             if chunk.gather_slots is None and key_cache.scales is None:
