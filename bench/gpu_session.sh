@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# What a session lent a GPU runs first: one stage per device call (each fits the 10-minute
+# limit), output under $OUT. Record what it prints in bench/RESULTS.md with the device name.
+#
+#   bash bench/gpu_session.sh tests     # the test files that hold CUDA tests (CPU CI skips those)
+#   bash bench/gpu_session.sh kernels   # bench/kernels.py quant + attention sections, quick sizes
+#   bash bench/gpu_session.sh decode    # bench/gpu_decode.py at Llama-8B shapes, graphs only
+#
+# The device machine has torch and triton but no pip index: `gguf` comes from a wheel in
+# .whl/ (carry it: `pip download gguf --no-deps -d .whl` here first), installed into
+# /tmp/site, and this checkout is imported as `cadence` through a symlink in /tmp/pkg.
+set -euo pipefail
+stage="${1:?usage: gpu_session.sh tests|kernels|decode}"
+out="${OUT:-/tmp/gpu_session}"
+mkdir -p "$out" /tmp/pkg
+if compgen -G ".whl/gguf*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf*.whl
+fi
+ln -sfn "$PWD" /tmp/pkg/cadence
+export PYTHONPATH="/tmp/site:/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader || echo "no nvidia-smi"; } | tee "$out/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
+
+case "$stage" in
+    tests)
+        # -rs lists every skip: on a GPU none of these should say "needs CUDA".
+        python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels_*.py tests/test_cuda_graphs.py \
+            tests/test_lm_head_quant.py tests/test_fp8.py tests/test_triton_backend.py tests/test_quantization.py \
+            tests/test_quantized_checkpoints.py tests/test_kv_cache_quant.py tests/test_models.py 2>&1 \
+            | tee "$out/tests.log"
+        ;;
+    kernels)
+        python3 bench/kernels.py --only ceilings quant attention --quick --budget-s 500 --out "$out" 2>&1 \
+            | tee "$out/kernels.log"
+        ;;
+    decode)
+        python3 bench/gpu_decode.py --no-eager --quantize-lm-head --layers 32 --hidden 4096 --intermediate 14336 \
+            2>&1 | tee "$out/decode.log"
+        ;;
+    *)
+        echo "unknown stage: $stage" >&2
+        exit 2
+        ;;
+esac
