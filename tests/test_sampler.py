@@ -14,6 +14,7 @@ from cadence.engine.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     compute_logprobs,
+    row_argmax,
 )
 from cadence.engine.sampling_params import SamplingParams
 
@@ -446,3 +447,14 @@ def test_exponential_race_is_exact_for_peaked_distribution() -> None:
     logits[:, 6] = -30.0
     out = Sampler()(logits, build([SamplingParams()] * 200))
     assert set(out.sampled_token_ids.tolist()) == {4}
+
+
+def test_row_argmax_is_argmax_with_ties_and_nan() -> None:
+    x = torch.randn(6, 1000)
+    x[1, [10, 500, 999]] = x[1].max() + 1  # a three-way tie: the first index wins
+    x[2] = 0.0
+    x[3, [7, 800]] = float("nan")
+    x[4] = -float("inf")
+    x = torch.cat([x, x.half().float()])  # fp16-rounded rows tie more often
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert row_argmax(x)[1] == 10 and row_argmax(x)[3] == 7
