@@ -1,9 +1,9 @@
-"""CPU decode attention: SDPA with enable_gqa against query heads folded into rows.
+"""Two CPU decode-step ops, each timed against the form it replaced, alternating in one process.
 
-    python bench/cpu_attention.py
-    python bench/cpu_attention.py --heads 32 --kv-heads 8 --head-dim 128
+    python bench/cpu_decode_ops.py
+    python bench/cpu_decode_ops.py --heads 32 --kv-heads 8 --head-dim 128 --vocab 128256
 
-A decode token's query heads that share a KV head can go into SDPA as that KV head's
+**Attention.** A decode token's query heads that share a KV head can go into SDPA as that KV head's
 query rows (``[batch, kv_heads, heads per kv head, D]``) instead of through enable_gqa:
 every row attends to the same keys under the same mask, so the result is the same up to
 rounding. This times both on K/V gathered from a paged cache the way
@@ -11,6 +11,9 @@ rounding. This times both on K/V gathered from a paged cache the way
 viewed ``[batch, kv_heads, length, D]``), with and without a padding mask, alternating in
 one process. Medians in ms per call and the folded form's speedup; the default shapes
 are SmolLM2-135M's attention (9 query heads, 3 KV heads, head_dim 64).
+
+**Greedy pick.** ``argmax(dim=-1)`` against ``max(dim=-1).indices``
+(``engine/sampler.row_argmax``) over fp32 logits of SmolLM2's vocabulary by default.
 """
 from __future__ import annotations
 
@@ -71,6 +74,17 @@ def case(batch: int, length: int, heads: int, kv_heads: int, dim: int, repeats: 
     return rows
 
 
+def greedy_rows(batch: int, vocab: int, repeats: int) -> str:
+    logits = torch.randn(batch, vocab)
+    assert torch.equal(logits.argmax(dim=-1), logits.max(dim=-1).indices)
+    base, new = [], []
+    for _ in range(3):
+        base.append(median_ms(lambda: logits.argmax(dim=-1), repeats))
+        new.append(median_ms(lambda: logits.max(dim=-1).indices, repeats))
+    b, n = statistics.median(base), statistics.median(new)
+    return f"| {batch} | {b:.3f} | {n:.3f} | {b / n:.2f}x |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, default=9)
@@ -78,6 +92,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--shapes", nargs="+", default=["1x256", "1x2048", "4x2048", "32x256", "32x1024", "64x128"],
                         help="batch x context length")
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--greedy-batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -89,6 +105,10 @@ def main() -> None:
         batch, length = (int(v) for v in shape.split("x"))
         for row in case(batch, length, args.heads, args.kv_heads, args.head_dim, args.repeats):
             print(row, flush=True)
+    print(f"\n| rows x {args.vocab} | argmax ms | max(dim).indices ms | speedup |")
+    print("|---:|---:|---:|---:|")
+    for batch in args.greedy_batches:
+        print(greedy_rows(batch, args.vocab, 10 * args.repeats), flush=True)
 
 
 if __name__ == "__main__":
