@@ -7,14 +7,15 @@ rows. A copy that last mirrored the same request's block list (the list object i
 kept referenced so its identity cannot be reused) needs rewriting only from the block
 that copy's step wrote.
 
-That rests on how the scheduler edits a list (``scheduler/kv_cache_manager.py``): blocks
+That rests on how the scheduler edits a list (``KVCacheManager``'s docstring): blocks
 before the one a step writes are full and never change; copy-on-write replaces only the
-block a step writes into; new blocks are appended; and preemption or finishing gives a
-request a new list. A request's write block only moves forward, so every block that steps
-the copy did not see (decode graphs and eager steps each mirror only their own steps)
-could have swapped lies at or after the block the copy's own step wrote. That matters: a
-request forked for n > 1 shares its partly filled last prompt block, and its first
-decode step, often a graph replay, swaps it.
+block a step writes into; new blocks are appended; a cached prefix only joins an empty
+list; and preemption, finishing and forking give a request a new list. For one list
+object the write block only moves forward, so every block that steps the copy did not
+see (decode graphs and eager steps each mirror only their own steps) could have swapped
+lies at or after the block the copy's own step wrote. That matters: a request forked
+for n > 1 shares its partly filled last prompt block and swaps it in its next step,
+which either path may run while the other holds the older copy.
 
 * ``TableRows``: the decode graphs' fixed host table, one row per batch slot.
 * ``EagerBlockTables``: each eager step's ``[batch, width]`` table, from one mirror per
@@ -37,6 +38,7 @@ def first_stale_block(mirrored: list[int] | None, written: int, mirrored_write: 
     block ``mirrored_write``, may first differ from ``block_ids``, which this step writes
     from block ``write_block``."""
     if mirrored is block_ids and len(block_ids) >= written:
+        # write_block >= mirrored_write for one list; taking it too costs nothing.
         return min(mirrored_write, write_block, written)
     return 0
 

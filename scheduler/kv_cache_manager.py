@@ -17,6 +17,14 @@ class KVCacheManager:
     The scheduler asks it for room for new tokens; it never hands out a block that is
     shared with another request for writing (copy-on-write), and it never writes into a
     block that the prefix cache serves to others.
+
+    The engine's host block tables (``engine/block_tables.py``) rely on how a request's
+    ``block_ids`` list changes: in place only by appending, by a cached prefix joining an
+    empty list, or by copy-on-write of the block at ``num_computed_tokens // block_size``;
+    and for one list object ``num_computed_tokens`` never goes back. Whatever rewinds a
+    request (preemption, freeing, forking) gives it a new list. A feature that edits a
+    list any other way (rollback of speculative tokens, swapping blocks in, compaction)
+    must give the request a new list too, or the tables go stale.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:

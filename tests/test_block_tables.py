@@ -1,8 +1,8 @@
 """The host block-table mirrors (engine/block_tables.py) against tables built whole.
 
-Sentinels (-1) in entries a refresh must not need show what each write touched; a
-simulation that edits block lists the way the scheduler does, with steps split between
-the eager path and the decode graphs, checks every table against the lists themselves.
+Sentinels (-1) in entries a refresh must not need show what each write touched; the real
+scheduler under random traffic, with its steps split between the eager path and the
+decode graphs, checks every table against the lists themselves.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 
 from cadence.engine import block_tables
 from cadence.engine.block_tables import EagerBlockTables, TableRows
+from cadence.scheduler.request import Request, StopConditions
+from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 4
 
@@ -75,54 +77,78 @@ def test_forked_parents_swapped_block_reaches_a_later_eager_step(mirror_every_li
     assert tables.build([("p", parent, 3)])[0].tolist() == [1, 2, 9, 4]
 
 
-def _random_walk(seed: int, steps: int = 300) -> None:
-    """Requests prefill in chunks, decode, swap their write block, get preempted and
-    finish; each step runs eagerly or through the graph rows, and both must match."""
-    rng = random.Random(seed)
-    fresh = iter(range(1000, 10**6))
-    lists: dict[str, list[int]] = {}
-    computed: dict[str, int] = {}
-    eager = EagerBlockTables()
-    graph_table = np.full((8, 64), -1, dtype=np.int32)
-    graph_rows = TableRows(graph_table)
-    for step in range(steps):
-        while len(lists) < 5:
-            request_id = f"r{rng.randrange(12)}"  # ids come back after their request ends
-            if request_id not in lists:
-                lists[request_id], computed[request_id] = [], 0
-        scheduled = [r for r in lists if rng.random() < 0.8]
-        rng.shuffle(scheduled)
-        rows = []
-        for request_id in scheduled:
-            held, start = lists[request_id], computed[request_id]
-            new = rng.randint(1, 9) if start < 12 else 1
-            write_block = start // BLOCK_SIZE
-            if write_block < len(held) and rng.random() < 0.3:
-                held[write_block] = next(fresh)  # copy-on-write of a shared block
-            held.extend(next(fresh) for _ in range(-(-(start + new) // BLOCK_SIZE) - len(held)))
-            computed[request_id] = start + new
-            rows.append((request_id, held, write_block))
-        if rows and (step % 3 == 0 or any(computed[r] <= 12 for r, _, _ in rows)):
-            table = eager.build(rows)
-            assert table.shape == (len(rows), max(len(held) for _, held, _ in rows))
+class _Walk:
+    """The real Scheduler and KVCacheManager under random traffic: shared prefixes (prefix
+    cache hits), n > 1 forks, aborts, a pool small enough to preempt, reused request ids and
+    token budgets down to 3 (one-token prompt chunks). Each step goes, as in
+    ``ModelRunner.execute``, to the graph rows (only when every row decodes one token, and
+    then at random) or to the eager mirrors, and every table is checked against the lists."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=self.rng.choice([3, 8, 20]),
+                                 max_model_len=160)
+        self.scheduler = Scheduler(config, CacheConfig(num_blocks=60, block_size=BLOCK_SIZE))
+        self.prefixes = [[self.rng.randrange(1, 50) for _ in range(self.rng.randrange(1, 30))] for _ in range(3)]
+        self.eager = EagerBlockTables()
+        self.graph_table = np.full((8, 64), -1, dtype=np.int32)
+        self.graph_rows = TableRows(self.graph_table)
+        self.arrivals = 0
+        self.steps = {"eager": 0, "graph": 0}
+
+    def _add(self, request_id: str, prompt: list[int], parent: str | None) -> None:
+        self.arrivals += 1
+        stop = StopConditions(max_tokens=self.rng.randrange(1, 60), stop_token_ids=frozenset({0}))
+        self.scheduler.add_request(Request(request_id, list(prompt), stop, self.arrivals,
+                                           priority=self.rng.randrange(2), fork_parent_id=parent))
+
+    def _arrive(self) -> None:
+        rng, requests = self.rng, self.scheduler.requests
+        base = f"q{rng.randrange(20)}"  # ids come back once their request is gone
+        prompt = rng.choice(self.prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(12))]
+        if rng.random() < 0.3:  # n > 1: the later siblings fork the first
+            ids = [f"{base}#{i}" for i in range(rng.randint(2, 3))]
+            if not any(i in requests for i in ids):
+                for k, request_id in enumerate(ids):
+                    self._add(request_id, prompt, ids[0] if k else None)
+        elif base not in requests:
+            self._add(base, prompt, None)
+
+    def step(self) -> None:
+        rng, scheduler = self.rng, self.scheduler
+        if len(scheduler.requests) < 8 and rng.random() < 0.4:
+            self._arrive()
+        if scheduler.requests and rng.random() < 0.03:
+            scheduler.abort_requests([rng.choice(list(scheduler.requests))])
+        output = scheduler.schedule()
+        items = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.request.num_computed_tokens))
+        rows = [(s.request.request_id, s.request.block_ids, s.request.num_computed_tokens // BLOCK_SIZE)
+                for s in items]
+        if rows and all(s.num_new_tokens == 1 for s in items) and rng.random() < 0.6:
+            for i, (_, held, write_block) in enumerate(rows):
+                self.graph_rows.write(i, held, write_block)
+                assert self.graph_table[i, : len(held)].tolist() == held
+            padded = next(b for b in (1, 2, 4, 8) if b >= len(rows))
+            self.graph_table[len(rows) : padded, 0] = 0  # padding rows, as DecodeGraphs writes them
+            self.graph_rows.forget(len(rows), padded)
+            self.steps["graph"] += 1
+        elif rows:
+            table = self.eager.build(rows)
+            assert table.dtype == np.int64 and table.shape == (len(rows), max(len(h) for _, h, _ in rows))
             for i, (_, held, _) in enumerate(rows):
                 assert table[i, : len(held)].tolist() == held and not table[i, len(held) :].any()
-        elif rows:
-            for i, (_, held, write_block) in enumerate(rows):
-                graph_rows.write(i, held, write_block)
-                assert graph_table[i, : len(held)].tolist() == held
-            graph_table[len(rows) :, 0] = 0  # padding rows, as DecodeGraphs writes them
-            graph_rows.forget(len(rows), graph_table.shape[0])
-        for request_id in list(lists):
-            roll = rng.random()
-            if roll < 0.04 or len(lists[request_id]) * BLOCK_SIZE > 200:
-                del lists[request_id], computed[request_id]  # finished
-            elif roll < 0.08:
-                lists[request_id], computed[request_id] = [], 0  # preempted: a new list
+            self.steps["eager"] += 1
+        scheduler.update(output, {s.request.request_id: rng.randrange(50) for s in output.scheduled if s.samples})
 
 
-@pytest.mark.parametrize("direct_max_blocks", [0, 6])
-def test_mirrors_match_the_lists_through_scheduler_like_edits(monkeypatch, direct_max_blocks: int) -> None:
-    monkeypatch.setattr(block_tables, "DIRECT_MAX_BLOCKS", direct_max_blocks)  # 6: both kinds of row
-    for seed in range(20):
-        _random_walk(seed)
+@pytest.mark.parametrize("direct_max_blocks", [0, 2])
+def test_mirrors_match_the_lists_under_the_real_scheduler(monkeypatch, direct_max_blocks: int) -> None:
+    monkeypatch.setattr(block_tables, "DIRECT_MAX_BLOCKS", direct_max_blocks)  # 2: both kinds of row
+    steps = {"eager": 0, "graph": 0}
+    for seed in range(30):
+        walk = _Walk(seed)
+        for _ in range(400):
+            walk.step()
+        for path, count in walk.steps.items():
+            steps[path] += count
+    assert min(steps.values()) > 1000  # both paths, interleaved, many times
