@@ -127,12 +127,18 @@ class ModelRunner:
         self._prompt_logprobs(items, query_starts, hidden, result)
         sampling = [(i, item) for i, item in enumerate(items) if item.samples]
         if sampling:
-            last_rows = torch.tensor(
-                [query_starts[i] + item.num_new_tokens - 1 for i, item in sampling], device=self.device
-            )
-            logits = self.model.compute_logits(hidden[last_rows])
+            rows = [query_starts[i] + item.num_new_tokens - 1 for i, item in sampling]
+            logits = self.model.compute_logits(hidden[self._row_selector(rows)])
             self._sample([item for _, item in sampling], logits, result)
         return result
+
+    def _row_selector(self, rows: list[int]) -> slice | torch.Tensor:
+        """``rows`` of the hidden states as a slice when they run consecutively, as in
+        every decode step: an index tensor would be a host-to-device copy the host waits
+        on behind the step's kernels, where a slice lets it queue the LM head at once."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return slice(rows[0], rows[0] + len(rows))
+        return torch.tensor(rows, device=self.device)
 
     def _graphs_supported(self, kv_cache_dtype: str) -> bool:
         """CUDA graphs need the Triton backend on a GPU, and no host sync in the step: an

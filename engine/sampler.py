@@ -48,7 +48,7 @@ class SamplingMetadata:
     """
 
     all_greedy: bool
-    greedy_rows: torch.Tensor | None = None  # [G] int64; None when no row is greedy
+    greedy_rows: torch.Tensor | None = None  # [G] int64; None unless greedy and random rows mix
     temperature: torch.Tensor | None = None  # [B] float32, greedy rows 1.0
     top_k: torch.Tensor | None = None  # [B] int64, 0 = off
     top_p: torch.Tensor | None = None  # [B] float32, 1.0 = off
@@ -86,7 +86,9 @@ class SamplingMetadata:
         def tensor(values: list[float] | list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        if any(greedy):
+        # Only a batch that also samples needs them: an all-greedy batch takes the argmax
+        # of every row, and on a GPU each host tensor made here is a copy to wait for.
+        if random_rows and len(random_rows) < batch:
             md.greedy_rows = tensor([i for i in range(batch) if greedy[i]], torch.int64)
 
         # Only random rows decide whether a sampling stage runs; greedy rows get neutral values.
