@@ -3,7 +3,8 @@
 RoPE: the per-pass factors and the roll-based rotation (kernels/layer_ops_reference.py,
 engine/models/rotary.py) against the per-half formula they replaced. Decode attention
 (engine/attention/torch_sdpa.py): a group without padding or a window cut runs without
-a mask, and that changes no output; groups that need a mask keep it.
+a mask, and that changes no output; groups that need a mask keep it; each KV head's query
+heads go in as its query rows, checked head by head against fp64.
 """
 from __future__ import annotations
 
@@ -162,3 +163,42 @@ def test_cpu_attention_skips_the_cuda_backend_context(monkeypatch: pytest.Monkey
     metadata = backend.build_metadata(_decode_batch([9, 12]))
     cache, query, key, value = _decode_inputs(2, torch.float32)
     assert backend.forward(query, key, value, cache, metadata).shape == query.shape
+
+
+def _decode_by_heads(cache: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     context_lens: list[int]) -> torch.Tensor:
+    """Each row, each query head on its own against its KV head (h // group), in fp64."""
+    cache = cache.clone()
+    batch = _decode_batch(context_lens)
+    flat = cache.view(2, -1, KV_HEADS, HEAD_DIM)
+    flat[0, batch.slot_mapping], flat[1, batch.slot_mapping] = key, value
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for row, n in enumerate(context_lens):
+        slots = (batch.block_tables[row, torch.arange(n + 1) // BLOCK_SIZE] * BLOCK_SIZE
+                 + torch.arange(n + 1) % BLOCK_SIZE)
+        for head in range(HEADS):
+            k = flat[0, slots, head // (HEADS // KV_HEADS)].double()
+            v = flat[1, slots, head // (HEADS // KV_HEADS)].double()
+            weights = torch.softmax(k @ query[row, head].double() * HEAD_DIM**-0.5, dim=0)
+            out[row, head] = weights @ v
+    return out
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "heads inner"])
+def test_decode_folds_each_kv_heads_query_heads_into_its_rows(monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    """Query head h reads KV head h // group; with "heads inner" SDPA returns its result
+    laid out as CUDA's memory-efficient kernel does (rows and heads swapped in memory)."""
+    if layout == "heads inner":
+        sdpa = torch_sdpa.F.scaled_dot_product_attention
+
+        def swapped(*args: object, **kwargs: object) -> torch.Tensor:
+            out = sdpa(*args, **kwargs)
+            return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+        monkeypatch.setattr(torch_sdpa.F, "scaled_dot_product_attention", swapped)
+    context_lens = [5, 9, 9]  # padded: one group with a mask
+    backend = _backend()
+    cache, query, key, value = _decode_inputs(len(context_lens), torch.float32)
+    got = backend.forward(query, key, value, cache.clone(), backend.build_metadata(_decode_batch(context_lens)))
+    expected = _decode_by_heads(cache, query, key, value, context_lens)
+    assert torch.allclose(got.double(), expected, atol=1e-5, rtol=1e-5)

@@ -210,7 +210,9 @@ class TorchSDPABackend(AttentionBackend):
                 attn_mask=group.attn_mask,
                 scale=scale,
             )
-            out[group.start : group.end] = decoded.view(rows, -1, head_dim)
+            # Copied through a view of out: CUDA's kernels may return the folded layout
+            # with its head and row dims swapped in memory, which decoded.view would refuse.
+            out[group.start : group.end].view(rows, num_kv_heads, -1, head_dim).copy_(decoded)
         for chunk in metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             if chunk.gather_slots is None and key_cache.scales is None:
