@@ -5,6 +5,9 @@ import pytest
 import torch
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# Where the kernel tests put their tensors: a GPU when there is one (the kernels compile
+# for real), else the CPU, where conftest.py turns the Triton interpreter on.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cadence.kernels import kv_cache_write, kv_quant, paged_attention as pa
+from kernel_checks import DEVICE
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from cadence.kernels import kv_cache_write, kv_quant, paged_attention as pa
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 

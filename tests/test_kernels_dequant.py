@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import cuda_only, gen, poisoned, rel_err
+from kernel_checks import DEVICE, cuda_only, gen, poisoned, rel_err
 
 from cadence.kernels import dequant, w4a16, w8a16
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int8, quantize_int4, quantize_int8
@@ -18,7 +18,7 @@ KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
 def int4_weights(k: int, n: int, group: int) -> dict[str, Int4Weight]:
-    w = torch.randn(n, k, generator=gen(k + n + group))
+    w = torch.randn(n, k, generator=gen(k + n + group)).to(DEVICE)
     asym = quantize_int4(w, group, symmetric=False)
     return {
         "sym": quantize_int4(w, group, symmetric=True),
@@ -39,7 +39,7 @@ def test_int4_to_dense_equals_the_torch_definition(dtype: torch.dtype, k: int, n
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize(("n", "k"), [(48, 96), (130, 200)])
 def test_int8_to_dense_equals_the_torch_definition(dtype: torch.dtype, n: int, k: int) -> None:
-    qweight, scale = quantize_int8(torch.randn(n, k, generator=gen(n + k)))
+    qweight, scale = quantize_int8(torch.randn(n, k, generator=gen(n + k)).to(DEVICE))
     got = dequant.int8_to_dense(qweight, scale, dtype)
     assert got.shape == (n, k) and torch.equal(got, dequantize_int8(qweight, scale, dtype))
     # A column slice (row stride != K) reads through its strides.
@@ -66,8 +66,8 @@ def test_w4a16_takes_the_dense_path_from_the_threshold(monkeypatch: pytest.Monke
     for name, weight in int4_weights(k, n, 32).items():
         for m, dense_path in ((7, False), (8, True), (19, True)):
             before = spy.calls
-            x = torch.randn(m, k, generator=gen(m)).to(dtype)
-            out = w4a16.w4a16_matmul(x, weight, out=poisoned(m, n, dtype), dequant_min_m=8)
+            x = torch.randn(m, k, generator=gen(m)).to(DEVICE, dtype)
+            out = w4a16.w4a16_matmul(x, weight, out=poisoned(m, n, dtype, DEVICE), dequant_min_m=8)
             assert (spy.calls > before) == dense_path, (name, m)
             assert rel_err(out, w4a16.reference(x, weight)) < KERNEL_TOL[dtype], (name, m)
 
@@ -77,20 +77,20 @@ def test_w8a16_takes_the_dense_path_from_the_threshold(monkeypatch: pytest.Monke
     spy = CallCounter(dequant.int8_to_dense)
     monkeypatch.setattr(w8a16, "int8_to_dense", spy)
     k, n = 96, 72
-    qweight, scale = quantize_int8(torch.randn(n, k, generator=gen(5)))
+    qweight, scale = quantize_int8(torch.randn(n, k, generator=gen(5)).to(DEVICE))
     scale = scale.to(dtype)
     for m, dense_path in ((7, False), (8, True), (19, True)):
         before = spy.calls
-        x = torch.randn(m, k, generator=gen(m)).to(dtype)
-        out = w8a16.w8a16_matmul(x, qweight, scale, out=poisoned(m, n, dtype), dequant_min_m=8)
+        x = torch.randn(m, k, generator=gen(m)).to(DEVICE, dtype)
+        out = w8a16.w8a16_matmul(x, qweight, scale, out=poisoned(m, n, dtype, DEVICE), dequant_min_m=8)
         assert (spy.calls > before) == dense_path, m
         assert rel_err(out, w8a16.reference(x, qweight, scale)) < KERNEL_TOL[dtype], m
 
 
 def test_w8a16_dense_path_takes_a_float32_scale_with_half_activations() -> None:
     # The int8 LM head's case during prefill with prompt logprobs: fp32 scales, fp16 rows.
-    qweight, scale = quantize_int8(torch.randn(72, 96, generator=gen(6)), torch.float32)
-    x = torch.randn(2, 5, 96, generator=gen(7)).half()  # leading dims flatten to rows
+    qweight, scale = quantize_int8(torch.randn(72, 96, generator=gen(6)).to(DEVICE), torch.float32)
+    x = torch.randn(2, 5, 96, generator=gen(7)).to(DEVICE, torch.float16)  # leading dims flatten to rows
     out = w8a16.w8a16_matmul(x, qweight, scale, dequant_min_m=8)
     assert out.shape == (2, 5, 72) and out.dtype == torch.float16
     assert rel_err(out, w8a16.reference(x, qweight, scale)) < KERNEL_TOL[torch.float16]

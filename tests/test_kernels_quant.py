@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_checks import cuda_only, gen, poisoned, rel_err
+from kernel_checks import DEVICE, cuda_only, gen, poisoned, rel_err
 
 from cadence.kernels import split_k, w4a16, w4a16_gemv, w8a16
 from cadence.kernels import launch
@@ -80,10 +80,10 @@ def test_int4_rejects_bad_group() -> None:
 @pytest.mark.parametrize("k,n", [(64, 24), (128, 40)])
 def test_w8a16_matches_reference(dtype: torch.dtype, m: int, k: int, n: int) -> None:
     g = gen(100 + m + k + n)
-    w = torch.randn(n, k, generator=g)
-    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     q, scale = quantize_int8(w.to(dtype))
-    out = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype))
+    out = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE))
     ref = w8a16.reference(x, q, scale)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert rel_err(out, ref) < KERNEL_TOL[dtype]
@@ -97,13 +97,13 @@ def test_w8a16_gemv_splits_ragged_k(dtype: torch.dtype, m: int, k: int) -> None:
     """The decode kernel: K in 64-wide tiles split across programs, the last one partial."""
     g = gen(300 + m + k)
     n = 40
-    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g).to(dtype)
+    w, x = torch.randn(n, k, generator=g).to(DEVICE), torch.randn(m, k, generator=g).to(DEVICE, dtype)
     q, scale = quantize_int8(w.to(dtype))
-    first = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=2, gemv_block_k=64)
+    first = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=2, gemv_block_k=64)
     assert rel_err(first, w8a16.reference(x, q, scale)) < KERNEL_TOL[dtype]
     # The split slices are summed in a fixed order, and the tickets re-arm for the next call.
     assert not split_k.counters(x.device).any()
-    again = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=2, gemv_block_k=64)
+    again = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=2, gemv_block_k=64)
     assert torch.equal(again, first)
 
 
@@ -117,10 +117,10 @@ def test_w8a16_gemv_splits_ragged_k(dtype: torch.dtype, m: int, k: int) -> None:
 def test_w4a16_matches_reference(dtype: torch.dtype, m: int, k: int, group: int, symmetric: bool) -> None:
     n = 40 if k == 128 else 24
     g = gen(1000 + m * 7 + k + group + int(symmetric))
-    w = torch.randn(n, k, generator=g)
-    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     qw = quantize_int4(w.to(dtype), group, symmetric)
-    out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype))
+    out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype, DEVICE))
     ref = w4a16.reference(x, qw)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert rel_err(out, ref) < KERNEL_TOL[dtype]
@@ -132,10 +132,10 @@ def test_w4a16_matches_reference(dtype: torch.dtype, m: int, k: int, group: int,
 def test_w4a16_threshold_picks_either_kernel(threshold: int, m: int, symmetric: bool) -> None:
     """Force the GEMM at small M, and the GEMV at its largest M: both must be right."""
     g = gen(7 + m)
-    w = torch.randn(24, 128, generator=g)
-    x = torch.randn(m, 128, generator=g).half()
+    w = torch.randn(24, 128, generator=g).to(DEVICE)
+    x = torch.randn(m, 128, generator=g).to(DEVICE, torch.float16)
     qw = quantize_int4(w.half(), 32, symmetric)
-    out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, 24, torch.float16), small_m_threshold=threshold)
+    out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, 24, torch.float16, DEVICE), small_m_threshold=threshold)
     assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[torch.float16]
 
 
@@ -149,13 +149,13 @@ def test_w4a16_gemv_split_k_matches_reference(dtype: torch.dtype, m: int, n: int
     k, group = 512, 32
     assert w4a16_gemv.choose_splits(-(-n // w4a16_gemv.BLOCK_N), k // w4a16_gemv.BLOCK_K, 8) > 1
     g = gen(30 + m + n + len(zeros))
-    w = torch.randn(n, k, generator=g)
-    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     qw = quantize_int4(w.to(dtype), group, zeros == "symmetric")
     if zeros == "float":  # GGUF Q4_1's real-valued zero points
         qw = Int4Weight(qw.qweight, qw.scales, qw.zeros.float() + 0.25, group)
     for _ in range(2):  # the second call finds the split counters re-armed
-        out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype))
+        out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype, DEVICE))
         assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[dtype]
         assert not split_k.counters(x.device).any()
 
@@ -223,22 +223,22 @@ def test_w8a16_tiled_split_k_matches_reference(dtype: torch.dtype, m: int, launc
     do not divide the 16 tiles leave the last slices short or empty (5: 4 x 4 tiles + 0)."""
     n, k = 72, 1000  # two column blocks, the last ragged; 16 K tiles, the last partial
     g = gen(400 + m)
-    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g).to(dtype)
+    w, x = torch.randn(n, k, generator=g).to(DEVICE), torch.randn(m, k, generator=g).to(DEVICE, dtype)
     q, scale = quantize_int8(w.to(dtype))
     ref = w8a16.reference(x, q, scale)
-    default = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0)
+    default = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=0)
     assert launched_splits == [launch.tiled_split_k(m, 1, 2, 16, k, default, None)]
     assert launched_splits[0] > 1 or m > 3  # M = 3 splits by default; more rows cost more traffic
     results = [default]
     for k_splits in (4, 5, 1):
         launched_splits.clear()
-        results.append(w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0,
+        results.append(w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=0,
                                           k_splits=k_splits))
         assert launched_splits == [k_splits]
     for out in results:
         assert rel_err(out, ref) < KERNEL_TOL[dtype]
     assert not split_k.counters(x.device).any()  # the tickets re-arm for the next call
-    assert torch.equal(w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype), small_m_threshold=0,
+    assert torch.equal(w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=0,
                                           k_splits=4), results[1])  # the sum's order is fixed
 
 
@@ -251,12 +251,12 @@ def test_w4a16_tiled_split_k_matches_reference(dtype: torch.dtype, m: int, group
     slices of 16 or 32 tiles leave the last one short or empty."""
     n, k = 72, 2048
     g = gen(500 + m + group)
-    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g).to(dtype)
+    w, x = torch.randn(n, k, generator=g).to(DEVICE), torch.randn(m, k, generator=g).to(DEVICE, dtype)
     qw = quantize_int4(w.to(dtype), group, symmetric)
     ref = w4a16.reference(x, qw)
     for k_splits in (None, 1, 5):
         launched_splits.clear()
-        out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype), k_splits=k_splits)
+        out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype, DEVICE), k_splits=k_splits)
         assert rel_err(out, ref) < KERNEL_TOL[dtype]
         assert not split_k.counters(x.device).any()
         if k_splits is None:
@@ -272,7 +272,7 @@ def test_tiled_kernels_write_an_output_with_any_column_stride(kernel: str) -> No
     the launch does not split, and asking for a split is an error."""
     m, n, k = 17, 72, 1024
     g = gen(600)
-    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g).half()
+    w, x = torch.randn(n, k, generator=g).to(DEVICE), torch.randn(m, k, generator=g).to(DEVICE, torch.float16)
     q8, s8 = quantize_int8(w.half())
     qw = quantize_int4(w.half(), 64, False)
 
@@ -282,7 +282,7 @@ def test_tiled_kernels_write_an_output_with_any_column_stride(kernel: str) -> No
         return w4a16.w4a16_matmul(x, qw, out=out, k_splits=k_splits)
 
     ref = w8a16.reference(x, q8, s8) if kernel == "w8a16" else w4a16.reference(x, qw)
-    out = torch.full((n, m), float("nan"), dtype=torch.float16).t()
+    out = torch.full((n, m), float("nan"), dtype=torch.float16, device=DEVICE).t()
     assert rel_err(run(out), ref) < KERNEL_TOL[torch.float16]
     with pytest.raises(ValueError, match="unit column stride"):
         run(out, k_splits=2)
@@ -293,11 +293,11 @@ def test_w4a16_real_valued_zero_points(m: int) -> None:
     """GGUF Q4_1 blocks carry a float zero point (-min / d): both kernels must use it as is."""
     g = gen(20 + m)
     n, k = 40, 64
-    base = quantize_int4(torch.randn(n, k, generator=g), 32, symmetric=True)
-    zeros = torch.rand(k // 32, n, generator=g) * 15  # fractional, anywhere in the code range
+    base = quantize_int4(torch.randn(n, k, generator=g).to(DEVICE), 32, symmetric=True)
+    zeros = torch.rand(k // 32, n, generator=g).to(DEVICE) * 15  # fractional, anywhere in the code range
     qw = Int4Weight(base.qweight, base.scales.half(), zeros, 32)
-    x = torch.randn(m, k, generator=g).half()
-    out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, torch.float16))
+    x = torch.randn(m, k, generator=g).to(DEVICE, torch.float16)
+    out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, torch.float16, DEVICE))
     ref = w4a16.reference(x, qw)
     assert rel_err(out, ref) < KERNEL_TOL[torch.float16]
     # The zero point is used unrounded: rounding it would move every weight in a group.
@@ -307,8 +307,8 @@ def test_w4a16_real_valued_zero_points(m: int) -> None:
 
 def test_w4a16_batched_input_and_fp32_scales_with_fp16_x() -> None:
     g = gen(11)
-    w = torch.randn(40, 128, generator=g)
-    x = torch.randn(2, 3, 128, generator=g).half()
+    w = torch.randn(40, 128, generator=g).to(DEVICE)
+    x = torch.randn(2, 3, 128, generator=g).to(DEVICE, torch.float16)
     qw = quantize_int4(w, 64, symmetric=False)  # fp32 scales, fp16 activations
     out = w4a16.w4a16_matmul(x, qw)
     assert out.shape == (2, 3, 40) and out.dtype == torch.float16
