@@ -193,6 +193,9 @@ def test_gptq_checkpoint_with_a_quantized_head_loads_it(tiny_model_dir, tmp_path
     monkeypatch.setattr(linear_module.Int4Linear, "_convert_for_cpu", lambda self: None)
     model, _ = load_model(out, torch.float32)
     assert isinstance(model.lm_head, Int4Linear)
+    if kind == "llama":  # an int8 head on top of the checkpoint's int4 one is refused, clearly
+        with pytest.raises(ValueError, match="already quantized"):
+            load_model(out, torch.float32, quantize_lm_head=True)
     assert torch.equal(model.lm_head.qweight, int4_head.qweight) and torch.equal(model.lm_head.scales, int4_head.scales)
     assert type(model.model.embed_tokens) is nn.Embedding
     if kind == "tied":

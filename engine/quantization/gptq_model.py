@@ -13,6 +13,7 @@ result scores is measured on separate text (bench/RESULTS.md).
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -205,7 +206,14 @@ def self_samples(source: str, count: int, length: int, seed: int, device: str) -
     params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=length - 1, ignore_eos=True)
               for i in range(count)]
     outputs = llm.generate([{"prompt_token_ids": start}] * count, params)
-    return torch.tensor([start + list(o.outputs[0].token_ids) for o in outputs], dtype=torch.long)
+    samples = torch.tensor([start + list(o.outputs[0].token_ids) for o in outputs], dtype=torch.long)
+    # The engine's fp32 copy of the model must be gone before calibration loads another
+    # (an 8B model is 32 GB in fp32); its engine holds reference cycles.
+    del llm, outputs
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return samples
 
 
 def text_samples(token_ids: list[int], count: int, length: int) -> torch.Tensor:

@@ -54,6 +54,10 @@ def install_int8_lm_head(model: nn.Module, exact_weight: torch.Tensor | None = N
     """
     embedding: nn.Embedding = model.model.embed_tokens  # type: ignore[union-attr, assignment]
     tied = model.lm_head is None
+    if not tied and not isinstance(model.lm_head, nn.Linear):
+        # A GPTQ checkpoint with ``lm_head: true`` brings its own int4 head.
+        raise ValueError(f"the LM head is already quantized ({type(model.lm_head).__name__}); "
+                         "--quantize-lm-head applies to a dense head")
     dense = embedding.weight if tied else model.lm_head.weight  # type: ignore[union-attr]
     source = dense if exact_weight is None else exact_weight
     if source.shape != dense.shape:
