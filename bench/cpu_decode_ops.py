@@ -19,27 +19,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from cpu_linear import time_call
 
 BLOCK = 16
 
 
-def median_ms(fn: Callable[[], torch.Tensor], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
-def case(batch: int, length: int, heads: int, kv_heads: int, dim: int, repeats: int) -> list[str]:
+def case(batch: int, length: int, heads: int, kv_heads: int, dim: int, seconds: float) -> list[str]:
     cache_blocks = max(4096, 2 * batch * length // BLOCK)
     cache = torch.randn(cache_blocks * BLOCK, kv_heads, dim)
     blocks = torch.randperm(cache_blocks)[: batch * length // BLOCK]
@@ -67,20 +55,20 @@ def case(batch: int, length: int, heads: int, kv_heads: int, dim: int, repeats: 
         diff = (gqa(mask) - folded(mask)).abs().max().item()
         base, new = [], []
         for _ in range(3):  # alternate, so the machine's drift falls on both
-            base.append(median_ms(lambda: gqa(mask), repeats))
-            new.append(median_ms(lambda: folded(mask), repeats))
+            base.append(time_call(lambda: gqa(mask), seconds) / 1e3)
+            new.append(time_call(lambda: folded(mask), seconds) / 1e3)
         b, n = statistics.median(base), statistics.median(new)
         rows.append(f"| {batch} | {length} | {label} | {b:.3f} | {n:.3f} | {b / n:.2f}x | {diff:.1e} |")
     return rows
 
 
-def greedy_rows(batch: int, vocab: int, repeats: int) -> str:
+def greedy_rows(batch: int, vocab: int, seconds: float) -> str:
     logits = torch.randn(batch, vocab)
     assert torch.equal(logits.argmax(dim=-1), logits.max(dim=-1).indices)
     base, new = [], []
     for _ in range(3):
-        base.append(median_ms(lambda: logits.argmax(dim=-1), repeats))
-        new.append(median_ms(lambda: logits.max(dim=-1).indices, repeats))
+        base.append(time_call(lambda: logits.argmax(dim=-1), seconds) / 1e3)
+        new.append(time_call(lambda: logits.max(dim=-1).indices, seconds) / 1e3)
     b, n = statistics.median(base), statistics.median(new)
     return f"| {batch} | {b:.3f} | {n:.3f} | {b / n:.2f}x |"
 
@@ -94,7 +82,7 @@ def main() -> None:
                         help="batch x context length")
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--greedy-batches", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--seconds", type=float, default=0.2, help="timing per form and round (cpu_linear.time_call)")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, heads {args.heads}/{args.kv_heads}, "
@@ -103,12 +91,12 @@ def main() -> None:
     print("|---:|---:|---|---:|---:|---:|---:|")
     for shape in args.shapes:
         batch, length = (int(v) for v in shape.split("x"))
-        for row in case(batch, length, args.heads, args.kv_heads, args.head_dim, args.repeats):
+        for row in case(batch, length, args.heads, args.kv_heads, args.head_dim, args.seconds):
             print(row, flush=True)
     print(f"\n| rows x {args.vocab} | argmax ms | max(dim).indices ms | speedup |")
     print("|---:|---:|---:|---:|")
     for batch in args.greedy_batches:
-        print(greedy_rows(batch, args.vocab, 10 * args.repeats), flush=True)
+        print(greedy_rows(batch, args.vocab, args.seconds), flush=True)
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ class EagerBlockTables:
     def _refresh(mirror: _Mirror | None, block_ids: list[int], write_block: int) -> _Mirror:
         count = len(block_ids)
         if mirror is None:
-            mirror = _Mirror(block_ids, np.empty(max(count, 16), dtype=np.int64), 0, 0)
+            mirror = _Mirror(block_ids, np.empty(count, dtype=np.int64), 0, 0)
         first = first_stale_block(mirror.block_ids, mirror.written, mirror.write_block, block_ids, write_block)
         if count > mirror.values.size:  # doubling, so a growing context copies O(1) per block
             grown = np.empty(max(count, 2 * mirror.values.size), dtype=np.int64)

@@ -121,8 +121,9 @@ def w4a16_matmul(
     Rows M <= ``small_m_threshold`` take the GEMV kernel, more take the tiled GEMM, and
     from ``dequant_min_m`` a transient dense weight and torch.matmul (``dequant.py``). The
     tiled GEMM splits K into ``k_splits`` slices (default: ``launch.tiled_split_k``; 1
-    turns it off; the GEMV and dequantize paths choose their own). CPU tensors without ``TRITON_INTERPRET=1`` take :func:`reference`. ``out`` (optional,
-    ``[M, N]``, x's dtype) lets tests pre-fill it with NaN to catch unwritten elements.
+    turns it off; the GEMV and dequantize paths choose their own). CPU tensors without
+    ``TRITON_INTERPRET=1`` take :func:`reference`. ``out`` (optional, ``[M, N]``, x's
+    dtype) lets tests pre-fill it with NaN to catch unwritten elements.
     """
     k, n, group = weight.in_features, weight.out_features, weight.group_size
     if x.shape[-1] != k:

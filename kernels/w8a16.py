@@ -155,7 +155,8 @@ def w8a16_matmul(
     Rows M <= ``small_m_threshold`` take the GEMV, more the tiled kernel, and from
     ``dequant_min_m`` a transient dense weight and torch.matmul (``dequant.py``). The
     tiled kernel splits K into ``k_splits`` slices (default: ``launch.tiled_split_k``;
-    1 turns it off; the GEMV and dequantize paths choose their own). CPU tensors without ``TRITON_INTERPRET=1`` take :func:`reference` (Triton cannot run).
+    1 turns it off; the GEMV and dequantize paths choose their own). CPU tensors without
+    ``TRITON_INTERPRET=1`` take :func:`reference` (Triton cannot run).
     ``out`` (optional, ``[M, N]`` contiguous, x's dtype) lets callers and tests pre-fill it.
     """
     n, k = qweight.shape
