@@ -122,7 +122,7 @@ def run_engine_core(args: EngineArgs, addresses: EngineAddresses) -> None:
             )
         )
         EngineCoreLoop(core, inputs, outputs).run()
-    except Exception as error:  # noqa: BLE001 - reported to the server, then we exit
+    except Exception as error:  # reported to the server, then we exit
         detail = "".join(traceback.format_exception_only(type(error), error)).strip()
         traceback.print_exc()
         outputs.send(encode(EngineDead(f"the engine failed: {detail}")))

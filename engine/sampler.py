@@ -6,7 +6,8 @@ Every stage is skipped when no row of the batch needs it, because this runs once
 """
 from __future__ import annotations
 
-from collections.abc import Sequence, Set as AbstractSet
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import torch
@@ -77,7 +78,7 @@ class SamplingMetadata:
         generators: list[torch.Generator | None],
         stop_token_ids: Sequence[AbstractSet[int]],
         device: torch.device,
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         batch = len(params)
         greedy = [p.greedy for p in params]
         random_rows = [i for i in range(batch) if not greedy[i]]

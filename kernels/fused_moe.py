@@ -38,8 +38,14 @@ import triton.language as tl
 
 from cadence.kernels.launch import triton_usable
 from cadence.kernels.moe_align import MoEAlignment, moe_align
-from cadence.kernels.quant_formats import (SYMMETRIC_ZERO, Int4Weight, dequantize_int4, dequantize_int8,
-                                           quantize_int4, quantize_int8)
+from cadence.kernels.quant_formats import (
+    SYMMETRIC_ZERO,
+    Int4Weight,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+)
 from cadence.kernels.w4a16 import _block_k_for, _dequant_tile
 
 DENSE, INT8, INT4 = 0, 1, 2
@@ -53,7 +59,7 @@ class Int8Experts:
     scale: torch.Tensor
 
     @classmethod
-    def quantize(cls, w: torch.Tensor) -> "Int8Experts":
+    def quantize(cls, w: torch.Tensor) -> Int8Experts:
         pairs = [quantize_int8(we) for we in w]
         return cls(torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs]))
 
@@ -75,7 +81,7 @@ class Int4Experts:
     group_size: int
 
     @classmethod
-    def stack(cls, experts: list[Int4Weight]) -> "Int4Experts":
+    def stack(cls, experts: list[Int4Weight]) -> Int4Experts:
         """Stack per-expert weights (e.g. from ``from_gptq``); all symmetric or none."""
         zeros = [e.zeros for e in experts]
         if any(z is None for z in zeros) and not all(z is None for z in zeros):
@@ -85,7 +91,7 @@ class Int4Experts:
                    None if zeros[0] is None else torch.stack(zeros), experts[0].group_size)
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, group_size: int = 128, symmetric: bool = True) -> "Int4Experts":
+    def quantize(cls, w: torch.Tensor, group_size: int = 128, symmetric: bool = True) -> Int4Experts:
         return cls.stack([quantize_int4(we, group_size, symmetric) for we in w])
 
     def expert(self, e: int) -> Int4Weight:

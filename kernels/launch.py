@@ -93,11 +93,11 @@ def _cuda_index(device: torch.device) -> int:
 
 
 # Both are asked on every kernel launch; the answers never change for a device.
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

@@ -224,7 +224,7 @@ def _merge_kernel(
     split_valid = splits < num_splits
     row = (splits * num_tokens + token) * num_heads + head
     m = tl.load(part_m_ptr + row, mask=split_valid, other=float("-inf"))
-    l = tl.load(part_l_ptr + row, mask=split_valid, other=0.0)
+    sums = tl.load(part_l_ptr + row, mask=split_valid, other=0.0)
     m_max = tl.max(m, 0)
     weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
     dims = tl.arange(0, HEAD_PAD)
@@ -232,7 +232,7 @@ def _merge_kernel(
         part_out_ptr + row[:, None] * HEAD_PAD + dims[None, :],
         mask=split_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0,
     )
-    out = tl.sum(part * weight[:, None], 0) / tl.sum(l * weight, 0)
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(sums * weight, 0)
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM,

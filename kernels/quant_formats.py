@@ -53,7 +53,7 @@ class Int4Weight:
     def out_features(self) -> int:
         return self.qweight.shape[1]
 
-    def to(self, device: torch.device | str) -> "Int4Weight":
+    def to(self, device: torch.device | str) -> Int4Weight:
         zeros = None if self.zeros is None else self.zeros.to(device)
         return Int4Weight(self.qweight.to(device), self.scales.to(device), zeros, self.group_size)
 

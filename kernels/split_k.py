@@ -19,7 +19,7 @@ import triton.language as tl
 MAX_COLUMN_BLOCKS = 1 << 14
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def counters(device: torch.device) -> torch.Tensor:
     """The device's ticket counters, one per column block, all zero between launches."""
     return torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
@@ -52,7 +52,7 @@ def finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N,
         for m in tl.static_range(BLOCK_M):
             if m < M:
                 total = tl.zeros([BLOCK_N], tl.float32)
-                for j in range(0, num_splits):
+                for j in range(num_splits):
                     total += tl.load(ws_ptr + (j * M + m) * N + offs_n, mask=mask_n, other=0.0,
                                      cache_modifier=".cg")
                 tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -72,7 +72,7 @@ def store_tile(acc, ws_ptr, counter_ptr, out_ptr, stride_om, stride_on, pid_k, p
         tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=mask)
         if _last_to_arrive(counter_ptr, pid_n, num_splits):
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for j in range(0, num_splits):
+            for j in range(num_splits):
                 total += tl.load(ws_ptr + j * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
                      mask=mask)

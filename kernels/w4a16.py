@@ -17,7 +17,6 @@ along K):
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +25,8 @@ from cadence.kernels import split_k
 from cadence.kernels.dequant import DEQUANT_MIN_M, int4_to_dense
 from cadence.kernels.launch import as_rows, check_activations, num_sms, tiled_split_k, triton_usable
 from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
-from cadence.kernels.w4a16_gemv import GEMV_MAX_M, supports as gemv_supports, w4a16_gemv
+from cadence.kernels.w4a16_gemv import GEMV_MAX_M, w4a16_gemv
+from cadence.kernels.w4a16_gemv import supports as gemv_supports
 
 # H100, Llama-8B's four projections summed (CUDA-graph replays): the GEMV takes 62-69 us
 # at M = 1, 93 at M = 2 and 154 at M = 4, against the tiled GEMM's ~260 (bench/RESULTS.md).

@@ -21,7 +21,6 @@ scale is constant along K, so it multiplies the accumulator once at the end.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -23,7 +23,6 @@
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -1,10 +1,10 @@
 """Ref-counted KV blocks, a free queue in eviction order, and the prefix-cache map."""
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable
 import hashlib
 from array import array
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 

@@ -34,7 +34,6 @@ from cadence.engine.protocol import (
     encode,
 )
 
-
 logger = logging.getLogger(__name__)
 
 
@@ -274,7 +273,7 @@ class AsyncEngineClient:
                     return
         except asyncio.CancelledError:
             raise
-        except Exception as error:  # noqa: BLE001 - without this task nothing is served
+        except Exception as error:  # without this task nothing is served
             logger.exception("processing engine outputs failed")
             self._die(f"processing engine outputs failed: {error!r}")
 

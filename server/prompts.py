@@ -54,7 +54,7 @@ class PromptBuilder:
             )
         except ValueError as error:
             raise bad_request(str(error), "messages") from error
-        except Exception as error:  # noqa: BLE001 - jinja raises many kinds for bad input
+        except Exception as error:  # jinja raises many kinds for bad input
             raise bad_request(f"the chat template could not render these messages: {error}", "messages") from error
         assert isinstance(text, str)
         # The template already holds any BOS it wants; encoding must not add another.

@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from cadence.engine.outputs import PositionLogprobs, RequestOutput
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.sampling_params import SamplingParams
+from cadence.server.api_models import StreamOptions
 from cadence.server.engine_client import (
     AsyncEngineClient,
     EngineDeadError,
@@ -29,7 +30,6 @@ from cadence.server.engine_client import (
     RequestRejectedError,
     RequestStream,
 )
-from cadence.server.api_models import StreamOptions
 from cadence.server.errors import APIError, bad_request, overloaded, unavailable
 from cadence.server.prompts import Prompt
 

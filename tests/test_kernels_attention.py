@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cadence.kernels import kv_cache_write, kv_quant
+from cadence.kernels import paged_attention as pa
 from kernel_checks import DEVICE
 
-from cadence.kernels import kv_cache_write, kv_quant, paged_attention as pa
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 

@@ -17,7 +17,18 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from cadence.kernels import dequant, fused_moe, kv_cache_write, paged_attention, rms_norm, rotary, silu_and_mul, w4a16, w8a16, w8a8_fp8
+from cadence.kernels import (
+    dequant,
+    fused_moe,
+    kv_cache_write,
+    paged_attention,
+    rms_norm,
+    rotary,
+    silu_and_mul,
+    w4a16,
+    w8a8_fp8,
+    w8a16,
+)
 from cadence.kernels.fp8_format import quantize_fp8_weight
 from cadence.kernels.quant_formats import Int4Weight, quantize_int4, quantize_int8
 from triton_aot import Launch, dump_launches, record_launches
@@ -69,15 +80,15 @@ def attention_cases() -> dict[str, Callable[[], object]]:
     """Llama-8B heads (32/8, head_dim 128) and SmolLM2's (9/3, head_dim 64: a group of 3)."""
     cases: dict[str, Callable[[], object]] = {}
     block, blocks_per_seq = 16, 8
+    num_blocks = 2 * blocks_per_seq
+    tables = torch.arange(num_blocks, dtype=torch.int32).reshape(2, blocks_per_seq)
+    seq_lens = torch.tensor([100, 128], dtype=torch.int32)
     for heads, kv_heads, head_dim in ((32, 8, 128), (9, 3, 64)):
         for cache_dtype in (*HALF, torch.int8, torch.float8_e4m3fn):
             dtype = torch.bfloat16 if cache_dtype == torch.bfloat16 else torch.float16
-            num_blocks = 2 * blocks_per_seq
             cache = torch.zeros(2, num_blocks, block, kv_heads, head_dim, dtype=cache_dtype)
             quantized = cache_dtype in (torch.int8, torch.float8_e4m3fn)
             scales = torch.ones(2, num_blocks, block, kv_heads) if quantized else None
-            tables = torch.arange(num_blocks, dtype=torch.int32).reshape(2, blocks_per_seq)
-            seq_lens = torch.tensor([100, 128], dtype=torch.int32)
             tag = f"{heads}/{kv_heads}x{head_dim} {str(cache_dtype)[6:]}"
 
             def run(query_lens: list[int], splits: int | None, window: int | None,

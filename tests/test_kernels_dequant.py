@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import DEVICE, cuda_only, gen, poisoned, rel_err
 
 from cadence.kernels import dequant, w4a16, w8a16
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int8, quantize_int4, quantize_int8
+from kernel_checks import DEVICE, cuda_only, gen, poisoned, rel_err
 
 KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 

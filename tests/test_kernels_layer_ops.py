@@ -2,19 +2,20 @@
 their torch definitions in kernels/layer_ops_reference.py.
 
 They round as torch rounds where it matters (RMSNorm's residual sum is bit-exact), so the
-checks are tight: within float32 reduction-order, multiply-add or exp differences. Shapes are ragged (dims that are not powers of two, odd head counts), inputs
-fresh per case, outputs poisoned with NaN. Without CUDA they run in Triton's interpreter.
+checks are tight: within float32 reduction-order, multiply-add or exp differences. Shapes
+are ragged (dims that are not powers of two, odd head counts), inputs fresh per case,
+outputs poisoned with NaN. Without CUDA they run in Triton's interpreter.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import DEVICE, gen, rel_err
 
 from cadence.kernels import layer_ops_reference as reference
 from cadence.kernels.rms_norm import rms_norm
 from cadence.kernels.rotary import apply_rotary
 from cadence.kernels.silu_and_mul import silu_and_mul
+from kernel_checks import DEVICE, gen, rel_err
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-6}

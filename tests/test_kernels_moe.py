@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import cuda_only, gen, poisoned, rel_err
 
 from cadence.kernels import fused_moe as fm
 from cadence.kernels.moe_align import max_padded_pairs, moe_align
 from cadence.kernels.quant_formats import quantize_int4
+from kernel_checks import cuda_only, gen, poisoned, rel_err
 
 KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 QUANT_TOL = {"int8": 3e-2, "int4_sym": 0.35, "int4_zp": 0.35}

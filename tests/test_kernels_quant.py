@@ -16,10 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_checks import DEVICE, cuda_only, gen, poisoned, rel_err
 
-from cadence.kernels import split_k, w4a16, w4a16_gemv, w8a16
-from cadence.kernels import launch
+from cadence.kernels import launch, split_k, w4a16, w4a16_gemv, w8a16
 from cadence.kernels.launch import GEMV_PROGRAMS_PER_SM, TILED_PROGRAMS_PER_SM, split_k_to_fill
 from cadence.kernels.quant_formats import (
     Int4Weight,
@@ -33,6 +31,7 @@ from cadence.kernels.quant_formats import (
     to_gptq,
     unpack_int4,
 )
+from kernel_checks import DEVICE, cuda_only, gen, poisoned, rel_err
 
 # bf16: the reference rounds each dequantized weight to bf16, the GEMV keeps it in fp32.
 KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

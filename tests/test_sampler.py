@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import cadence.engine.sampler as sampler_mod
-
 from cadence.engine.sampler import (
     Sampler,
     SamplingMetadata,

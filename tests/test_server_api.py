@@ -14,9 +14,9 @@ import openai
 import pytest
 from openai.types import Completion, CompletionChoice, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from server_harness import ServerProcess
 
 from cadence import LLM, SamplingParams
+from server_harness import ServerProcess
 
 MODEL_KIND = "llama"
 
@@ -129,7 +129,7 @@ def _collect_chat_stream(server, body: dict) -> tuple[dict[int, str], dict[int, 
     chunks = [p for p in payloads if isinstance(p, dict)]
     texts: dict[int, str] = {}
     finishes: dict[int, list[str]] = {}
-    for number, chunk in enumerate(chunks):
+    for chunk in chunks:
         ChatCompletionChunk.model_validate(chunk, strict=True)
         for choice in chunk["choices"]:
             index = choice["index"]

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
 from server_checks import (
     API_KEY,
     AUTH,

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
 from server_checks import (
-    VOCAB_SIZE,
     CHAT,
     CMPL,
     GENERATED,
@@ -27,6 +27,7 @@ from server_checks import (
     MESSAGES,
     MODEL,
     RUNNING,
+    VOCAB_SIZE,
     assert_error,
     assert_error_body,
     assert_idle,

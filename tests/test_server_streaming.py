@@ -70,7 +70,7 @@ def test_a_slow_consumer_still_gets_the_last_frames(processor) -> None:
     async def run() -> tuple[list[dict | str], RequestGroup]:
         group, _ = make_group(processor, SamplingParams(n=2, max_tokens=2))
         step(processor, group, [EngineCoreOutput("r", 0, [40]), EngineCoreOutput("r", 1, [41])])
-        events = stream_events(group, frames_for(group, 2), lambda: [])
+        events = stream_events(group, frames_for(group, 2), list)
         got = [await events.__anext__()]
         # The client is slow: before it asks for more, the engine finishes both choices.
         step(processor, group, [
@@ -114,7 +114,7 @@ def test_closing_the_stream_aborts_the_request(processor) -> None:
     async def run() -> RecordingClient:
         group, client = make_group(processor, SamplingParams(max_tokens=8))
         step(processor, group, [EngineCoreOutput("r", 0, [40])])
-        events = stream_events(group, frames_for(group, 1), lambda: [])
+        events = stream_events(group, frames_for(group, 1), list)
         await events.__anext__()
         await events.aclose()  # what a disconnect does
         return client
