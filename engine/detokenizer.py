@@ -15,6 +15,13 @@ from transformers import PreTrainedTokenizerBase
 _WINDOW = 6
 
 
+def decode_text(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+    """One sequence of ids as text (transformers types `decode` for a batch of sequences too)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    assert isinstance(text, str)
+    return text
+
+
 @dataclass
 class StopMatch:
     """Where a stop string ended the text."""
@@ -38,7 +45,7 @@ class IncrementalDetokenizer:
     _read_offset: int = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return decode_text(self.tokenizer, ids, self.skip_special_tokens)
 
     def add_tokens(self, new_token_ids: list[int]) -> tuple[str, StopMatch | None]:
         """Append tokens; return the newly final text and a stop match if one occurred."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from cadence.engine.detokenizer import IncrementalDetokenizer
+from cadence.engine.detokenizer import IncrementalDetokenizer, decode_text
 from cadence.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from cadence.engine.protocol import EngineCoreOutput, TokenLogprobs
 from cadence.engine.sampling_params import SamplingParams
@@ -24,7 +24,7 @@ def to_position_logprobs(
     for column, (token_id, value) in enumerate(zip(ids, values)):
         if token_id in result:
             continue  # the chosen token also appears among the top alternatives
-        text = tokenizer.decode([token_id]) if tokenizer is not None else None
+        text = decode_text(tokenizer, [token_id]) if tokenizer is not None else None
         result[token_id] = Logprob(value, chosen_rank if column == 0 else column, text)
     return result
 
@@ -64,15 +64,15 @@ class OutputProcessor:
                 IncrementalDetokenizer(
                     self.tokenizer,
                     skip_special_tokens=params.skip_special_tokens,
-                    stop=list(params.stop or []),
+                    stop=params.stop_strings,
                     include_stop_str_in_output=params.include_stop_str_in_output,
                     min_tokens=params.min_tokens,
                 )
                 for _ in range(params.n)
             ]
-        elif params.stop:
+        elif params.stop_strings:
             raise ValueError("stop strings need a tokenizer, and this model has none")
-        prompt_logprobs = None if params.prompt_logprobs is None else [None]
+        prompt_logprobs: list[PositionLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         request_output = RequestOutput(request_id, prompt, prompt_token_ids, outputs, prompt_logprobs)
         self.states[request_id] = RequestState(request_output, params, detokenizers)
 
@@ -90,7 +90,8 @@ class OutputProcessor:
                 continue
             request_output = state.output
             if out.new_prompt_logprobs:
-                request_output.prompt_logprobs.extend(  # type: ignore[union-attr]
+                assert request_output.prompt_logprobs is not None, "prompt logprobs come only when asked for"
+                request_output.prompt_logprobs.extend(
                     to_position_logprobs(row, self.tokenizer) for row in out.new_prompt_logprobs
                 )
             request_output.num_cached_tokens = max(request_output.num_cached_tokens, out.num_cached_tokens)
@@ -99,10 +100,12 @@ class OutputProcessor:
                 continue
             completion.token_ids.extend(out.new_token_ids)
             if out.new_logprobs:
+                assert completion.logprobs is not None and completion.cumulative_logprob is not None
                 for row in out.new_logprobs:
-                    completion.logprobs.append(to_position_logprobs(row, self.tokenizer))  # type: ignore[union-attr]
-                    completion.cumulative_logprob += row[1][0]  # type: ignore[operator]
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+                    completion.logprobs.append(to_position_logprobs(row, self.tokenizer))
+                    completion.cumulative_logprob += row[1][0]
+            finish_reason = out.finish_reason
+            stop_reason: int | str | None = out.stop_reason  # a stop string replaces the stop token id
             if state.detokenizers is not None:
                 text_ids = out.new_token_ids
                 if finish_reason == "stop" and not state.params.include_stop_str_in_output:

@@ -85,11 +85,18 @@ class SamplingParams:
                 value is None or 0 <= value <= MAX_LOGPROBS,
                 f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}",
             )
-        check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        check(all(isinstance(s, str) and s for s in self.stop_strings), "stop strings must be non-empty")
         check(
             all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}",
         )
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list, whichever form `stop` was given in."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else self.stop
 
     @property
     def greedy(self) -> bool:

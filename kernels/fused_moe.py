@@ -83,12 +83,12 @@ class Int4Experts:
     @classmethod
     def stack(cls, experts: list[Int4Weight]) -> Int4Experts:
         """Stack per-expert weights (e.g. from ``from_gptq``); all symmetric or none."""
-        zeros = [e.zeros for e in experts]
-        if any(z is None for z in zeros) and not all(z is None for z in zeros):
-            zeros = [torch.full(e.scales.shape, SYMMETRIC_ZERO, dtype=torch.uint8, device=e.scales.device)
-                     if e.zeros is None else e.zeros for e in experts]
-        return cls(torch.stack([e.qweight for e in experts]), torch.stack([e.scales for e in experts]),
-                   None if zeros[0] is None else torch.stack(zeros), experts[0].group_size)
+        zeros: torch.Tensor | None = None
+        if any(e.zeros is not None for e in experts):
+            zeros = torch.stack([torch.full(e.scales.shape, SYMMETRIC_ZERO, dtype=torch.uint8, device=e.scales.device)
+                                 if e.zeros is None else e.zeros for e in experts])
+        return cls(torch.stack([e.qweight for e in experts]), torch.stack([e.scales for e in experts]), zeros,
+                   experts[0].group_size)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, group_size: int = 128, symmetric: bool = True) -> Int4Experts:
@@ -223,12 +223,11 @@ def _moe_gemm_kernel(
 
 def _shape(w: ExpertWeights) -> tuple[int, int, int]:
     """(E, N, K) of expert weights in any format."""
-    if isinstance(w, Int8Experts):
-        return tuple(w.qweight.shape)  # type: ignore[return-value]
     if isinstance(w, Int4Experts):
         e, k8, n = w.qweight.shape
         return e, n, k8 * 8
-    return tuple(w.shape)  # type: ignore[return-value]
+    e, n, k = w.qweight.shape if isinstance(w, Int8Experts) else w.shape
+    return e, n, k
 
 
 def _launch(a: torch.Tensor, w: ExpertWeights, out: torch.Tensor, topk_weights: torch.Tensor,

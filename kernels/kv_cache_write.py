@@ -116,9 +116,9 @@ def write_kv_cache(
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     quant = kv_scales is not None
-    if quant:
+    if kv_scales is not None:
         assert kv_scales.shape == kv_cache.shape[:4] and kv_scales.dtype == torch.float32 and kv_scales.is_contiguous()
-    scales = kv_scales if quant else torch.empty(2, 1, 1, 1, device=k.device)
+    scales = kv_scales if kv_scales is not None else torch.empty(2, 1, 1, 1, device=k.device)
     _write_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -304,9 +304,9 @@ def paged_attention(
     k_cache, v_cache = (kv_cache.view(torch.uint8) if fp8_bits else kv_cache).unbind(0)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     quant_kv = kv_scales is not None
-    if quant_kv:
+    if kv_scales is not None:
         assert kv_scales.shape == kv_cache.shape[:4] and kv_scales.dtype == torch.float32 and kv_scales.is_contiguous()
-    scales = kv_scales if quant_kv else seq_lens.new_empty(2, 1, 1, 1, dtype=torch.float32)
+    scales = kv_scales if kv_scales is not None else seq_lens.new_empty(2, 1, 1, 1, dtype=torch.float32)
     _attention_kernel[(num_q_programs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_m, part_l,
         block_tables, seq_lens, query_start_loc,

@@ -145,11 +145,10 @@ def w4a16_matmul(
     # The kernels index qweight/scales/zeros with row stride N.
     qweight = weight.qweight.contiguous()
     scales = weight.scales.contiguous()
-    has_zeros = weight.zeros is not None
-    zeros = weight.zeros.contiguous() if has_zeros else scales  # dummy pointer, never read
-    common = dict(GROUP=group, HAS_ZEROS=has_zeros, SYM_ZERO=SYMMETRIC_ZERO)
+    zeros = None if weight.zeros is None else weight.zeros.contiguous()
+    common = dict(GROUP=group, HAS_ZEROS=zeros is not None, SYM_ZERO=SYMMETRIC_ZERO)
     if m <= small_m_threshold and gemv_supports(x2, weight):
-        contiguous = Int4Weight(qweight, scales, weight.zeros.contiguous() if has_zeros else None, group)
+        contiguous = Int4Weight(qweight, scales, zeros, group)
         w4a16_gemv(x2, contiguous, out, num_sms(x.device))
     else:
         bk = _block_k_for(group)
@@ -160,7 +159,8 @@ def w4a16_matmul(
         m_blocks, n_blocks = triton.cdiv(m, bm), triton.cdiv(n, bn)
         splits = tiled_split_k(m, m_blocks, n_blocks, k // bk, k // 2, out, k_splits)
         _w4a16_gemm_kernel[(m_blocks, n_blocks, splits)](
-            x2, qweight, scales, zeros, out, split_k.workspace(splits, m, n, n_blocks, out),
+            x2, qweight, scales, scales if zeros is None else zeros,  # scales: a dummy pointer, never read
+            out, split_k.workspace(splits, m, n, n_blocks, out),
             split_k.counters(x2.device), m, n, k, triton.cdiv(k // bk, splits) * bk, splits,
             x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_IEEE=x.dtype == torch.float32, SPLIT=splits > 1, **common,

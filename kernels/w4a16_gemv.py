@@ -312,8 +312,9 @@ def w4a16_gemv(x2: torch.Tensor, weight: Int4Weight, out: torch.Tensor, num_sms:
     """``out [M, N] = x2 [M, K] @ dequant(weight).T`` for M <= 4 (see ``supports``)."""
     m, k = x2.shape
     n, group = weight.out_features, weight.group_size
-    assert supports(x2, weight) and out.shape == (m, n) and out.stride(1) == 1
-    ng, gw = tile_groups(BLOCK_K, group)
+    groups = tile_groups(BLOCK_K, group)
+    assert supports(x2, weight) and groups is not None and out.shape == (m, n) and out.stride(1) == 1
+    ng, gw = groups
     n_blocks = triton.cdiv(n, BLOCK_N)
     splits = choose_splits(n_blocks, k // BLOCK_K, num_sms)
     x_mode = {torch.float16: X_FP16_PAIRS, torch.bfloat16: X_BF16_PAIRS}.get(x2.dtype, X_FP32).value

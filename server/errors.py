@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,7 +32,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -69,12 +70,12 @@ def unavailable(message: str) -> APIError:
     return _retry_later(503, message, "service_unavailable", "service_unavailable")
 
 
-def _validation_param(error: dict[str, Any], errors: list[dict[str, Any]] | None = None) -> str | None:
+def _validation_param(error: Mapping[str, Any], errors: Sequence[Mapping[str, Any]] = ()) -> str | None:
     # loc is ("body", "messages", 0, "content", ...); OpenAI names the field as a path.
     # A union adds one error per member, each with the member's tag ("str", "list[int]")
     # in its loc: keep only what the errors about the same field have in common.
     loc = tuple(error.get("loc", ()))
-    for other in errors or ():
+    for other in errors:
         other_loc = tuple(other.get("loc", ()))
         if other_loc[:2] == loc[:2]:
             common = 0

@@ -55,8 +55,10 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n
     """The `content` list of a chat choice's logprobs: each token with its top `top_n`."""
     content = []
     for token_id, position in zip(token_ids, positions):
-        ranked = sorted((e for e in position.values() if e.rank is not None and e.rank <= top_n), key=lambda e: e.rank)
+        ranked = sorted(
+            ((e.rank, e) for e in position.values() if e.rank is not None and e.rank <= top_n), key=lambda pair: pair[0]
+        )
         entry = _chat_entry(position[token_id])
-        entry["top_logprobs"] = [_chat_entry(e) for e in ranked[:top_n]]
+        entry["top_logprobs"] = [_chat_entry(e) for _, e in ranked[:top_n]]
         content.append(entry)
     return content

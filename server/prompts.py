@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from cadence.engine.detokenizer import decode_text
 from cadence.engine.sampling_params import SamplingParams
 from cadence.server.api_models import ChatMessage, SamplingFields
 from cadence.server.errors import APIError, bad_request
@@ -40,7 +41,7 @@ class PromptBuilder:
             ids = self._require_tokenizer().encode(prompt, add_special_tokens=add_special_tokens)
             return Prompt(ids, prompt)
         self.check_token_ids(prompt, "prompt")
-        text = None if self.tokenizer is None else self.tokenizer.decode(prompt)
+        text = None if self.tokenizer is None else decode_text(self.tokenizer, prompt)
         return Prompt(list(prompt), text)
 
     def from_messages(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
@@ -74,11 +75,11 @@ class PromptBuilder:
 
     def token_text(self, token_id: int) -> str:
         """One token's text, for logprobs ("" when there is no tokenizer)."""
-        return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
+        return "" if self.tokenizer is None else decode_text(self.tokenizer, [token_id])
 
     def decode(self, token_ids: list[int]) -> str:
         self.check_token_ids(token_ids, "tokens")
-        return self._require_tokenizer().decode(token_ids)
+        return decode_text(self._require_tokenizer(), token_ids)
 
     def max_tokens(
         self,

@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,15 +54,16 @@ class EventStreamResponse(StreamingResponse):
     (which aborts the engine requests) would only run when it is garbage-collected.
     """
 
-    def __init__(self, events: AsyncIterator[str], group: RequestGroup) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], group: RequestGroup) -> None:
         super().__init__(events, media_type="text/event-stream")
+        self.events = events
         self.group = group
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.events.aclose()
             # A generator that never started skips its own finally when closed.
             self.group.abort()
 
@@ -246,7 +247,7 @@ async def wait_for_disconnect(request: Request) -> None:
 
 async def stream_events(
     group: RequestGroup, on_update: Callable[[], list[str]], on_finish: Callable[[], list[str]]
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """SSE frames for a group: `on_update` after each step, `on_finish` at the end.
 
     `finished` is read before the frames are built: a yield may suspend this generator

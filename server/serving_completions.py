@@ -6,7 +6,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cadence.engine.outputs import RequestOutput
+from cadence.engine.outputs import PositionLogprobs, RequestOutput
 from cadence.server.api_models import CompletionRequest
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.logprobs_format import completion_logprobs
@@ -70,7 +70,8 @@ class CompletionHandler:
             text = completion.text
             logprobs = None
             if body.logprobs is not None:
-                token_ids, positions = list(completion.token_ids), list(completion.logprobs or [])
+                token_ids = list(completion.token_ids)
+                positions: list[PositionLogprobs | None] = list(completion.logprobs or [])
                 if body.echo:
                     token_ids = output.prompt_token_ids + token_ids
                     positions = list(output.prompt_logprobs or []) + positions
@@ -110,7 +111,8 @@ class _CompletionStream:
                 if delta is None:
                     continue
                 text = delta.text
-                token_ids, positions = delta.token_ids, list(delta.logprobs or [])
+                token_ids = delta.token_ids
+                positions: list[PositionLogprobs | None] = list(delta.logprobs or [])
                 if self.body.echo and delta.first:
                     text = (prompt.text or "") + text
                     token_ids = output.prompt_token_ids + token_ids

@@ -19,7 +19,9 @@ _U32 = np.uint32
 
 def inline_asm_texts(jit_function: object) -> list[str]:
     """The asm strings passed to ``tl.inline_asm_elementwise`` in a Triton function's source."""
-    source = inspect.getsource(getattr(jit_function, "fn", jit_function))
+    python_function = getattr(jit_function, "fn", jit_function)  # a JITFunction keeps the function as .fn
+    assert callable(python_function)
+    source = inspect.getsource(python_function)
     return [m.group(2) for m in re.finditer(r'inline_asm_elementwise\(\s*("""|")(.*?)\1', source, re.S)]
 
 

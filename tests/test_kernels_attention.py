@@ -8,6 +8,8 @@ or a read past a sequence's end fails.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,8 +26,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def make_batch(q_lens, ctx_lens, num_kv_heads, group, head_dim, block_size, dtype, seed):
-    """Random q and a paged cache whose blocks are scattered; unused slots hold NaN."""
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def make_batch(
+    q_lens: list[int], ctx_lens: list[int], num_kv_heads: int, group: int, head_dim: int, block_size: int,
+    dtype: torch.dtype, seed: int,
+) -> Batch:
+    """Random q and a paged cache whose blocks are scattered; unused slots hold NaN.
+
+    Returns `(q, kv_cache, block_tables, seq_lens, query_start_loc)`.
+    """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -53,7 +64,10 @@ def make_batch(q_lens, ctx_lens, num_kv_heads, group, head_dim, block_size, dtyp
     )
 
 
-def run_kernel(q, kv_cache, block_tables, seq_lens, starts, max_q, scale, window, num_splits, **kw):
+def run_kernel(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    starts: torch.Tensor, max_q: int, scale: float, window: int | None, num_splits: int | None, **kw: Any,
+) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))
     return pa.paged_attention(
         q, kv_cache, block_tables, seq_lens, starts, max_q, scale,
@@ -73,7 +87,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype,group,head_dim,block_size,window", CASES)
-def test_mixed_batch_matches_reference_split_and_unsplit(dtype, group, head_dim, block_size, window):
+def test_mixed_batch_matches_reference_split_and_unsplit(
+    dtype: torch.dtype, group: int, head_dim: int, block_size: int, window: int | None
+) -> None:
     # Decodes of varied context first, then prefill chunks: one fresh, one with a cached
     # prefix and more query tokens than one query tile holds.
     q_lens = [1, 1, 1, 6, 19]
@@ -92,7 +108,7 @@ def test_mixed_batch_matches_reference_split_and_unsplit(dtype, group, head_dim,
 
 
 @pytest.mark.parametrize("window", [None, 20])
-def test_long_decode_splits_automatically(window):
+def test_long_decode_splits_automatically(window: int | None) -> None:
     q_lens, ctx_lens = [1, 1], [611, 300]
     inputs = make_batch(q_lens, ctx_lens, 1, 4, 16, 16, torch.float32, 7)
     assert pa.choose_num_splits(2, 1, 612, 16) > 1
@@ -101,7 +117,7 @@ def test_long_decode_splits_automatically(window):
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
 
 
-def test_choose_num_splits_follows_idle_sms_and_context():
+def test_choose_num_splits_follows_idle_sms_and_context() -> None:
     # Enough programs to fill the machine: never split.
     assert pa.choose_num_splits(256, 8, 32768, 132) == 1
     # One sequence, one KV head, long context: fill the SMs, up to the cap.
@@ -115,7 +131,7 @@ def test_choose_num_splits_follows_idle_sms_and_context():
     assert counts == sorted(counts)
 
 
-def test_reference_matches_sdpa_on_gathered_dense_kv():
+def test_reference_matches_sdpa_on_gathered_dense_kv() -> None:
     q_lens, ctx_lens, group, head_dim, block_size, window = [7], [10], 4, 16, 4, 6
     q, kv_cache, block_tables, seq_lens, starts = make_batch(
         q_lens, ctx_lens, 2, group, head_dim, block_size, torch.float32, 3
@@ -139,7 +155,7 @@ def test_reference_matches_sdpa_on_gathered_dense_kv():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_write_kv_cache(dtype):
+def test_write_kv_cache(dtype: torch.dtype) -> None:
     num_blocks, block_size, heads, head_dim = 5, 4, 3, 16  # 3 heads: padded to 4 in-kernel
     gen = torch.Generator().manual_seed(11)
     k = torch.randn(6, heads, head_dim, generator=gen).to(DEVICE, dtype)
@@ -163,18 +179,18 @@ def test_write_kv_cache(dtype):
     assert torch.equal(cache.nan_to_num(-7.0), expected.nan_to_num(-7.0))
 
 
-def test_write_then_attend_roundtrip():
+def test_write_then_attend_roundtrip() -> None:
     """The two kernels together, as a backend would call them for one step."""
     q_lens, ctx_lens, block_size = [1, 5], [6, 3], 4
     q, kv_cache, block_tables, seq_lens, starts = make_batch(
         q_lens, ctx_lens, 2, 2, 16, block_size, torch.float32, 5
     )
     truth = kv_cache.clone()
-    slots = []
+    slot_ids = []
     for s, (c, n) in enumerate(zip(ctx_lens, q_lens)):
         for p in range(c, c + n):
-            slots.append(int(block_tables[s, p // block_size]) * block_size + p % block_size)
-    slots = torch.tensor(slots, device=DEVICE)
+            slot_ids.append(int(block_tables[s, p // block_size]) * block_size + p % block_size)
+    slots = torch.tensor(slot_ids, device=DEVICE)
     flat = truth.view(2, -1, *truth.shape[3:])
     new_k, new_v = flat[0, slots].clone(), flat[1, slots].clone()
     kv_cache.view(2, -1, *truth.shape[3:])[:, slots] = float("nan")  # forget the new tokens
@@ -188,7 +204,7 @@ def test_write_then_attend_roundtrip():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the kernels for a GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_compiled_realistic_shapes(dtype):
+def test_compiled_realistic_shapes(dtype: torch.dtype) -> None:
     q_lens = [1] * 6 + [70, 300]
     ctx_lens = [5, 100, 700, 1500, 33, 4000, 0, 250]
     inputs = make_batch(q_lens, ctx_lens, 8, 4, 128, 16, dtype, 1)
@@ -209,7 +225,7 @@ def quantize_cache(kv_cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Te
 
 
 @pytest.mark.parametrize("dtype,group,window", [(torch.float32, 4, None), (torch.float16, 1, 7)])
-def test_int8_kv_cache_matches_reference_and_dense(dtype, group, window):
+def test_int8_kv_cache_matches_reference_and_dense(dtype: torch.dtype, group: int, window: int | None) -> None:
     q_lens, ctx_lens = [1, 1, 6, 19], [9, 70, 0, 45]
     q, kv_cache, block_tables, seq_lens, starts = make_batch(q_lens, ctx_lens, 2, group, 16, 8, dtype, 11)
     stored, scales = quantize_cache(kv_cache, torch.int8)
@@ -223,7 +239,7 @@ def test_int8_kv_cache_matches_reference_and_dense(dtype, group, window):
     assert rel_err(ref, dense) < 1e-2
 
 
-def test_int8_kv_cache_write_matches_reference():
+def test_int8_kv_cache_write_matches_reference() -> None:
     num_tokens, heads, dim, blocks, block_size = 6, 2, 16, 5, 4
     gen = torch.Generator().manual_seed(5)
     k = torch.randn(num_tokens, heads, dim, generator=gen)
@@ -249,7 +265,7 @@ def test_int8_kv_cache_write_matches_reference():
     assert rel_err(dequantized[0], k[slots >= 0]) < 1e-2
 
 
-def test_fp8_kv_cache_reference_write_is_torchs_own_cast(monkeypatch):
+def test_fp8_kv_cache_reference_write_is_torchs_own_cast(monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp8 cache on a GPU without fp8 (A100) is written by `reference`, through a uint8
     view: the bytes must be exactly those of torch's own e4m3 cast of the scaled rows."""
     num_tokens, heads, dim, blocks, block_size = 5, 2, 16, 4, 4

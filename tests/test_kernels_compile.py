@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -51,6 +52,7 @@ def quant_cases() -> dict[str, Callable[[], object]]:
     wq, ws = quantize_fp8_weight(w)
     sym = quantize_int4(w, 128, symmetric=True)
     asym = quantize_int4(w, 32, symmetric=False)
+    assert asym.zeros is not None
     float_zeros = Int4Weight(asym.qweight, asym.scales.half(), asym.zeros.float(), 32)  # GGUF Q4_1
     cases: dict[str, Callable[[], object]] = {}
     long_q8, long_s8 = quantize_int8(torch.randn(n, 4096))  # a K long enough to split
@@ -61,18 +63,18 @@ def quant_cases() -> dict[str, Callable[[], object]]:
     cases["w8a16 tiled split-K float16 M=16"] = lambda: w8a16.w8a16_matmul(x16, long_q8, long_s8.half(), k_splits=4)
     cases["w4a16 g32 zeros tiled split-K float16 M=16"] = lambda: w4a16.w4a16_matmul(x16, long_asym, k_splits=4)
     for dtype in HALF:  # the large-M path's whole-weight dequantize
-        cases[f"dequant int4 g32 zeros {str(dtype)[6:]}"] = lambda dtype=dtype: dequant.int4_to_dense(asym, dtype)
-        cases[f"dequant int4 g128 sym {str(dtype)[6:]}"] = lambda dtype=dtype: dequant.int4_to_dense(sym, dtype)
-        cases[f"dequant int8 {str(dtype)[6:]}"] = lambda dtype=dtype: dequant.int8_to_dense(q8, s8, dtype)
+        cases[f"dequant int4 g32 zeros {str(dtype)[6:]}"] = partial(dequant.int4_to_dense, asym, dtype)
+        cases[f"dequant int4 g128 sym {str(dtype)[6:]}"] = partial(dequant.int4_to_dense, sym, dtype)
+        cases[f"dequant int8 {str(dtype)[6:]}"] = partial(dequant.int8_to_dense, q8, s8, dtype)
     for dtype in (*HALF, torch.float32):
         for m in (1, 64):
             x = torch.randn(m, k, dtype=dtype)
             name = f"{str(dtype)[6:]} M={m}"
-            cases[f"w8a16 {name}"] = lambda x=x, dtype=dtype: w8a16.w8a16_matmul(x, q8, s8.to(dtype))
-            cases[f"fp8 triton {name}"] = lambda x=x: w8a8_fp8.fp8_matmul(x, wq, ws, allow_scaled_mm=False)
+            cases[f"w8a16 {name}"] = partial(w8a16.w8a16_matmul, x, q8, s8.to(dtype))
+            cases[f"fp8 triton {name}"] = partial(w8a8_fp8.fp8_matmul, x, wq, ws, allow_scaled_mm=False)
             if dtype in HALF:
                 for wname, weight in (("g128 sym", sym), ("g32 zeros", asym), ("g32 float zeros", float_zeros)):
-                    cases[f"w4a16 {wname} {name}"] = lambda x=x, weight=weight: w4a16.w4a16_matmul(x, weight)
+                    cases[f"w4a16 {wname} {name}"] = partial(w4a16.w4a16_matmul, x, weight)
     return cases
 
 
@@ -100,19 +102,19 @@ def attention_cases() -> dict[str, Callable[[], object]]:
                     q, cache, tables, seq_lens, starts, max(query_lens), head_dim**-0.5, window, splits,
                     max_seq_len=128, num_sms=132, kv_scales=scales)
 
-            cases[f"attention decode {tag}"] = lambda run=run: run([1, 1], 1, None)
-            cases[f"attention decode split {tag}"] = lambda run=run: run([1, 1], 4, None)
-            cases[f"attention prefill+decode window {tag}"] = lambda run=run: run([37, 1], None, 64)
+            cases[f"attention decode {tag}"] = partial(run, [1, 1], 1, None)
+            cases[f"attention decode split {tag}"] = partial(run, [1, 1], 4, None)
+            cases[f"attention prefill+decode window {tag}"] = partial(run, [37, 1], None, 64)
             k = torch.randn(5, kv_heads, head_dim, dtype=dtype)
-            cases[f"kv write {tag}"] = lambda k=k, cache=cache, scales=scales: kv_cache_write.write_kv_cache(
-                k, k, cache, torch.tensor([0, 1, 2, 17, 40]), scales)
+            cases[f"kv write {tag}"] = partial(
+                kv_cache_write.write_kv_cache, k, k, cache, torch.tensor([0, 1, 2, 17, 40]), scales)
     return cases
 
 
 def moe_cases() -> dict[str, Callable[[], object]]:
     experts, top_k, hidden, inter = 8, 2, 256, 128
     dense_w1, dense_w2 = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
-    formats = {
+    formats: dict[str, tuple[fused_moe.ExpertWeights, fused_moe.ExpertWeights]] = {
         "int8": (fused_moe.Int8Experts.quantize(dense_w1), fused_moe.Int8Experts.quantize(dense_w2)),
         "int4": (fused_moe.Int4Experts.quantize(dense_w1, 64, False), fused_moe.Int4Experts.quantize(dense_w2, 64)),
     }
@@ -121,10 +123,10 @@ def moe_cases() -> dict[str, Callable[[], object]]:
         for m in (1, 64):
             x = torch.randn(m, hidden, dtype=dtype)
             weights, ids = fused_moe.route(torch.randn(m, experts), top_k, renormalize=True)
-            all_formats = {"dense": (dense_w1.to(dtype), dense_w2.to(dtype)), **formats}
+            all_formats: dict[str, tuple[fused_moe.ExpertWeights, fused_moe.ExpertWeights]] = {
+                "dense": (dense_w1.to(dtype), dense_w2.to(dtype)), **formats}
             for fmt, (w1, w2) in all_formats.items():
-                cases[f"moe {fmt} {str(dtype)[6:]} M={m}"] = (
-                    lambda x=x, w1=w1, w2=w2, weights=weights, ids=ids: fused_moe.fused_moe(x, w1, w2, weights, ids))
+                cases[f"moe {fmt} {str(dtype)[6:]} M={m}"] = partial(fused_moe.fused_moe, x, w1, w2, weights, ids)
     return cases
 
 
@@ -137,17 +139,15 @@ def layer_op_cases() -> dict[str, Callable[[], object]]:
         qkv = torch.randn(3, 48 * 128, dtype=dtype)
         q, k = qkv[:, : 32 * 128].view(3, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(3, 8, 128)
         name = str(dtype)[6:]
-        cases[f"rms_norm {name}"] = lambda x=x, weight=weight: rms_norm.rms_norm(x, weight, 1e-5)
-        cases[f"rms_norm residual {name}"] = lambda x=x, weight=weight: rms_norm.rms_norm(x, weight, 1e-5, x)
-        cases[f"rotary {name}"] = lambda q=q, k=k: rotary.apply_rotary(
-            torch.tensor([0, 5, 9]), q, k, angles.cos(), angles.sin())
-        cases[f"silu_and_mul {name}"] = lambda dtype=dtype: silu_and_mul.silu_and_mul(
-            torch.randn(3, 2 * 14336, dtype=dtype))
+        cases[f"rms_norm {name}"] = partial(rms_norm.rms_norm, x, weight, 1e-5)
+        cases[f"rms_norm residual {name}"] = partial(rms_norm.rms_norm, x, weight, 1e-5, x)
+        cases[f"rotary {name}"] = partial(rotary.apply_rotary, torch.tensor([0, 5, 9]), q, k, angles.cos(), angles.sin())
+        cases[f"silu_and_mul {name}"] = partial(silu_and_mul.silu_and_mul, torch.randn(3, 2 * 14336, dtype=dtype))
     return cases
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> tuple[list[Launch], list[dict]]:
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Launch], list[dict]]:
     launches = record_launches({**quant_cases(), **attention_cases(), **moe_cases(), **layer_op_cases()})
     for launch in launches:
         if "ASM" in launch.constexprs:  # recorded in the interpreter, which cannot run inline PTX

@@ -7,6 +7,9 @@ matmuls then compare with the kernels' references at the quant tests' tolerances
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -20,6 +23,7 @@ KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 def int4_weights(k: int, n: int, group: int) -> dict[str, Int4Weight]:
     w = torch.randn(n, k, generator=gen(k + n + group)).to(DEVICE)
     asym = quantize_int4(w, group, symmetric=False)
+    assert asym.zeros is not None
     return {
         "sym": quantize_int4(w, group, symmetric=True),
         "zeros": asym,
@@ -50,10 +54,10 @@ def test_int8_to_dense_equals_the_torch_definition(dtype: torch.dtype, n: int, k
 class CallCounter:
     """Wraps a function and counts its calls (which path a wrapper took)."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
         self.fn, self.calls = fn, 0
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls += 1
         return self.fn(*args, **kwargs)
 

@@ -152,6 +152,7 @@ def test_w4a16_gemv_split_k_matches_reference(dtype: torch.dtype, m: int, n: int
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     qw = quantize_int4(w.to(dtype), group, zeros == "symmetric")
     if zeros == "float":  # GGUF Q4_1's real-valued zero points
+        assert qw.zeros is not None
         qw = Int4Weight(qw.qweight, qw.scales, qw.zeros.float() + 0.25, group)
     for _ in range(2):  # the second call finds the split counters re-armed
         out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype, DEVICE))
@@ -207,9 +208,9 @@ def launched_splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     workspace = split_k.workspace
 
-    def recording(num_splits: int, *args: object) -> torch.Tensor:
+    def recording(num_splits: int, m: int, n: int, n_blocks: int, out: torch.Tensor) -> torch.Tensor:
         seen.append(num_splits)
-        return workspace(num_splits, *args)
+        return workspace(num_splits, m, n, n_blocks, out)
 
     monkeypatch.setattr(split_k, "workspace", recording)
     return seen

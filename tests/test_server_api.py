@@ -114,7 +114,7 @@ def test_chat_matches_offline_and_validates(server, client, offline) -> None:
     parsed = ChatCompletion.model_validate(raw, strict=True)
     assert parsed.choices[0].message.role == "assistant"
     assert parsed.choices[0].message.content == expected
-    assert parsed.usage.completion_tokens == 10
+    assert parsed.usage is not None and parsed.usage.completion_tokens == 10
     # Text parts are joined like plain content.
     parts = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Name a fox."}]}]
     again = client.chat.completions.create(model="tiny", messages=parts, max_tokens=10, temperature=0)

@@ -257,7 +257,7 @@ def test_api_key_is_required(strict: ServerProcess, method: str, path: str, body
         {"Authorization": f"Bearer {API_KEY}x"},
         {"Authorization": API_KEY},  # no scheme
         {"Authorization": f"Basic {API_KEY}"},
-        {"Authorization": "Bearer caf\u00e9".encode()},  # not ASCII: still a 401, not a 500
+        {b"Authorization": "Bearer caf\u00e9".encode()},  # not ASCII: still a 401, not a 500
     ):
         response = httpx.request(method, url, json=body, headers=headers, timeout=30)
         assert_error(response, 401, type="authentication_error", code="invalid_api_key")

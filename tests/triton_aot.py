@@ -90,12 +90,12 @@ def record_launches(cases: dict[str, Callable[[], object]]) -> list[Launch]:
         ))
 
     original = InterpretedFunction.run
-    InterpretedFunction.run = capture  # type: ignore[method-assign]
+    InterpretedFunction.run = capture
     try:
         for case in cases.values():
             case()
     finally:
-        InterpretedFunction.run = original  # type: ignore[method-assign]
+        InterpretedFunction.run = original
     return launches
 
 
