@@ -41,6 +41,7 @@ def phases_since(before: StepTimings, after: StepTimings) -> StepPhases:
 
 
 def snapshot(timings: StepTimings) -> StepTimings:
+    """A copy of the engine's running totals (the engine keeps adding to its own)."""
     return StepTimings(timings.schedule, timings.execute, timings.update, timings.num_steps)
 
 
