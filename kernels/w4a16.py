@@ -29,7 +29,7 @@ from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize
 from cadence.kernels.w4a16_gemv import GEMV_MAX_M, supports as gemv_supports, w4a16_gemv
 
 # On an H100 (Llama-8B's four projections, CUDA-graph replays) the GEMV beats the tiled
-# GEMM at every M it serves (bench/RESULTS.md).
+# GEMM at every M it serves (bench/HISTORY.md).
 DEFAULT_SMALL_M_THRESHOLD = GEMV_MAX_M
 
 
