@@ -3,10 +3,19 @@
 Times `y = x @ W.T` for one weight shape at several M, through every CPU path torch
 offers: fp32, fp16 and bf16 dense matmul, `_weight_int8pack_mm` (int8 weights, per-channel
 scales) and `_weight_int4pack_mm_for_cpu` (int4 weights, group-wise scales and zeros).
-Prints microseconds per call and GFLOP/s, and the fastest path per M.
+With ``--fp8``, also the ways to serve an FP8 W8A8 weight (e4m3, a scale per output
+channel; x quantized per token inside every timed call): `Fp8Linear` itself (codes
+decoded to fp16 with integer ops, fp16 matmul, scales on the output), `torch._scaled_mm`,
+and torch's own fp8 -> bf16 cast before a bf16 matmul. Prints microseconds per call and
+GFLOP/s, and the fastest path per M.
+
+Each cell is the best of ``--rounds`` medians (common/timer.time_call), so a neighbour's
+burst on a shared machine inflates a round, not the table; the run also reports how many
+cores other processes used meanwhile.
 
     python bench/cpu_linear.py                       # 2048 x 2048, M = 1 16 64 256
     python bench/cpu_linear.py --n 1536 --k 576      # SmolLM2-135M's MLP up-projection
+    python bench/cpu_linear.py --n 1536 --k 576 --fp8 --rounds 3
 """
 from __future__ import annotations
 
@@ -15,35 +24,11 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from machine import machine_info
-
-
-def cpu_flags() -> list[str]:
-    """The ISA extensions that decide which kernels the CPU can run fast."""
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile")
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-    return [flag for flag in wanted if flag in flags]
-
-
-def time_call(fn: Callable[[], torch.Tensor], min_seconds: float = 0.3) -> float:
-    """Median microseconds per call over at least `min_seconds` of repeats, after warm-up."""
-    for _ in range(3):
-        fn()
-    samples: list[float] = []
-    spent = 0.0
-    while spent < min_seconds or len(samples) < 5:
-        start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        samples.append(elapsed)
-        spent += elapsed
-    samples.sort()
-    return samples[len(samples) // 2] * 1e6
+from common.machine import Contention, machine_info, machine_line
+from common.timer import time_call
 
 
 def build_paths(n: int, k: int, m: int, group_size: int) -> dict[str, Callable[[], torch.Tensor]]:
@@ -75,21 +60,61 @@ def build_paths(n: int, k: int, m: int, group_size: int) -> dict[str, Callable[[
     return paths
 
 
+def fp8_paths(n: int, k: int, m: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """FP8 W8A8 on CPU: the layer's own path and the torch ops it was chosen over."""
+    from cadence.engine.quantization.fp8_linear import Fp8Linear
+    from cadence.kernels.fp8_format import quantize_fp8_per_token
+
+    torch.manual_seed(0)
+    linear = nn.Linear(k, n, bias=False).requires_grad_(False)
+    nn.init.normal_(linear.weight, std=k**-0.5)
+    fp8 = Fp8Linear.from_linear(linear)
+    wq, w_scale = fp8.qweight, fp8.weight_scale
+    x32 = torch.randn(m, k)
+    xb = x32.bfloat16()
+
+    def scaled_mm() -> torch.Tensor:
+        xq, x_scale = quantize_fp8_per_token(xb)
+        return torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :],
+                                out_dtype=torch.bfloat16)
+
+    def torch_cast_codes() -> torch.Tensor:
+        xq, x_scale = quantize_fp8_per_token(xb)
+        y = F.linear(xq.to(torch.bfloat16), wq.to(torch.bfloat16))
+        return (y.float() * x_scale[:, None] * w_scale).bfloat16()
+
+    return {
+        "Fp8Linear (fp32 act.)": lambda: fp8(x32),
+        "Fp8Linear (bf16 act.)": lambda: fp8(xb),
+        "fp8 _scaled_mm (bf16 act.)": scaled_mm,
+        "fp8 .to(bf16) + bf16 mm": torch_cast_codes,
+        "(per-token fp8 quantize of x alone)": lambda: quantize_fp8_per_token(xb)[0],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=2048, help="output features")
     ap.add_argument("--k", type=int, default=2048, help="input features")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256], help="batch rows")
     ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--fp8", action="store_true", help="also the FP8 W8A8 paths")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every measurement; keep the best median")
     args = ap.parse_args(argv)
     info = machine_info()
     print(f"# CPU linear paths, {args.n}x{args.k} weight ({time.strftime('%Y-%m-%d %H:%M')})")
-    print(f"cpu: {info['cpu']}, {info['cores']} cores, threads {info['threads']}, torch {info['torch']}")
-    print(f"ISA: {', '.join(cpu_flags()) or 'none of the checked extensions'}\n")
+    print(machine_line(info))
     results: dict[str, dict[int, float]] = {}
-    for m in args.m:
-        for name, fn in build_paths(args.n, args.k, m, args.group_size).items():
-            results.setdefault(name, {})[m] = time_call(fn)
+    with Contention() as contention:
+        for _ in range(args.rounds):
+            for m in args.m:
+                paths = build_paths(args.n, args.k, m, args.group_size)
+                if args.fp8:
+                    paths.update(fp8_paths(args.n, args.k, m))
+                for name, fn in paths.items():
+                    best = results.setdefault(name, {}).get(m, float("inf"))
+                    results[name][m] = min(best, time_call(fn))
+    print(f"best of {args.rounds} medians; other processes used {contention.other_cores:.2f} cores meanwhile\n")
     print("| path | " + " | ".join(f"M={m} µs (GFLOP/s)" for m in args.m) + " |")
     print("|---|" + "---|" * len(args.m))
     for name, by_m in results.items():
@@ -97,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | " + " | ".join(cells) + " |")
     print()
     for m in args.m:
-        best = min(results, key=lambda name: results[name][m])
+        # The quantize-alone row is a part of the fp8 paths, not a path.
+        best = min((name for name in results if not name.startswith("(")), key=lambda name: results[name][m])
         print(f"fastest at M={m}: {best} ({results[best][m] / results['fp32'][m]:.2f}x the fp32 time)")
     return 0
 

@@ -7,28 +7,25 @@
 ``--base`` holds the options both engines share (default: the default model's own
 ``quantization=gguf``); ``--a`` and ``--b`` what differs. Values are EngineArgs fields as
 ``name=value`` (true/false/none, numbers, or text). Both engines live in one process and
-take turns generating, so the shared machine's load drifts over both alike, where
-bench/quant.py's rows run one after another and cannot show a few ms. Prints the median
-model-forward and LM-head ms per decode step (bench/step_probe.py), the step-time bound
-on tok/s, and B's ratio over A.
+take turns, so the shared machine's load drifts over both alike, where bench/quant.py's
+rows run one after another and cannot show a few ms. Each turn decodes one greedy
+sequence by stepping the engine and reads every step's phases from the engine's own
+StepTimings; it then times the LM head alone (the model's compute_logits on one row).
+Prints the median engine step and its execute phase, the LM head, the step-bound tok/s,
+and B's ratio over A.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
+import statistics
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-
-from quant import decode_phase_ms  # noqa: E402
-from quant_eval import EVAL_TEXT  # noqa: E402
-from step_probe import StepProbe  # noqa: E402
-
-from cadence import LLM, SamplingParams  # noqa: E402
-from cadence.engine.default_model import resolve_model_path  # noqa: E402
+from cadence import LLM
+from cadence.engine.default_model import resolve_model_path
+from common.engine_timing import StepPhases, decode_steps, lm_head_ms, median_phases
+from common.from_tests import EVAL_TEXT
 
 
 def parse_options(items: list[str]) -> dict[str, Any]:
@@ -65,23 +62,27 @@ def main(argv: list[str] | None = None) -> int:
     base = {"max_model_len": 1024, "num_gpu_blocks": 128, **parse_options(args.base)}
     configs = {"A": args.a, "B": args.b}
     engines = {label: LLM(path, **{**base, **parse_options(items)}) for label, items in configs.items()}
-    probes = {label: StepProbe(llm) for label, llm in engines.items()}
     tokenizer = engines["A"].get_tokenizer()
     assert tokenizer is not None
     prompt = tokenizer(EVAL_TEXT)["input_ids"][:32]
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    steps: dict[str, list[StepPhases]] = {label: [] for label in engines}
+    heads: dict[str, list[float]] = {label: [] for label in engines}
+    for llm in engines.values():
+        decode_steps(llm, prompt, 4)  # warm-up: first steps allocate
     for _ in range(args.rounds):
-        for llm in engines.values():
-            llm.generate([{"prompt_token_ids": prompt}], params)
+        for label, llm in engines.items():
+            steps[label] += decode_steps(llm, prompt, args.new_tokens)
+            heads[label].append(lm_head_ms(llm))
     print(f"# Batch-1 decode A/B ({time.strftime('%Y-%m-%d %H:%M')}), {os.path.basename(path)}, "
           f"{' '.join(args.base)}; {args.rounds} x {args.new_tokens} tokens each, load {os.getloadavg()[0]:.2f}\n")
-    print("| engine | options | forward ms | LM head ms | step-bound tok/s |")
-    print("|---|---|---:|---:|---:|")
+    print("| engine | options | step ms | execute ms | LM head ms | step-bound tok/s |")
+    print("|---|---|---:|---:|---:|---:|")
     bound = {}
-    for label, probe in probes.items():
-        forward_ms, head_ms = decode_phase_ms(probe)
-        bound[label] = 1e3 / (forward_ms + head_ms)
-        print(f"| {label} | {' '.join(configs[label])} | {forward_ms:.1f} | {head_ms:.2f} | {bound[label]:.1f} |")
+    for label in engines:
+        median = median_phases(steps[label])
+        bound[label] = 1 / median.total
+        print(f"| {label} | {' '.join(configs[label])} | {median.total * 1e3:.1f} | {median.execute * 1e3:.1f} "
+              f"| {statistics.median(heads[label]):.2f} | {bound[label]:.1f} |")
     print(f"\nB / A: {bound['B'] / bound['A']:.2f}x step-bound decode")
     return 0
 

@@ -4,29 +4,23 @@
     python bench/gpu_decode.py --layers 32 --hidden 4096 --intermediate 14336   # 8B-shaped
     python bench/gpu_decode.py --no-eager --quantize-lm-head   # adds int8/int4 with an int8 LM head
 
-Issue 4's targets are 1.8x (int8) and 2.8x (int4) over bf16. The model has random
-weights (speed does not depend on their values), built once under bench/out/models/.
-Decode rate is quant.py's: the time of a 1 + N token generation minus a 1-token one,
-through the whole engine (scheduler, sampler, detokenizer). Each weight format runs with
-decode CUDA graphs (the default) and with --enforce-eager. "graph GPU ms" replays the
-captured batch-1 forward alone, timed with CUDA events: the decoder layers' GPU time,
-whose weight bytes over that time give "layers GB/s".
+The model has random weights (speed does not depend on their values), built once under
+bench/out/models/. Decode rate is bench/quant.py's: the time of a 1 + N token generation
+minus a 1-token one, through the whole engine (scheduler, sampler, detokenizer). Each
+weight format runs with decode CUDA graphs (the default) and with --enforce-eager.
+"graph GPU ms" replays the captured batch-1 forward alone, timed with CUDA events: the
+decoder layers' GPU time, whose weight bytes over that time give "layers GB/s".
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from kernels_check import replay_median_ms  # noqa: E402
-from quant import decode_tokens_per_s  # noqa: E402
-from random_llama import build_random_model  # noqa: E402
-
-from cadence import LLM  # noqa: E402
+from cadence import LLM
+from common.engine_timing import decode_tokens_per_s
+from common.gpu_timing import replay_median_ms
+from common.random_llama import build_random_model
 
 
 def main(argv: list[str] | None = None) -> int:

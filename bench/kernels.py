@@ -13,9 +13,9 @@ random inputs, output pre-filled with NaN, before it is timed):
 * ceilings  -- a 1 GiB device-to-device copy (bytes read + written) and 8192^3 fp16/bf16
   matmuls: the 100% that every % below refers to.
 * quant     -- W8A16 and W4A16 (group 128, symmetric and zero-point) against dense fp16
-  and bf16 ``F.linear`` at Llama-3-8B shapes, M = 1..256; W8A8 FP8 too if
-  kernels/w8a8_fp8.py exists (its Triton kernel, and torch._scaled_mm where it would pick
-  that). Bytes = weight (with scales/zeros) + x + out.
+  and bf16 ``F.linear`` at Llama-3-8B shapes, M = 1..256; W8A8 FP8 too
+  (its Triton kernel, and torch._scaled_mm where fp8_matmul would pick that; GPUs below
+  compute capability 8.9 skip it). Bytes = weight (with scales/zeros) + x + out.
 * attention -- paged decode (1 query token per sequence) over fp16/int8/fp8 KV caches;
   the split count the wrapper picks (``choose_num_splits``) against one split.
   Bytes = K + V (+ scales) + q + out.
@@ -23,7 +23,7 @@ random inputs, output pre-filled with NaN, before it is timed):
   replays, against a plain-torch per-expert loop. Bytes = the experts routed to + x + out.
 
 Timing: CUDA-graph replays of 20+ back-to-back calls, median per call
-(``kernels_check.graph_time_us``; do_bench's eager calls timed the Python launch path
+(``common/gpu_timing.graph_time_us``; do_bench's eager calls timed the Python launch path
 for kernels this short), cycling through enough input sets to span 4x the L2; a call
 that cannot be captured falls back to do_bench. The moe section's "eager" and "graph"
 rows therefore time the same thing now. The compact table prints last (the device
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels_check import (TOLERANCE, Record, Report, device_info, graph_calls, import_cadence_from_repo,
-                           measure_ceilings, nbytes, rel_err, rotation_sets, time_us)
+from common.gpu_timing import graph_calls, measure_ceilings, rotation_sets, time_us
+from common.kernel_report import TOLERANCE, Record, Report, device_info, import_cadence_from_repo, nbytes, rel_err
 
 F16, BF16 = torch.float16, torch.bfloat16
 SECTIONS = ("ceilings", "quant", "attention", "moe")
@@ -122,7 +122,7 @@ def poisoned_check(call: Callable[[], object], out: torch.Tensor, ref: torch.Ten
 
 
 def load_fp8_matmul(on_gpu: bool) -> tuple[object | None, str]:
-    """kernels/w8a8_fp8.py if present (another engineer's module, optional here)."""
+    """kernels/w8a8_fp8.py, where the device can run it."""
     if importlib.util.find_spec("cadence.kernels.w8a8_fp8") is None:
         return None, "kernels/w8a8_fp8.py not present"
     if on_gpu and torch.cuda.get_device_capability() < (8, 9):
@@ -220,9 +220,9 @@ def bench_fp8(b: Bench, mod: object, case: str, xs: list[torch.Tensor], weights:
               outs: list[torch.Tensor], io_bytes: int, flops: int) -> object | None:
     """W8A8 FP8: the Triton kernel, and torch._scaled_mm where fp8_matmul would pick it.
 
-    Read against the API as written on 2026-11-22: fp8_matmul(x, wq, w_scale, out=,
-    allow_scaled_mm=) and reference(xq, x_scale, wq, w_scale, out_dtype). Any other API
-    disables the variant (a printed note) instead of failing the run.
+    Reads the API fp8_matmul(x, wq, w_scale, out=, allow_scaled_mm=) and reference(xq,
+    x_scale, wq, w_scale, out_dtype). Any other API disables the variant (a printed note)
+    instead of failing the run.
     """
     from cadence.kernels.fp8_format import quantize_fp8_per_token
 

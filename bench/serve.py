@@ -20,22 +20,18 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from cadence_runs import blocks_needed, max_model_len_for  # noqa: E402
-from machine import machine_info  # noqa: E402
-from random_llama import TINY, build_random_model  # noqa: E402
-from server_harness import ServerProcess  # noqa: E402
-from workloads import Workload, make_workload  # noqa: E402
-
-from cadence import LLM, SamplingParams  # noqa: E402
-from cadence.engine.default_model import resolve_model_path  # noqa: E402
+from cadence import LLM, SamplingParams
+from cadence.engine.default_model import resolve_model_path
+from common.cadence_runs import blocks_needed, max_model_len_for
+from common.from_tests import ServerProcess
+from common.machine import machine_info, machine_line
+from common.random_llama import TINY, build_random_model
+from common.workloads import Workload, make_workload
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -172,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     options = engine_options(args, work)
     info = machine_info()
     print(f"# cadence serve vs offline LLM.generate ({time.strftime('%Y-%m-%d %H:%M')})")
-    print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}")
+    print(machine_line(info))
     print(f"model: {path}\nworkload: {work.description}\nengine: {options}, {args.rounds} interleaved rounds\n")
 
     llm = LLM(path, **options)  # type: ignore[arg-type]

@@ -2,7 +2,7 @@
 
 Both run in this one process on the same model, the same prompts and the same number of
 torch threads. Prints, per scenario, output tokens/s for each, their ratio, and where
-Cadence's decode steps spend their time (the per-step overhead share at full batch).
+Cadence's time went by the engine's own StepTimings (the host overhead share).
 
     python bench/throughput.py --scenario all            # the real run (several minutes)
     python bench/throughput.py --quick                   # tiny model, smoke test of the script
@@ -10,7 +10,7 @@ Cadence's decode steps spend their time (the per-step overhead share at full bat
 
 Without --model, a SmolLM2-135M-shaped Llama with random weights is built from a config
 and saved once under bench/out/models/ (git-ignored): throughput does not depend on the
-weight values, and this machine has no internet to download the real checkpoint.
+weight values, and nothing needs downloading.
 """
 from __future__ import annotations
 
@@ -23,14 +23,13 @@ import sys
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
-from cadence_runs import CadenceResult, blocks_needed, cadence_llm, dump_steps, max_model_len_for, run_cadence, warm_up
-from decode_profile import profile_decode
-from hf_baseline import HFResult, hf_generate, hf_load, run_hf
-from machine import load_average_line, machine_info
-from random_llama import SMOLLM2_135M, TINY, build_random_model
-from scenario_report import TABLE_HEADER, scenario_details, scenario_row
-from step_probe import StepProbe
-from workloads import Workload, make_workload
+from common.cadence_runs import CadenceResult, blocks_needed, cadence_llm, max_model_len_for, run_cadence, warm_up
+from common.decode_profile import profile_decode
+from common.hf_baseline import HFResult, hf_generate, hf_load, run_hf
+from common.machine import load_average_line, machine_info, machine_line
+from common.random_llama import SMOLLM2_135M, TINY, build_random_model
+from common.scenario_report import TABLE_HEADER, scenario_details, scenario_row
+from common.workloads import Workload, make_workload
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -83,24 +82,22 @@ def time_hf(model: PreTrainedModel, work: Workload) -> HFResult:
     return hf
 
 
-def time_cadence(path: str, work: Workload, budgets: list[int], label: str, dtype: str) -> list[CadenceResult]:
+def time_cadence(path: str, work: Workload, budgets: list[int], dtype: str) -> list[CadenceResult]:
     """One fresh, warmed-up engine per max_num_batched_tokens in `budgets`, each timed on `work`."""
     results: list[CadenceResult] = []
     for mbt in budgets:
         llm = cadence_llm(path, blocks_needed(work), mbt, max_model_len_for(work), dtype)
-        probe = StepProbe(llm)
         warm_up(llm)
         print(f"   cadence max_num_batched_tokens={mbt} ...", flush=True)
-        res = run_cadence(llm, probe, work, mbt)
+        res = run_cadence(llm, work, mbt)
         print(
             f"   cadence mbt={mbt}: {res.seconds:.1f}s, {res.output_tokens} tokens, {res.tok_per_s:.1f} tok/s, "
-            f"{res.engine_timings['num_steps']} steps (other processes used {res.other_cores:.2f} cores meanwhile)",
+            f"{res.num_steps} steps (other processes used {res.other_cores:.2f} cores meanwhile)",
             flush=True,
         )
         results.append(res)
-        dump_steps(res, label)
         # Release this engine's KV cache and weights before the next one is built.
-        del llm, probe
+        del llm
         gc.collect()
     return results
 
@@ -118,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     report: list[str] = [
         f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"Command: python bench/throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}",
-        f"Machine: {info['cores']} cores, {info['cpu']}; torch {info['torch']}, transformers {info['transformers']}, "
-        f"Python {info['python']}; torch.get_num_threads() = {info['threads']}",
+        f"{machine_line(info)}; transformers {info['transformers']}, Python {info['python']}",
         weights_note,
         f"{args.dtype} everywhere, greedy, ignore_eos; both engines run in this one process, each warmed up first.",
         "",
@@ -139,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         work = make_workload(name, num_prompts, vocab_size, args.quick)
         print(f"== scenario {name}: {work.description}", flush=True)
         hf = time_hf(hf_model, work) if hf_model is not None else None
-        results = time_cadence(path, work, args.max_num_batched_tokens, f"{name}{'-quick' if args.quick else ''}", args.dtype)
+        results = time_cadence(path, work, args.max_num_batched_tokens, args.dtype)
         best = max(results, key=lambda r: r.tok_per_s)
         rows.append(scenario_row(work, hf, results, best))
         details += scenario_details(work, hf, results, best)
@@ -147,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(details[-20:]), flush=True)
 
         if args.profile and name == "equal":
-            profile_lines = profile_decode(path, work, best.max_num_batched_tokens)
+            profile_lines = profile_decode(path, work, best.max_num_batched_tokens, args.dtype)
 
     # The load average goes into the header, but only the end of the run knows it.
     report.insert(3, load_average_line(load_before, os.getloadavg()))

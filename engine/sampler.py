@@ -309,8 +309,8 @@ def _exponentials(md: SamplingMetadata, shape: tuple[int, int], device: torch.de
 
     Seeded rows draw `exponential_(generator=g)` into their own row, one row at a time, so their
     samples never depend on batch composition or position. Other random rows share one batched
-    draw from the default RNG as -log(U), U ~ U[0, 1): also exactly Exp(1), but about 4x faster
-    than exponential_ on CPU, and never 0. Greedy rows are left uninitialized: the caller
+    draw from the default RNG as -log(U), U ~ U[0, 1): also exactly Exp(1), but faster than
+    exponential_ on CPU, and never 0. Greedy rows are left uninitialized: the caller
     overrides their result.
     """
     batch, vocab = shape
@@ -333,8 +333,8 @@ def _exponentials(md: SamplingMetadata, shape: tuple[int, int], device: torch.de
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's first largest index, as ``argmax(dim=-1)`` gives it (ties and NaN alike).
 
-    ``max(dim=-1).indices`` because on CPU it is 2.4-2.8x faster than ``argmax`` over a
-    vocabulary (torch 2.13, 49,152 columns, batch 1-64: 1.2 against 3.2 ms at batch 64).
+    ``max(dim=-1).indices`` because on CPU it is faster than ``argmax`` over a vocabulary-wide
+    row (bench/HISTORY.md has the measurement).
     """
     return x.max(dim=-1).indices
 

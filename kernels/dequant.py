@@ -1,9 +1,8 @@
 """A whole int8 / int4 weight to a dense matrix in one pass: the large-M path of W8A16/W4A16.
 
 At prefill-sized M a weight-only GEMM is compute-bound: the weight bytes it saves are a
-small share of the time, and our tiled Triton kernels ran at 0.2-0.5x the dense fp16
-matmul at M = 64-256 on an H100 (bench/RESULTS.md; timed with do_bench, which adds
-launch overhead, though not enough to close a 2-5x gap). So from ``DEQUANT_MIN_M`` rows,
+small share of the time, and our tiled Triton kernels ran well below the dense fp16
+matmul at M = 64-256 on a GPU (bench/HISTORY.md). So from ``DEQUANT_MIN_M`` rows,
 ``w8a16_matmul`` and ``w4a16_matmul`` dequantize the weight into a transient dense
 matrix and hand it to torch.matmul (cuBLAS), as vLLM's AWQ layer does from 256 tokens.
 The dense copy lives for that one call, so the memory saving of the quantized weight

@@ -59,9 +59,9 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 def fp8_as_fp16_divided(q: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn codes -> fp16 values exactly FP16_DECODE_DIVISOR times smaller.
 
-    A few integer passes; much faster on CPU than ``q.to(torch.float16)`` (measured in
-    bench/fp8_linear.py). The NaN codes (0x7F, 0xFF) decode to +-480, but the
-    quantizers here never produce them.
+    A few integer passes; much faster on CPU than ``q.to(torch.float16)`` (``python
+    bench/cpu_linear.py --fp8`` measures both). The NaN codes (0x7F, 0xFF) decode to
+    +-480, but the quantizers here never produce them.
     """
     # Sign-extended, a code b >= 0x80 is b - 256; times 128 that is 0xC000 | (b & 0x7F) << 7
     # in 16 bits (no overflow: |h| <= 16384), and clearing bit 14 leaves the fp16 pattern

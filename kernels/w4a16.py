@@ -28,8 +28,8 @@ from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize
 from cadence.kernels.w4a16_gemv import GEMV_MAX_M, w4a16_gemv
 from cadence.kernels.w4a16_gemv import supports as gemv_supports
 
-# H100, Llama-8B's four projections summed (CUDA-graph replays): the GEMV takes 62-69 us
-# at M = 1, 93 at M = 2 and 154 at M = 4, against the tiled GEMM's ~260 (bench/RESULTS.md).
+# On an H100 (Llama-8B's four projections, CUDA-graph replays) the GEMV beats the tiled
+# GEMM at every M it serves (bench/HISTORY.md).
 DEFAULT_SMALL_M_THRESHOLD = GEMV_MAX_M
 
 

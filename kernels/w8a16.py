@@ -37,9 +37,9 @@ from cadence.kernels.launch import (
     triton_usable,
 )
 
-# Rows up to this many take the GEMV kernel. H100, Llama-8B's four projections, bf16:
-# at M = 2 the GEMV is 1.02x dense against the tiled kernel's 0.82x; at M = 4 it falls
-# to 0.61-0.76x (its [M, N, K] accumulator) and the tiled kernel (0.82x) wins.
+# Rows up to this many take the GEMV kernel. On an H100 (Llama-8B's four projections,
+# bf16) the GEMV still beats the tiled kernel at M = 2; by M = 4 its [M, N, K]
+# accumulator makes it the slower one (bench/RESULTS.md).
 DEFAULT_SMALL_M_THRESHOLD = 2
 
 

@@ -1,17 +1,14 @@
-"""Cadence's side of the comparison: `LLM.generate` on a workload, with per-step records."""
+"""Cadence's side of the comparison: `LLM.generate` on a workload, with the engine's own step timings."""
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass
 
 from cadence import LLM, SamplingParams
-from machine import Contention
-from step_probe import StepProbe
-from workloads import Workload
+from common.engine_timing import StepPhases, phases_since, snapshot
+from common.machine import Contention
+from common.workloads import Workload
 
-OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 BLOCK_SIZE = 16
 
 
@@ -21,8 +18,8 @@ class CadenceResult:
     seconds: float
     output_tokens: int
     token_ids: list[list[int]]
-    records: list[dict[str, float]]  # StepProbe's, one per engine step
-    engine_timings: dict[str, float]  # the engine's own StepTimings over this run
+    phases: StepPhases  # seconds in each phase, summed over the run's steps (the engine's StepTimings)
+    num_steps: int
     other_cores: float = 0.0
 
     @property
@@ -58,12 +55,10 @@ def warm_up(llm: LLM) -> None:
     llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]] * 2, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
 
 
-def run_cadence(llm: LLM, probe: StepProbe, work: Workload, mbt: int) -> CadenceResult:
+def run_cadence(llm: LLM, work: Workload, mbt: int) -> CadenceResult:
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in work.max_tokens]
     # The engine's StepTimings accumulate over its life: take the difference over this run.
-    t = llm.engine.timings
-    before = (t.schedule, t.execute, t.update, t.num_steps)
-    probe.reset()
+    before = snapshot(llm.engine.timings)
     with Contention() as c:
         start = time.perf_counter()
         outs = llm.generate(work.prompts, params)
@@ -72,18 +67,6 @@ def run_cadence(llm: LLM, probe: StepProbe, work: Workload, mbt: int) -> Cadence
     produced = sum(len(x) for x in token_ids)
     if produced != work.useful_tokens:
         print(f"WARNING: Cadence produced {produced} tokens, expected {work.useful_tokens}", flush=True)
-    timings = dict(
-        schedule=t.schedule - before[0],
-        execute=t.execute - before[1],
-        update=t.update - before[2],
-        num_steps=t.num_steps - before[3],
-    )
-    return CadenceResult(mbt, seconds, produced, token_ids, list(probe.records), timings, c.other_cores)
-
-
-def dump_steps(res: CadenceResult, label: str) -> None:
-    """Per-step records to bench/out/steps-<label>-mbt<N>.json, for looking at afterwards."""
-    os.makedirs(OUT_DIR, exist_ok=True)
-    path = os.path.join(OUT_DIR, f"steps-{label}-mbt{res.max_num_batched_tokens}.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump([dict(r) for r in res.records], f)
+    after = llm.engine.timings
+    phases = phases_since(before, after)
+    return CadenceResult(mbt, seconds, produced, token_ids, phases, after.num_steps - before.num_steps, c.other_cores)

@@ -1,10 +1,9 @@
 """The markdown a scenario contributes to the report: a summary-table row and a details section."""
 from __future__ import annotations
 
-from cadence_runs import CadenceResult
-from hf_baseline import HFResult
-from step_breakdown import breakdown, overhead_lines
-from workloads import Workload
+from common.cadence_runs import CadenceResult
+from common.hf_baseline import HFResult
+from common.workloads import Workload
 
 TABLE_HEADER = [
     "| scenario | prompts | useful output tokens | transformers tok/s (time) | Cadence tok/s (time) | Cadence / transformers | Cadence max_num_batched_tokens (tok/s each) |",
@@ -39,12 +38,7 @@ def scenario_details(
                 else "."
             )
         )
-    t = best.engine_timings
-    details.append(
-        f"- Cadence best at max_num_batched_tokens={best.max_num_batched_tokens}: {t['num_steps']} steps; "
-        f"engine StepTimings schedule {t['schedule']:.2f}s, execute {t['execute']:.2f}s, update {t['update']:.2f}s "
-        f"of {best.seconds:.2f}s wall"
-    )
+    details += step_lines(best)
     details.append(
         "- cores used by other processes during the timed runs (should be ~0): "
         + (f"transformers {hf.other_cores:.2f}, " if hf else "")
@@ -56,7 +50,7 @@ def scenario_details(
             "flip a token and the continuations then diverge): " + "; ".join(_spot_check(work, hf, best))
         )
     details.append("")
-    return details + _breakdown_section(results, best, len(work.prompts))
+    return details
 
 
 def _first_mismatch(a: list[int], b: list[int]) -> int:
@@ -78,10 +72,20 @@ def _spot_check(work: Workload, hf: HFResult, best: CadenceResult) -> list[str]:
     return matches
 
 
-def _breakdown_section(results: list[CadenceResult], best: CadenceResult, batch: int) -> list[str]:
-    """The best run's step breakdown, or the first other run's when it had no full-batch decode step."""
-    for res in sorted(results, key=lambda r: r is not best):
-        bd = breakdown(res.records, batch)
-        if bd is not None:
-            return [f"(from the max_num_batched_tokens={res.max_num_batched_tokens} run)", *overhead_lines(bd[0], bd[1], batch), ""]
-    return [f"(no pure-decode step at batch {batch} in this scenario)", ""]
+def step_lines(res: CadenceResult) -> list[str]:
+    """Where the run's time went, from the engine's StepTimings: per-step means and the host share.
+
+    `execute` is the model runner (inputs, forward, LM head, sampling); schedule, update and
+    what LLM.generate does between steps (output processing) are the host's overhead.
+    """
+    p, steps = res.phases, max(res.num_steps, 1)
+    outside = max(res.seconds - p.total, 0.0)
+    overhead = p.schedule + p.update + outside
+    return [
+        f"- Cadence best at max_num_batched_tokens={res.max_num_batched_tokens}: {res.num_steps} engine steps, "
+        f"per step schedule {p.schedule / steps * 1e3:.2f} ms, execute {p.execute / steps * 1e3:.2f} ms, "
+        f"update {p.update / steps * 1e3:.2f} ms; outside the steps (LLM.generate's own work) "
+        f"{outside / steps * 1e3:.2f} ms",
+        f"- host overhead (schedule + update + outside the steps) / wall time = {overhead:.3f} / "
+        f"{res.seconds:.2f} s = **{100 * overhead / res.seconds:.1f}%**",
+    ]

@@ -1,8 +1,7 @@
 """Llama checkpoints with random weights, for benchmarking without downloading one.
 
-Throughput does not depend on the weight values, and this machine has no internet to
-download the real SmolLM2-135M, so the benchmark builds a model of the same shape from a
-config and saves it once under bench/out/models/ (git-ignored).
+Throughput does not depend on the weight values, so the benchmarks build a model of the
+shape they need from a config and save it once under bench/out/models/ (git-ignored).
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "models")
+CACHE_DIR = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out", "models"))
 
 # SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json).
 SMOLLM2_135M: dict[str, Any] = dict(

@@ -11,13 +11,14 @@ import subprocess
 import time
 
 import torch
-import transformers
 
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def machine_info() -> dict[str, str]:
-    """CPU model, core count, library versions and torch's thread count, for the report header."""
+    """CPU model and ISA, core count, library versions and torch's thread count, for the report header."""
+    import transformers
+
     model_name = platform.processor() or "?"
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -28,12 +29,30 @@ def machine_info() -> dict[str, str]:
         pass
     return dict(
         cpu=model_name,
+        isa=", ".join(cpu_flags()) or "none of the checked extensions",
         cores=str(os.cpu_count()),
         torch=torch.__version__,
         transformers=transformers.__version__,
         threads=str(torch.get_num_threads()),
         python=platform.python_version(),
     )
+
+
+def cpu_flags() -> list[str]:
+    """The ISA extensions that decide which CPU kernels run fast (AVX-512, AMX)."""
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile")
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [flag for flag in wanted if flag in flags]
+
+
+def machine_line(info: dict[str, str]) -> str:
+    """One report line naming the machine, as bench/RESULTS.md records it."""
+    return (f"machine: {info['cpu']} ({info['isa']}), {info['cores']} cores, torch {info['torch']}, "
+            f"{info['threads']} threads")
 
 
 def load_average_line(before: tuple[float, float, float], after: tuple[float, float, float]) -> str:

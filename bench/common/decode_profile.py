@@ -10,13 +10,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from cadence import SamplingParams
 from cadence.engine.protocol import EngineCoreRequest
-from cadence_runs import blocks_needed, cadence_llm, max_model_len_for
-from workloads import Workload
+from common.cadence_runs import blocks_needed, cadence_llm, max_model_len_for
+from common.workloads import Workload
 
 
-def profile_decode(path: str, work: Workload, mbt: int, num_steps: int = 10) -> list[str]:
+def profile_decode(path: str, work: Workload, mbt: int, dtype: str, num_steps: int = 10) -> list[str]:
     """torch.profiler and cProfile over `num_steps` pure-decode steps at full batch."""
-    llm = cadence_llm(path, blocks_needed(work), mbt, max_model_len=max_model_len_for(work))
+    llm = cadence_llm(path, blocks_needed(work), mbt, max_model_len_for(work), dtype)
     engine = llm.engine
     # Driven through the engine, not LLM.generate, so the profiles hold engine steps only.
     for i, p in enumerate(work.prompts):

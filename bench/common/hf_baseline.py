@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from machine import Contention
-from workloads import Workload
+from common.machine import Contention
+from common.workloads import Workload
 
 
 @dataclass
