@@ -74,7 +74,6 @@ def record_launches(cases: dict[str, Callable[[], object]]) -> list[Launch]:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("record_launches needs TRITON_INTERPRET=1, so that CPU tensors reach the kernels")
     launches: list[Launch] = []
-    label = ""
 
     def capture(self: InterpretedFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         bound = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in self.arg_names}
@@ -82,7 +81,7 @@ def record_launches(cases: dict[str, Callable[[], object]]) -> list[Launch]:
         hints = self.fn.__annotations__
         constexpr_names = {n for n in self.arg_names if "constexpr" in str(hints.get(n, ""))}
         launches.append(Launch(
-            label=label, module=self.fn.__module__, kernel=self.fn.__name__,
+            label="", module=self.fn.__module__, kernel=self.fn.__name__,  # labelled by the loop below
             arg_types={n: _arg_type(v) for n, v in bound.items() if n not in constexpr_names},
             constexprs={n: (v.value if isinstance(v, tl.constexpr) else v)
                         for n, v in bound.items() if n in constexpr_names},
@@ -92,8 +91,11 @@ def record_launches(cases: dict[str, Callable[[], object]]) -> list[Launch]:
     original = InterpretedFunction.run
     InterpretedFunction.run = capture
     try:
-        for case in cases.values():
+        for label, case in cases.items():
+            first = len(launches)
             case()
+            for launch in launches[first:]:
+                launch.label = label
     finally:
         InterpretedFunction.run = original
     return launches
