@@ -231,7 +231,7 @@ def test_cli_accepts_quantization_flag() -> None:
 
 
 def test_cli_serves_gguf_models_in_their_own_blocks_unless_told() -> None:
-    from cadence.server.cli import quantization_for
+    from cadence.engine.engine_args import quantization_for
 
     assert quantization_for(None, None) == "gguf"  # the default model is a Q4_1 GGUF
     assert quantization_for(None, "/m/Model.Q8_0.GGUF") == "gguf"
