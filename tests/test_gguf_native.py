@@ -178,6 +178,7 @@ def test_gguf_quantization_refuses_other_models(tiny_model_dir, tiny_mixed_gguf,
         load_model(str(copy), torch.float32, quantization="gguf")
 
 
+@pytest.mark.slow
 def test_smollm2_served_from_its_q4_1_blocks() -> None:
     from cadence.engine.default_model import resolve_model_path
 

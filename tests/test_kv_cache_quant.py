@@ -40,6 +40,7 @@ def test_quantized_cache_stays_close_to_dense(tiny_model_dir, kv_cache_dtype: st
     assert drift < (0.25 if kv_cache_dtype == "int8" else 1.5), drift
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_quantized_cache_perplexity_on_smollm2() -> None:
     path = smollm2_path()

@@ -293,11 +293,13 @@ def smollm2_results() -> dict[str, tuple[float, float]]:
     return results
 
 
+@pytest.mark.slow
 def test_smollm2_int8_perplexity_within_one_percent(smollm2_results) -> None:
     dense, int8 = smollm2_results["dense"][0], smollm2_results["int8"][0]
     assert math.isfinite(dense) and int8 / dense - 1 < 0.01  # issue 4's target; measured +0.3%
 
 
+@pytest.mark.slow
 def test_smollm2_int4_perplexity_regression_bound(smollm2_results) -> None:
     # NOT issue 4's 5% target, which round-to-nearest int4 misses on this model (+35%
     # measured for symmetric RTN, g128 on down_proj and g64 elsewhere; bench/RESULTS.md):
