@@ -1,7 +1,14 @@
-"""What a user chooses when starting an engine, and how the KV cache gets its size."""
+"""What a user chooses when starting an engine, and how the KV cache gets its size.
+
+`engine_args_for` is the one front door: `cadence serve [MODEL] --flags` and
+`LLM(model, **options)` both turn the user's model argument and options into EngineArgs
+through it, so the server and the offline API load the same model the same way.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+import os
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -55,6 +62,53 @@ class EngineArgs:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+ENGINE_OPTIONS = frozenset(f.name for f in fields(EngineArgs)) - {"model"}
+
+
+def quantization_for(option: str | None, model: str | None) -> str | None:
+    """The quantization to load with: the option's, except that "none" means dense, and an
+    unset option keeps a GGUF model (the default model is one) in its own quantized
+    blocks, as llama.cpp and vLLM serve a GGUF."""
+    if option is not None:
+        return None if option.lower() == "none" else option
+    is_gguf = model is None or model.lower().endswith(".gguf")
+    return "gguf" if is_gguf else None
+
+
+def engine_args_for(model: str | os.PathLike[str] | None = None, **options: object) -> EngineArgs:
+    """EngineArgs for a user's model argument and engine options.
+
+    `model` is an HF folder (loaded as it is), a .gguf file (converted once into the cache,
+    see engine/gguf_loader.py) or None for the default model (SmolLM2-135M-Instruct's
+    GGUF). `options` are EngineArgs fields; `quantization` unset or None picks "gguf" for
+    a GGUF model and dense for a folder, and "none" asks for dense explicitly.
+    Raises TypeError naming any option EngineArgs does not have, and ValueError for a bad
+    value, both before any conversion starts.
+    """
+    unknown = sorted(set(options) - ENGINE_OPTIONS)
+    if unknown:
+        raise TypeError(_unknown_options_message(unknown))
+    path = None if model is None else os.fspath(model)
+    options["quantization"] = quantization_for(options.get("quantization"), path)  # type: ignore[arg-type]
+    # Validate every value before resolving the model: a GGUF conversion can take a while.
+    args = EngineArgs(model=path or "", **options)  # type: ignore[arg-type]
+    # Imported here: the GGUF converter pulls in numpy, gguf and safetensors.
+    from cadence.engine.default_model import resolve_model_path
+
+    return replace(args, model=resolve_model_path(path))
+
+
+def _unknown_options_message(unknown: list[str]) -> str:
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, ENGINE_OPTIONS, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (
+        f"unknown engine option{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; "
+        f"the options are {', '.join(sorted(ENGINE_OPTIONS))}"
+    )
 
 
 def kv_cache_bytes_per_block(args: EngineArgs, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from cadence.engine.engine_args import EngineArgs
+from cadence.engine.engine_args import engine_args_for
 from cadence.engine.engine_core import EngineCore
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
@@ -31,13 +31,24 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
 class LLM:
     """Batch generation in-process: every prompt is added, then the engine steps until done.
 
-    Keyword arguments are EngineArgs fields (dtype, max_num_seqs, max_num_batched_tokens,
-    block_size, enable_prefix_caching, num_gpu_blocks, kv_cache_memory, max_model_len, ...).
+    `model` is what `cadence serve [MODEL]` takes: an HF folder, a .gguf file (converted
+    once and cached, then served in its own quantized blocks unless `quantization` says
+    otherwise) or None for the default SmolLM2-135M-Instruct. Keyword arguments are
+    EngineArgs fields (dtype, quantization, max_num_seqs, max_num_batched_tokens,
+    block_size, enable_prefix_caching, num_gpu_blocks, kv_cache_memory, max_model_len, ...),
+    with the server's defaults; an unknown one raises TypeError. The tokenizer comes from
+    the loaded folder unless `tokenizer` names another.
     """
 
-    def __init__(self, model: str, tokenizer: str | None = None, **engine_options: object) -> None:
-        self.engine = EngineCore(EngineArgs(model=os.fspath(model), **engine_options))  # type: ignore[arg-type]
-        self.tokenizer = load_tokenizer(tokenizer or model)
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        tokenizer: str | os.PathLike[str] | None = None,
+        **engine_options: object,
+    ) -> None:
+        args = engine_args_for(model, **engine_options)
+        self.engine = EngineCore(args)
+        self.tokenizer = load_tokenizer(os.fspath(tokenizer) if tokenizer is not None else args.model)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:

@@ -7,13 +7,13 @@ MODEL is a Hugging Face folder or a .gguf file; with none, the default model
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import re
 import signal
 import sys
-from dataclasses import fields
 
-from cadence.engine.engine_args import EngineArgs
+from cadence.engine.engine_args import ENGINE_OPTIONS, EngineArgs, engine_args_for
 
 logger = logging.getLogger("cadence")
 
@@ -30,6 +30,44 @@ def parse_size(text: str) -> int:
     return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
 
 
+def add_engine_flags(serve: argparse.ArgumentParser) -> None:
+    """The flags named after EngineArgs fields. They have no defaults of their own: an unset
+    flag is None and is left out of the options, so EngineArgs' defaults apply, the same
+    ones `LLM(...)` gets."""
+    group = serve.add_argument_group("engine options", "as LLM(...) takes them; unset ones keep the engine's defaults")
+    flag = functools.partial(group.add_argument, default=None)
+    flag("--max-model-len", type=int)
+    flag("--max-num-seqs", type=int)
+    flag("--max-num-batched-tokens", type=int)
+    flag("--num-gpu-blocks", type=int, help="KV-cache blocks (on any device)")
+    flag("--kv-cache-memory", type=parse_size, help="KV-cache size, e.g. 2GiB")
+    flag("--block-size", type=int)
+    flag("--dtype", help="auto, float32, float16 or bfloat16")
+    flag("--device", help="auto, cpu or cuda[:N]")
+    flag("--seed", type=int)
+    flag(
+        "--quantization", choices=["none", "int8", "int4", "fp8", "gguf"],
+        help="quantize the dense checkpoint's linear weights while loading: int8/int4 weight-only, "
+        "or fp8 W8A8 (e4m3 weights per channel, activations per token at run time); gguf serves a "
+        "GGUF's own Q4_0/Q4_1/Q8_0 blocks, the default for GGUF models; none loads them dense",
+    )
+    flag(
+        "--quantize-lm-head", action=argparse.BooleanOptionalAction,
+        help="store the LM head (and a tied embedding) as int8 per vocabulary row; default: "
+        "only for a GGUF served with --quantization gguf whose file stores the head quantized",
+    )
+    flag(
+        "--kv-cache-dtype", choices=["auto", "int8", "fp8"],
+        help="KV-cache storage: the model's dtype, or int8/fp8 with a scale per token and head",
+    )
+    flag("--attention-backend", choices=["auto", "torch", "triton"], help="auto: Triton on CUDA, torch on CPU")
+    flag(
+        "--enforce-eager", action="store_true",
+        help="on a GPU, launch decode steps kernel by kernel instead of replaying CUDA graphs",
+    )
+    flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help="reuse KV of shared prefixes")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadence", description="Cadence: an LLM inference server.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -39,40 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", nargs="+", default=None, help="names clients use in 'model'")
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=256)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
-    serve.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (on any device)")
-    serve.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV-cache size, e.g. 2GiB")
-    serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
-    serve.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument(
-        "--quantization", default=None, choices=["none", "int8", "int4", "fp8", "gguf"],
-        help="quantize the dense checkpoint's linear weights while loading: int8/int4 weight-only, "
-        "or fp8 W8A8 (e4m3 weights per channel, activations per token at run time); gguf serves a "
-        "GGUF's own Q4_0/Q4_1/Q8_0 blocks, the default for GGUF models; none loads them dense",
-    )
-    serve.add_argument(
-        "--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
-        help="store the LM head (and a tied embedding) as int8 per vocabulary row; default: "
-        "only for a GGUF served with --quantization gguf whose file stores the head quantized",
-    )
-    serve.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
-        help="KV-cache storage: the model's dtype, or int8/fp8 with a scale per token and head",
-    )
-    serve.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "torch", "triton"], help="auto: Triton on CUDA, torch on CPU"
-    )
-    serve.add_argument(
-        "--enforce-eager", action="store_true",
-        help="on a GPU, launch decode steps kernel by kernel instead of replaying CUDA graphs",
-    )
-    serve.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV of shared prefixes"
-    )
+    add_engine_flags(serve)
     serve.add_argument(
         "--max-waiting", type=int, default=1024, help="sequences that may wait beyond max-num-seqs before 429s"
     )
@@ -113,31 +118,22 @@ def quantize(args: argparse.Namespace) -> None:
     logger.info("wrote %s: %s; serve it with `cadence serve %s`", args.output, done, args.output)
 
 
-def quantization_for(flag: str | None, model: str | None) -> str | None:
-    """The quantization to load with: the flag's, except that "none" means dense, and an
-    unset flag keeps a GGUF model (the default model is one) in its own quantized blocks,
-    as llama.cpp and vLLM serve a GGUF."""
-    if flag is not None:
-        return None if flag == "none" else flag
-    is_gguf = model is None or model.lower().endswith(".gguf")
-    return "gguf" if is_gguf else None
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    """The engine's arguments for `cadence serve`: the flags given, through the same front
+    door as `LLM(...)`."""
+    options = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name, None) is not None}
+    return engine_args_for(args.model, **options)
 
 
 def serve(args: argparse.Namespace) -> None:
     # Imported here so `cadence --help` answers at once, without torch and FastAPI.
     import uvicorn
 
-    from cadence.engine.default_model import resolve_model_path
     from cadence.server.api_server import ServerConfig, build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model_path = resolve_model_path(args.model)
-    args.quantization = quantization_for(args.quantization, args.model)
+    engine_args = engine_args_from(args)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    # Every EngineArgs field with a flag of the same name comes from it; the rest keep
-    # their defaults.
-    options = {f.name: getattr(args, f.name) for f in fields(EngineArgs) if f.name != "model" and hasattr(args, f.name)}
-    engine_args = EngineArgs(model=model_path, **options)
     config = ServerConfig(
         served_model_names=names,
         api_key=args.api_key,
@@ -145,7 +141,7 @@ def serve(args: argparse.Namespace) -> None:
         max_request_body_bytes=args.max_request_body_bytes,
     )
     app = build_app(engine_args, config)
-    logger.info("serving %s as %s on http://%s:%d (quantization: %s)", model_path, names[0], args.host, args.port,
+    logger.info("serving %s as %s on http://%s:%d (quantization: %s)", engine_args.model, names[0], args.host, args.port,
                 engine_args.quantization or "none")
     # uvicorn drains on SIGTERM, then re-raises it under the handler it found; make that a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -1,8 +1,8 @@
-"""Shared fixtures: tiny random checkpoints saved once per test session."""
+"""Shared fixtures (tiny random checkpoints saved once per test session) and the `gpu`
+marker's skip on machines without CUDA. Shared helpers live in helpers.py."""
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 
 import torch
@@ -14,11 +14,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-
 from tiny_models import make_tiny_model  # noqa: E402
 from tiny_tokenizer import save_tiny_tokenizer  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` need CUDA: without it they are skipped, with the reason shown."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs CUDA")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,10 @@ def pid_alive(pid: int) -> bool:
 class ServerProcess:
     """One `cadence serve` subprocess; use as a context manager."""
 
-    def __init__(self, model: str | None, *extra_args: str, startup_timeout: float = 180.0) -> None:
+    def __init__(
+        self, model: str | None, *extra_args: str, startup_timeout: float = 180.0, env: dict[str, str] | None = None
+    ) -> None:
+        """`env` adds to (or overrides) this process's environment for the server."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "cadence.server.cli", "serve"]
@@ -54,7 +57,9 @@ class ServerProcess:
         command += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *extra_args]
         self.log_path = f"/tmp/cadence-test-server-{self.port}.log"
         self._log = open(self.log_path, "w+b")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=None if env is None else {**os.environ, **env}
+        )
         self._wait_healthy(startup_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
@@ -72,7 +77,8 @@ class ServerProcess:
         raise RuntimeError(f"the server did not become healthy in {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # stop() closes it, and a failed start reports the log after that
+            self._log.flush()
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()[-5000:]
 

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from test_engine_correctness import hf_greedy
+from helpers import hf_greedy
 
 from cadence import LLM, SamplingParams
 from cadence.engine.cuda_graphs import CAPTURE_BATCH_SIZES, DecodeGraphs
@@ -69,10 +69,7 @@ def test_batch_sizes_and_split_ladder() -> None:
     assert graphs.split_ladder(1) == [1]  # too short to split at all
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-
-
-@cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_replayed_graphs_match_eager_on_gpu(tiny_model_dir, tmp_path, kv_cache_dtype: str) -> None:
     # The tiny llama with room for a context long enough to split (its RoPE table grows).
@@ -109,7 +106,7 @@ def test_replayed_graphs_match_eager_on_gpu(tiny_model_dir, tmp_path, kv_cache_d
     assert len(replays) == MAX_TOKENS - 1  # the long prompt's decodes (1505+ tokens: 5 -> 4 splits)
 
 
-@cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_model_replays_match_eager_on_gpu(tmp_path, quantization: str) -> None:
     """The decode GEMVs (with their split-K tickets) inside replayed graphs: a model wide

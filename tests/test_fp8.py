@@ -21,7 +21,7 @@ import math
 
 import pytest
 import torch
-from kernel_checks import cuda_only, gen, poisoned, rel_err
+from helpers import gen, poisoned, rel_err
 from quant_eval import TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
 from torch import nn
 
@@ -200,7 +200,7 @@ def test_fp8_option_is_accepted_everywhere() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks Fp8Linear's CPU path; CUDA runs fp8_matmul, "
-                    "compared with its reference in the cuda_only tests above")
+                    "compared with its reference in the gpu tests above")
 def test_tiny_model_end_to_end_fp8(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tiny_model_dir("llama")
     dense = tiny_llm(path, None)
@@ -242,7 +242,7 @@ def needs_fp8_mma() -> None:
         pytest.skip("torch._scaled_mm's fp8 needs compute capability 8.9+")
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m", [1, 8, 33, 300])
 def test_gpu_scaled_mm_and_triton_match_reference(dtype: torch.dtype, m: int) -> None:
@@ -260,7 +260,7 @@ def test_gpu_scaled_mm_and_triton_match_reference(dtype: torch.dtype, m: int) ->
     assert rel_err(out, ref) < {torch.bfloat16: 5e-3, **KERNEL_TOL}[dtype]  # the Triton kernel
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_ragged_shapes_take_triton(dtype: torch.dtype) -> None:
     k, n = 4000, 1000  # not multiples of 16: _scaled_mm refuses them
@@ -271,7 +271,7 @@ def test_gpu_ragged_shapes_take_triton(dtype: torch.dtype) -> None:
     assert rel_err(out, reference_for(x, wq, w_scale)) < 5e-3
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_fp8_linear_on_cuda_matches_reference() -> None:
     lin = make_linear(256, 512, bias=True, seed=5).cuda()
     mod = Fp8Linear.from_linear(lin)

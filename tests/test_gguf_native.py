@@ -26,7 +26,7 @@ from cadence.engine.quantization.gguf_native import decode_q4, decode_q8_0, int4
 from cadence.engine.quantization.linear import Int4Linear, Int8Linear
 from cadence.kernels.quant_formats import dequantize_int4, dequantize_int8
 from gguf_writer import write_tiny_gguf_in
-from kernel_checks import gen, rel_err
+from helpers import gen, rel_err
 from quant_eval import EVAL_TEXT, greedy_tokens, perplexity, prefix_agreement
 from tiny_models import build_tiny_model
 
@@ -178,6 +178,7 @@ def test_gguf_quantization_refuses_other_models(tiny_model_dir, tiny_mixed_gguf,
         load_model(str(copy), torch.float32, quantization="gguf")
 
 
+@pytest.mark.slow
 def test_smollm2_served_from_its_q4_1_blocks() -> None:
     from cadence.engine.default_model import resolve_model_path
 

@@ -22,7 +22,7 @@ from cadence.engine.quantization import gptq_model, linear as linear_module
 from cadence.engine.quantization.gptq import HessianAccumulator, gptq_quantize
 from cadence.engine.quantization.linear import Int4Linear
 from cadence.kernels.quant_formats import dequantize_int4, quantize_int4
-from kernel_checks import gen
+from helpers import gen
 from quant_eval import TINY_PROMPTS, greedy_tokens
 
 

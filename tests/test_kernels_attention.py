@@ -14,16 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import DEVICE, KERNEL_TOL, rel_err
+
 from cadence.kernels import kv_cache_write, kv_quant
 from cadence.kernels import paged_attention as pa
-from kernel_checks import DEVICE
-
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "NaN in output (unwritten or read out of range)"
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -99,7 +93,7 @@ def test_mixed_batch_matches_reference_split_and_unsplit(
     scale = head_dim**-0.5
     ref = pa.reference(*inputs, scale, window=window)
     unsplit = run_kernel(*inputs, max(q_lens), scale, window, 1)
-    tol = TOLERANCE[dtype]
+    tol = KERNEL_TOL[dtype]
     assert rel_err(unsplit, ref) < tol
     for num_splits in (3, 8):  # 8 leaves some splits with no KV tile at all
         split = run_kernel(*inputs, max(q_lens), scale, window, num_splits)
@@ -114,7 +108,7 @@ def test_long_decode_splits_automatically(window: int | None) -> None:
     assert pa.choose_num_splits(2, 1, 612, 16) > 1
     ref = pa.reference(*inputs, 0.25, window=window)
     out = run_kernel(*inputs, 1, 0.25, window, None, num_sms=16)
-    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    assert rel_err(out, ref) < KERNEL_TOL[torch.float32]
 
 
 def test_choose_num_splits_follows_idle_sms_and_context() -> None:
@@ -199,10 +193,10 @@ def test_write_then_attend_roundtrip() -> None:
     meta = block_tables.long(), seq_lens.long(), starts.long()
     out = run_kernel(q, kv_cache, *meta, max(q_lens), 0.25, None, None)
     ref = pa.reference(q, truth, *meta, 0.25)
-    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    assert rel_err(out, ref) < KERNEL_TOL[torch.float32]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the kernels for a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_compiled_realistic_shapes(dtype: torch.dtype) -> None:
     q_lens = [1] * 6 + [70, 300]
@@ -233,7 +227,7 @@ def test_int8_kv_cache_matches_reference_and_dense(dtype: torch.dtype, group: in
     ref = pa.reference(q, stored, block_tables, seq_lens, starts, scale, window=window, kv_scales=scales)
     for num_splits in (1, 3):
         out = run_kernel(q, stored, block_tables, seq_lens, starts, max(q_lens), scale, window, num_splits, kv_scales=scales)
-        assert rel_err(out, ref) < TOLERANCE[dtype]
+        assert rel_err(out, ref) < KERNEL_TOL[dtype]
     # Against the unquantized cache: int8 with a scale per row keeps attention within ~1%.
     dense = pa.reference(q, kv_cache, block_tables, seq_lens, starts, scale, window=window)
     assert rel_err(ref, dense) < 1e-2

@@ -37,7 +37,7 @@ from triton_aot import Launch, dump_launches, record_launches
 # The launches are recorded by running the wrappers on CPU tensors in the interpreter. A
 # machine with a GPU does not turn the interpreter on (conftest.py); there the kernel
 # tests compile and run every kernel for real, so this check is for machines without one.
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real")]
 
 pytest.importorskip("triton.backends.nvidia.compiler")
 

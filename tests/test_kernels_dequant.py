@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import DEVICE, KERNEL_TOL, gen, poisoned, rel_err
 
 from cadence.kernels import dequant, w4a16, w8a16
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int8, quantize_int4, quantize_int8
-from kernel_checks import DEVICE, cuda_only, gen, poisoned, rel_err
 
-KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
 def int4_weights(k: int, n: int, group: int) -> dict[str, Int4Weight]:
@@ -108,7 +107,7 @@ def test_decode_batches_stay_below_the_threshold() -> None:
     assert dequant.DEQUANT_MIN_M > max(CAPTURE_BATCH_SIZES)
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_dense_path_matches_reference(dtype: torch.dtype) -> None:
     k, n, m = 4096, 1000, dequant.DEQUANT_MIN_M

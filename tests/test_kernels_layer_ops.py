@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import DEVICE, gen, rel_err
 
 from cadence.kernels import layer_ops_reference as reference
 from cadence.kernels.rms_norm import rms_norm
 from cadence.kernels.rotary import apply_rotary
 from cadence.kernels.silu_and_mul import silu_and_mul
-from kernel_checks import DEVICE, gen, rel_err
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-6}

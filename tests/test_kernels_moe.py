@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import KERNEL_TOL, gen, poisoned, rel_err
 
 from cadence.kernels import fused_moe as fm
 from cadence.kernels.moe_align import max_padded_pairs, moe_align
 from cadence.kernels.quant_formats import quantize_int4
-from kernel_checks import cuda_only, gen, poisoned, rel_err
 
-KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 QUANT_TOL = {"int8": 3e-2, "int4_sym": 0.35, "int4_zp": 0.35}
 FORMATS = ["dense", "int8", "int4_sym", "int4_zp"]
 
@@ -187,7 +186,7 @@ def test_fused_moe_validates_shapes() -> None:
 # ---------------------------------------------------------------- GPU only
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 64, 300])
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from cadence.kernels import w4a16_gemv
+from helpers import rel_err
 from ptx_emulator import inline_asm_texts, run_ptx
+
+from cadence.kernels import w4a16_gemv
 
 DOT8_TOL = 2e-3
 
@@ -38,10 +40,6 @@ def dot8(codes: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 def reference(codes: np.ndarray, x: np.ndarray) -> np.ndarray:
     return ((codes.astype(np.float64) - 8) * x.astype(np.float16).astype(np.float64)).sum(-1)
-
-
-def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
 def test_every_code_in_every_nibble_decodes_exactly() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import DEVICE, KERNEL_TOL, gen, poisoned, rel_err
 
 from cadence.kernels import launch, split_k, w4a16, w4a16_gemv, w8a16
 from cadence.kernels.launch import GEMV_PROGRAMS_PER_SM, TILED_PROGRAMS_PER_SM, split_k_to_fill
@@ -31,10 +32,8 @@ from cadence.kernels.quant_formats import (
     to_gptq,
     unpack_int4,
 )
-from kernel_checks import DEVICE, cuda_only, gen, poisoned, rel_err
 
 # bf16: the reference rounds each dequantized weight to bf16, the GEMV keeps it in fp32.
-KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # (K, group) pairs the shapes allow.
 K_GROUPS = [(64, 32), (64, 64), (128, 32), (128, 128)]
 
@@ -403,7 +402,7 @@ def test_awq_round_trip(group: int, symmetric: bool) -> None:
 # ---------------------------------------------------------------- GPU only
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 8, 33, 300])
 def test_gpu_kernels_match_reference(dtype: torch.dtype, m: int) -> None:
@@ -420,7 +419,7 @@ def test_gpu_kernels_match_reference(dtype: torch.dtype, m: int) -> None:
         assert rel_err(out, w4a16.reference(x, qw)) < tol
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_gpu_w4a16_gemv_takes_large_fp16_activations() -> None:
     """Activations of +-20,000 (outliers of the kind some models' MLPs produce): the PTX
     accumulates four (code - 8) / 16 * x terms in fp16, at most 40,000 here. With

