@@ -66,10 +66,15 @@ def group_by_length(lengths: list[int]) -> list[tuple[int, int]]:
     return groups
 
 
-def gather_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of `positions` (any shape) in a padded block table row or rows."""
-    block_index = torch.div(positions, block_size, rounding_mode="floor")
-    return torch.gather(block_table, -1, block_index) * block_size + positions % block_size
+def leading_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """int64 cache slots of positions 0..length-1 through a padded block table row or rows
+    (int32 `[..., blocks]`): each needed block's slots at once, rather than a divide,
+    gather and remainder per position, which cost several passes over the whole padded
+    context on every decode step. Contiguous, since every layer gathers with it."""
+    num_blocks = -(-length // block_size)
+    offsets = torch.arange(block_size, device=block_table.device)
+    slots = block_table[..., :num_blocks, None].long() * block_size + offsets
+    return slots.flatten(-2)[..., :length].contiguous()
 
 
 # cuDNN attention builds an execution plan for every new shape; with decode lengths that
@@ -127,10 +132,10 @@ class TorchSDPABackend(AttentionBackend):
         for start, end in group_by_length(decode_lens):
             lens = decode_lens[start:end]
             max_len = max(lens)
-            positions = torch.arange(max_len, device=device).expand(end - start, max_len)
-            slots = gather_slots(tables[start:end], positions, self.block_size)
+            slots = leading_slots(tables[start:end], max_len, self.block_size)
             mask = None
             if device.type == "cuda" or min(lens) < max_len or (window is not None and max_len > window):
+                positions = torch.arange(max_len, device=device).expand(end - start, max_len)
                 seq_lens = torch.tensor(lens, device=device)[:, None]
                 mask = positions < seq_lens
                 if window is not None:
@@ -144,8 +149,7 @@ class TorchSDPABackend(AttentionBackend):
             kv_len = context_len + query_len
             slots = mask = None
             if context_len:
-                positions = torch.arange(kv_len, device=device)
-                slots = gather_slots(tables[i], positions, self.block_size)
+                slots = leading_slots(tables[i], kv_len, self.block_size)
             if context_len or window is not None:
                 query_pos = torch.arange(context_len, kv_len, device=device)[:, None]
                 key_pos = torch.arange(kv_len, device=device)[None, :]
