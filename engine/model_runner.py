@@ -162,17 +162,16 @@ class ModelRunner:
     def _sample(self, states: list[RequestState], logits: torch.Tensor, result: ModelRunnerOutput) -> None:
         batch = self.input_batch
         params: list[SamplingParams] = [s.sampling_params for s in states]
+        pairs = list(zip(states, params))
         metadata = SamplingMetadata.build(
             params,
             # Copying out every history each step would cost O(length): only the
             # repetition penalty reads the prompt, and penalties and min_tokens the outputs.
             prompt_token_ids=[
-                batch.prompt_token_ids(s).tolist() if p.repetition_penalty != 1.0 else [] for s, p in zip(states, params)
+                batch.prompt_token_ids(s).tolist() if p.repetition_penalty != 1.0 else [] for s, p in pairs
             ],
-            output_token_ids=[
-                batch.output_token_ids(s) if p.needs_penalties or p.min_tokens else [] for s, p in zip(states, params)
-            ],
-            generators=[self._generator(s.request_id, p) for s, p in zip(states, params)],
+            output_token_ids=[batch.output_token_ids(s) if p.needs_penalties or p.min_tokens else [] for s, p in pairs],
+            generators=[self._generator(s.request_id, p) for s, p in pairs],
             stop_token_ids=[s.stop_token_ids for s in states],
             device=self.device,
         )

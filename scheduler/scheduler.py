@@ -187,9 +187,9 @@ class Scheduler:
         and sampled."""
         if output is not self._last_output:
             raise ValueError("update() takes the output of the latest schedule()")
-        self._last_output = None
+        scheduled, self._last_output, self._scheduled = self._scheduled, None, []
         finished: list[FinishedRequest] = []
-        for item in self._scheduled:
+        for item in scheduled:
             request = item.request
             if request.is_finished:
                 continue  # aborted while the step ran

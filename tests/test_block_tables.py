@@ -44,14 +44,16 @@ def test_rows_follow_appends_swaps_and_reuse() -> None:
     assert step.input_ids.tolist() == list(range(1, 11)) and step.positions.tolist() == list(range(10))
     assert step.slot_mapping.tolist() == [5 * 4, 21, 22, 23, 24, 25, 26, 27, 28, 29]
     # A forked sibling shares block 7; the parent's copy-on-write swaps it for 9 in place.
-    batch.apply(SchedulerOutput(cached_requests=[delta("a", [50], [], 10, [(2, 9)])], num_scheduled_tokens={"a": 1}))
+    batch.apply(SchedulerOutput(cached_requests=[delta("a", [50], [], 10, [(2, 9)])],
+                                num_scheduled_tokens={"a": 1}))
     step = batch.prepare({"a": 1})
     assert batch.step_block_table(step).tolist() == [[5, 6, 9]]
     assert step.input_ids.tolist() == [50] and step.slot_mapping.tolist() == [9 * 4 + 2]
     # "b" takes the other row; when "a" goes, its row is cleared before "c" reuses it.
     batch.apply(SchedulerOutput(new_requests=[new_request("b", [3], [1])], num_scheduled_tokens={"b": 1}))
-    batch.apply(SchedulerOutput(new_requests=[new_request("c", [4, 4], [2])], num_scheduled_tokens={"c": 2, "b": 1},
-                                cached_requests=[delta("b", [8], [], 1)], finished_request_ids=["a"]))
+    batch.apply(SchedulerOutput(new_requests=[new_request("c", [4, 4], [2])],
+                                cached_requests=[delta("b", [8], [], 1)],
+                                num_scheduled_tokens={"c": 2, "b": 1}, finished_request_ids=["a"]))
     step = batch.prepare({"c": 2, "b": 1})
     assert [s.request_id for s in step.requests] == ["b", "c"]  # the decode first
     assert batch.step_block_table(step).tolist() == [[1], [2]]

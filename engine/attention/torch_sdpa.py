@@ -78,8 +78,8 @@ def leading_slots(block_table: torch.Tensor, length: int, block_size: int) -> to
 
 
 # cuDNN attention builds an execution plan for every new shape; with decode lengths that
-# change every step that cost ~1.5 ms of host time per call on an H100, 25x the GPU work.
-# CPU has no cuDNN, so CPU calls skip the `sdpa_kernel` context (~10 us per entry).
+# change every step that host time outweighed the GPU work many times (bench/RESULTS.md).
+# CPU has no cuDNN, so CPU calls skip the `sdpa_kernel` context, which costs per entry.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -204,8 +204,8 @@ class TorchSDPABackend(AttentionBackend):
             # A decode token's query heads that share a KV head go in as that head's query
             # rows ([rows, kv_heads, heads per kv head, D]), not through enable_gqa: each
             # row attends to the same keys under the same mask, and the CPU flash kernel
-            # then reads each K/V block once per KV head rather than once per query head,
-            # 1.2-4.5x faster (bench/cpu_decode_ops.py). Query head h maps to KV head
+            # then reads each K/V block once per KV head rather than once per query head
+            # (bench/cpu_decode_ops.py times both). Query head h maps to KV head
             # h // group size, as enable_gqa (and transformers' repeat_kv) map it.
             decoded = F.scaled_dot_product_attention(
                 query[group.start : group.end].view(rows, num_kv_heads, -1, head_dim),

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.engine.attention.backend import AttentionBackend, DecodeGraphInputs, KVCache, StepBatch, split_kv_cache
+from cadence.engine.attention.backend import (
+    AttentionBackend,
+    DecodeGraphInputs,
+    KVCache,
+    StepBatch,
+    split_kv_cache,
+)
 from cadence.kernels.kv_cache_write import write_kv_cache
 from cadence.kernels.launch import num_sms
 from cadence.kernels.paged_attention import choose_num_splits, paged_attention
