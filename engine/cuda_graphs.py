@@ -2,20 +2,20 @@
 
 A decode step of a small model is a few hundred short kernels (norms, rotary, four
 projections and attention per layer), and launching them from Python costs far more than
-running them: on an H100 a 1B model spent 25 ms of CPU per step on under 1 ms of GPU work.
-So, as vLLM and SGLang do, the model's forward for a pure-decode batch is captured once
-per padded batch size at start-up and replayed each step.
+running them (bench/RESULTS.md). So, as vLLM and SGLang do, the model's forward for a
+pure-decode batch is captured once per padded batch size at start-up and replayed each
+step.
 
 A graph replays fixed addresses and a fixed grid, so:
 
-* every input lives in one static int64 buffer, filled on the host and copied to the
-  device in one transfer per step; rows past the real batch are padding (token 0 at
-  position 0, KV slot -1, which the cache write skips, and a context of one token);
-* the attention kernel's split-KV count is part of the grid, so each batch size gets a
-  few graphs, one per split count on a power-of-two ladder up to what its longest
-  possible context would choose; a step replays the largest one not above what the
-  kernel would choose for its real longest context (splits past a sequence's length
-  do no work, so any count is correct, only the speed differs).
+* every input lives in static buffers: ids, positions, KV slots and sequence lengths in
+  one int64 buffer, block tables in an int32 one with a row per batch slot, both filled
+  on the host (the tables from the input batch's rows) and copied to the device each
+  step; rows past the real batch are padding (token 0 at position 0, KV slot -1, which
+  the cache write skips, and a context of one token);
+* the attention backend builds the graph's metadata over those buffers, and may ask for
+  several graphs per batch size (`AttentionBackend.graph_variants`: the Triton backend's
+  split-KV counts), choosing one per step (`pick_graph_variant`).
 
 Prefill, chunked and mixed steps, and batches above the largest size, run eagerly.
 """
@@ -24,19 +24,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
-from cadence.engine.attention.backend import AttentionContext, KVCache
-from cadence.engine.attention.triton_backend import TritonAttentionBackend, TritonMetadata
-from cadence.engine.block_tables import TableRows
-from cadence.kernels.launch import num_sms
-from cadence.kernels.paged_attention import choose_num_splits
-
-if TYPE_CHECKING:
-    from cadence.scheduler.scheduler import ScheduledRequest
+from cadence.engine.attention.backend import AttentionBackend, AttentionContext, DecodeGraphInputs, KVCache
+from cadence.engine.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +59,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: nn.Module,
-        backend: TritonAttentionBackend,
+        backend: AttentionBackend,
         kv_caches: list[KVCache],
         *,
         max_batch: int,
@@ -73,6 +68,8 @@ class DecodeGraphs:
         device: torch.device,
         use_graphs: bool = True,
     ) -> None:
+        if not backend.supports_cuda_graphs:
+            raise ValueError(f"{type(backend).__name__} cannot run decode steps from CUDA graphs")
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -83,8 +80,6 @@ class DecodeGraphs:
         self.max_batch = self.batch_sizes[-1]
         self.max_blocks = -(-max_model_len // block_size)
         self.max_model_len = max_model_len
-        self.num_sms = num_sms(device)
-        self.num_kv_heads = backend.spec.num_kv_heads
         b = self.max_batch
         pinned = device.type == "cuda"
         # Per-sequence inputs, [4 * batch] int64 for a batch: ids, positions, KV slots and
@@ -95,47 +90,39 @@ class DecodeGraphs:
         self._host_tables = torch.zeros(b, self.max_blocks, dtype=torch.int32, pin_memory=pinned)
         self.block_tables = torch.zeros(b, self.max_blocks, dtype=torch.int32, device=device)
         # numpy views of the pinned buffers: element writes from Python cost far less there.
-        self._host_scalars_np = self._host_scalars.numpy()
-        self._host_tables_np = self._host_tables.numpy()
-        self._table_rows = TableRows(self._host_tables_np)
+        self.host_scalars = self._host_scalars.numpy()
+        self.host_tables = self._host_tables.numpy()
         # Marks the last upload: the host buffers may be rewritten only once it is done (a
         # step that samples nothing never waits on the device otherwise).
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         # One token per sequence: sequence i's query is row i.
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
-        # Fixed per batch size, so computed once rather than on every step.
-        self._ladders = {batch: self.split_ladder(batch) for batch in self.batch_sizes}
+        # Fixed per batch size, so asked once rather than on every step.
+        self.variants = {batch: backend.graph_variants(batch, max_model_len, device) for batch in self.batch_sizes}
         self._captured: dict[tuple[int, int], _Captured] = {}
         self._pool = None
 
     # ----- start-up --------------------------------------------------------------------
-    def split_ladder(self, batch: int) -> list[int]:
-        """Split counts captured for `batch`: powers of two up to the longest context's choice."""
-        top = choose_num_splits(batch, self.num_kv_heads, self.max_model_len, self.num_sms)
-        ladder = [1]
-        while ladder[-1] * 2 <= top:
-            ladder.append(ladder[-1] * 2)
-        return ladder
-
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (batch size, split count); largest first, so smaller graphs fit in
+        """Capture every (batch size, variant); largest first, so smaller graphs fit in
         the memory pool the larger ones already reserved. Without graphs, nothing to do."""
         if not self.use_graphs:
             return
         start = time.perf_counter()
         for batch in reversed(self.batch_sizes):
-            self._fill_padding(batch)  # the capture runs write no KV: every slot is -1
-            for splits in self._ladders[batch]:
-                self._captured[(batch, splits)] = self._capture_one(batch, splits)
+            self._pad_rows(0, batch)  # the capture runs write no KV: every slot is -1
+            self._upload(batch)
+            for variant in self.variants[batch]:
+                self._captured[(batch, variant)] = self._capture_one(batch, variant)
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s",
             len(self._captured), self.max_batch, time.perf_counter() - start,
         )
 
-    def _capture_one(self, batch: int, splits: int) -> _Captured:
-        forward = self._forward_fn(batch, splits)
+    def _capture_one(self, batch: int, variant: int) -> _Captured:
+        forward = self._forward_fn(batch, variant)
         # One eager run compiles every Triton kernel this shape needs, outside the capture.
         forward()
         torch.cuda.synchronize(self.device)
@@ -146,67 +133,62 @@ class DecodeGraphs:
             self._pool = graph.pool()
         return _Captured(graph, hidden)
 
-    def _forward_fn(self, batch: int, splits: int) -> Callable[[], torch.Tensor]:
+    def _forward_fn(self, batch: int, variant: int) -> Callable[[], torch.Tensor]:
         ids, positions, slots, seq_lens = _split_scalars(self._scalars, batch)
-        metadata = TritonMetadata(
+        inputs = DecodeGraphInputs(
             slot_mapping=slots,
             block_tables=self.block_tables[:batch],
             seq_lens=seq_lens,
             query_start_loc=self.query_start_loc[: batch + 1],
-            max_query_len=1,
             max_seq_len=self.max_model_len,
-            num_splits=splits,
         )
-        ctx = AttentionContext(self.backend, self.kv_caches, metadata)
+        ctx = AttentionContext(self.backend, self.kv_caches, self.backend.graph_metadata(inputs, variant))
         return lambda: self.model(ids, positions, ctx)
 
     # ----- each step -------------------------------------------------------------------
-    def can_run(self, items: list[ScheduledRequest]) -> bool:
+    def can_run(self, step: StepInputs) -> bool:
         """Whether this step is one the graphs cover: one new token per sequence, few enough."""
-        return 0 < len(items) <= self.max_batch and all(item.num_new_tokens == 1 for item in items)
+        return 0 < step.num_seqs <= self.max_batch and step.num_decodes == step.num_seqs
 
-    def run(self, items: list[ScheduledRequest]) -> torch.Tensor:
-        """The model's final hidden states for the step, [len(items), hidden_size]."""
-        n = len(items)
+    def run(self, step: StepInputs, block_table: np.ndarray) -> torch.Tensor:
+        """The model's final hidden states for the step, [num_seqs, hidden_size];
+        `block_table` holds the input batch's rows."""
+        batch = self.stage(step, block_table)
+        self._upload(batch)
+        longest = max(step.context_lens) + 1
+        variant = self.backend.pick_graph_variant(batch, longest, self.variants[batch], self.device)
+        captured = self._captured.get((batch, variant))
+        if captured is None:  # use_graphs=False: the same padded inputs, run eagerly
+            return self._forward_fn(batch, variant)()[: step.num_seqs]
+        captured.graph.replay()
+        return captured.hidden[: step.num_seqs]
+
+    def stage(self, step: StepInputs, block_table: np.ndarray) -> int:
+        """Fill the host buffers for a step and return its padded batch size. Each row's
+        table is copied only as wide as the step's widest: the sequence lengths bound every
+        read, so what lies past them may be stale."""
+        n = step.num_seqs
         batch = next(b for b in self.batch_sizes if b >= n)
         if self._uploaded is not None:
             self._uploaded.synchronize()
-        ids, positions, slots, seq_lens = _split_scalars(self._host_scalars_np, batch)
-        longest = 0
-        for i, item in enumerate(items):
-            request = item.request
-            position = request.num_computed_tokens
-            block_ids = request.block_ids
-            ids[i] = request.token_ids[position]
-            positions[i] = position
-            slots[i] = block_ids[position // self.block_size] * self.block_size + position % self.block_size
-            seq_lens[i] = position + 1
-            self._table_rows.write(i, block_ids, position // self.block_size)
-            longest = max(longest, position + 1)
+        ids, positions, slots, seq_lens = _split_scalars(self.host_scalars, batch)
+        ids[:n] = step.input_ids
+        positions[:n] = step.positions
+        slots[:n] = step.slot_mapping
+        seq_lens[:n] = step.positions + 1
+        self.host_tables[:n, : step.num_blocks] = block_table[step.rows, : step.num_blocks]
         self._pad_rows(n, batch)
-        self._upload(batch)
-        wanted = choose_num_splits(batch, self.num_kv_heads, longest, self.num_sms)
-        splits = max(s for s in self._ladders[batch] if s <= wanted)
-        captured = self._captured.get((batch, splits))
-        if captured is None:  # use_graphs=False: the same padded inputs, run eagerly
-            return self._forward_fn(batch, splits)()[:n]
-        captured.graph.replay()
-        return captured.hidden[:n]
-
-    def _fill_padding(self, batch: int) -> None:
-        self._pad_rows(0, batch)
-        self._upload(batch)
+        return batch
 
     def _pad_rows(self, start: int, batch: int) -> None:
         """Rows start..batch-1 become padding: token 0 at position 0, no KV slot (the cache
         write skips it), and one token of context (a stale cache row; the output is dropped)."""
-        ids, positions, slots, seq_lens = _split_scalars(self._host_scalars_np, batch)
+        ids, positions, slots, seq_lens = _split_scalars(self.host_scalars, batch)
         ids[start:] = 0
         positions[start:] = 0
         slots[start:] = _NO_SLOT
         seq_lens[start:] = 1
-        self._host_tables_np[start:batch, 0] = 0
-        self._table_rows.forget(start, batch)
+        self.host_tables[start:batch, 0] = 0
 
     def _upload(self, batch: int) -> None:
         """The batch's inputs to the device: its prefix of the scalars and its table rows,

@@ -16,7 +16,8 @@ from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats
 from cadence.scheduler.request import Request, StopConditions
-from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig, SchedulerOutput
+from cadence.scheduler.output import SchedulerOutput
+from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig
 
 
 @dataclass
@@ -195,9 +196,7 @@ class EngineCore:
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         finished = {f.request.request_id: f for f in self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)}
         outputs = []
-        for item in scheduler_output.scheduled:
-            request = item.request
-            sub_id = request.request_id
+        for sub_id in scheduler_output.num_scheduled_tokens:
             token_id = runner_output.sampled_token_ids.get(sub_id)
             prompt_logprobs = runner_output.prompt_logprobs.get(sub_id)
             if (token_id is None and prompt_logprobs is None) or sub_id not in self._sequences:
@@ -205,6 +204,7 @@ class EngineCore:
             request_id, index = self._sequences[sub_id]
             logprobs = runner_output.logprobs.get(sub_id)
             end = finished.get(sub_id)
+            request = self.scheduler.requests[sub_id] if end is None else end.request
             stop_reason = None
             # Like vLLM, EOS ends a request with no stop reason; a user's stop id is named.
             if end is not None and request.stop_token_id in request.sampling_params.stop_token_ids:

@@ -1,14 +1,15 @@
 """Turns a SchedulerOutput into one flat forward pass, then samples.
 
-The runner owns the KV cache tensors, the attention backend and the per-request random
-generators. It reads token ids and block tables straight from the scheduler's requests:
-both live in the engine-core process, so nothing needs copying between them.
+The runner owns the KV cache tensors, the attention backend, the per-request random
+generators and its own copy of the requests it runs (`engine/input_batch.py`), kept up
+to date from each step's changes. It never reads the scheduler's `Request` objects, so
+everything it needs arrives in the `SchedulerOutput`, which may come from another process.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -21,16 +22,14 @@ from cadence.engine.attention.backend import (
     split_kv_cache,
 )
 from cadence.engine.attention.selector import create_attention_backend
-from cadence.engine.block_tables import EagerBlockTables
-from cadence.kernels.kv_quant import KV_CACHE_DTYPES
-from cadence.kernels.launch import has_fp8_hardware
+from cadence.engine.cuda_graphs import DecodeGraphs
+from cadence.engine.input_batch import InputBatch, RequestState, StepInputs
 from cadence.engine.protocol import TokenLogprobs
 from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from cadence.engine.sampling_params import SamplingParams
-from cadence.scheduler.scheduler import ScheduledRequest, SchedulerOutput
-
-if TYPE_CHECKING:  # the module imports triton, which a CPU install lacks
-    from cadence.engine.cuda_graphs import DecodeGraphs
+from cadence.kernels.kv_quant import KV_CACHE_DTYPES
+from cadence.kernels.launch import has_fp8_hardware
+from cadence.scheduler.output import SchedulerOutput
 
 
 @dataclass
@@ -89,20 +88,19 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = [
             allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device) for _ in range(model.config.num_hidden_layers)
         ]
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.decode_graphs: DecodeGraphs | None = None
         if not enforce_eager and self._graphs_supported(kv_cache_dtype):
-            from cadence.engine.cuda_graphs import DecodeGraphs
-
             self.decode_graphs = DecodeGraphs(
                 model, self.backend, self.kv_caches, max_batch=max_num_seqs, max_model_len=max_model_len,
                 block_size=block_size, device=device,
             )
             self.decode_graphs.capture()
-        self._block_tables = EagerBlockTables()
         self.sampler = Sampler()
+        # Both outlive a preemption (the rows do not), and go when the request finishes: a
+        # seeded request's samples continue its own stream, and a recomputed prompt must
+        # not report its logprobs twice.
         self.generators: dict[str, torch.Generator] = {}
-        # Prompt positions whose logprobs were already reported: a preempted request
-        # recomputes its prompt, and must not report those positions twice.
         self.prompt_logprobs_reported: dict[str, int] = {}
 
     @torch.inference_mode()
@@ -110,26 +108,25 @@ class ModelRunner:
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
             self.prompt_logprobs_reported.pop(request_id, None)
+        self.input_batch.apply(output)
         if output.block_copies:
             self._copy_blocks(output.block_copies)
         if output.is_empty:
             return ModelRunnerOutput()
 
-        # Decodes (one new token) first, shortest context first: the backend batches
-        # decodes of similar length into one attention call.
-        items = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.request.num_computed_tokens))
-        if self.decode_graphs is not None and self.decode_graphs.can_run(items):
-            query_starts, hidden = list(range(len(items))), self.decode_graphs.run(items)
+        step = self.input_batch.prepare(output.num_scheduled_tokens)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(step):
+            hidden = self.decode_graphs.run(step, self.input_batch.block_table)
         else:
-            query_starts, hidden = self._run_eager(items)
+            hidden = self._run_eager(step)
 
         result = ModelRunnerOutput()
-        self._prompt_logprobs(items, query_starts, hidden, result)
-        sampling = [(i, item) for i, item in enumerate(items) if item.samples]
+        self._prompt_logprobs(step, hidden, result)
+        sampling = [i for i in range(step.num_seqs) if step.samples(i)]
         if sampling:
-            rows = [query_starts[i] + item.num_new_tokens - 1 for i, item in sampling]
+            rows = [step.query_starts[i] + step.query_lens[i] - 1 for i in sampling]
             logits = self.model.compute_logits(hidden[self._row_selector(rows)])
-            self._sample([item for _, item in sampling], logits, result)
+            self._sample([step.requests[i] for i in sampling], logits, result)
         return result
 
     def _row_selector(self, rows: list[int]) -> slice | torch.Tensor:
@@ -141,77 +138,54 @@ class ModelRunner:
         return torch.tensor(rows, device=self.device)
 
     def _graphs_supported(self, kv_cache_dtype: str) -> bool:
-        """CUDA graphs need the Triton backend on a GPU, and no host sync in the step: an
-        fp8 cache below compute capability 8.9 is written by torch code that syncs."""
+        """CUDA graphs need a backend with graph hooks on a GPU, and no host sync in the
+        step: an fp8 cache below compute capability 8.9 is written by torch code that syncs."""
         if self.device.type != "cuda" or not self.backend.supports_cuda_graphs:
             return False
         return kv_cache_dtype != "fp8" or has_fp8_hardware(self.device)
 
-    def _run_eager(self, items: list[ScheduledRequest]) -> tuple[list[int], torch.Tensor]:
-        """Any step, launched op by op: returns each sequence's first row and the hidden states."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_starts: list[int] = []
-        for item in items:
-            request, start = item.request, item.request.num_computed_tokens
-            query_starts.append(len(input_ids))
-            input_ids.extend(request.token_ids[start : start + item.num_new_tokens])
-            positions.extend(range(start, start + item.num_new_tokens))
-        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        batch = self._step_batch(items, query_starts, positions_t)
+    def _run_eager(self, step: StepInputs) -> torch.Tensor:
+        """Any step, launched op by op: the hidden states of every flat row."""
+        device = self.device
+        positions = torch.from_numpy(step.positions).to(device)
+        batch = StepBatch(
+            query_starts=step.query_starts,
+            query_lens=step.query_lens,
+            context_lens=step.context_lens,
+            block_tables=torch.from_numpy(self.input_batch.step_block_table(step)).to(device),
+            num_decodes=step.num_decodes,
+            slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+        )
         ctx = AttentionContext(self.backend, self.kv_caches, self.backend.build_metadata(batch))
-        return query_starts, self.model(input_ids_t, positions_t, ctx)
+        return self.model(torch.from_numpy(step.input_ids).to(device), positions, ctx)
 
-    def _step_batch(
-        self, items: list[ScheduledRequest], query_starts: list[int], positions: torch.Tensor
-    ) -> StepBatch:
-        query_lens = [item.num_new_tokens for item in items]
-        rows = [
-            (item.request.request_id, item.request.block_ids, item.request.num_computed_tokens // self.block_size)
-            for item in items
-        ]
-        tables = torch.from_numpy(self._block_tables.build(rows)).to(self.device)
-        seq_index = torch.repeat_interleave(
-            torch.arange(len(items), device=self.device), torch.tensor(query_lens, device=self.device)
-        )
-        block_index = torch.div(positions, self.block_size, rounding_mode="floor")
-        slot_mapping = tables[seq_index, block_index] * self.block_size + positions % self.block_size
-        return StepBatch(
-            query_starts=query_starts,
-            query_lens=query_lens,
-            context_lens=[item.request.num_computed_tokens for item in items],
-            block_tables=tables,
-            num_decodes=sum(1 for n in query_lens if n == 1),
-            slot_mapping=slot_mapping,
-        )
-
-    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor, result: ModelRunnerOutput) -> None:
-        requests = [item.request for item in items]
-        params: list[SamplingParams] = [r.sampling_params for r in requests]
+    def _sample(self, states: list[RequestState], logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+        batch = self.input_batch
+        params: list[SamplingParams] = [s.sampling_params for s in states]
+        pairs = list(zip(states, params))
         metadata = SamplingMetadata.build(
             params,
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            # Slicing out every history each step would cost O(length); only penalties
-            # and min_tokens read it.
-            output_token_ids=[
-                r.output_token_ids if p.needs_penalties or p.min_tokens else [] for r, p in zip(requests, params)
+            # Copying out every history each step would cost O(length): only the
+            # repetition penalty reads the prompt, and penalties and min_tokens the outputs.
+            prompt_token_ids=[
+                batch.prompt_token_ids(s).tolist() if p.repetition_penalty != 1.0 else [] for s, p in pairs
             ],
-            generators=[self._generator(r.request_id, p) for r, p in zip(requests, params)],
-            stop_token_ids=[r.stop.stop_token_ids for r in requests],
+            output_token_ids=[batch.output_token_ids(s) if p.needs_penalties or p.min_tokens else [] for s, p in pairs],
+            generators=[self._generator(s.request_id, p) for s, p in pairs],
+            stop_token_ids=[s.stop_token_ids for s in states],
             device=self.device,
         )
         sampled = self.sampler(logits, metadata)
         token_ids = sampled.sampled_token_ids.tolist()
-        for request, token_id in zip(requests, token_ids):
-            result.sampled_token_ids[request.request_id] = token_id
+        for state, token_id in zip(states, token_ids):
+            result.sampled_token_ids[state.request_id] = token_id
         if sampled.logprobs is not None:
             rows = _rows_to_logprobs(
                 sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_ranks, metadata.max_num_logprobs or 0
             )
-            for request, p, row in zip(requests, params, rows):
+            for state, p, row in zip(states, params, rows):
                 if p.logprobs is not None:
-                    result.logprobs[request.request_id] = (row[0][: 1 + p.logprobs], row[1][: 1 + p.logprobs], row[2])
+                    result.logprobs[state.request_id] = (row[0][: 1 + p.logprobs], row[1][: 1 + p.logprobs], row[2])
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None or params.greedy:
@@ -224,31 +198,26 @@ class ModelRunner:
             self.generators[request_id] = generator
         return generator
 
-    def _prompt_logprobs(
-        self,
-        items: list[ScheduledRequest],
-        query_starts: list[int],
-        hidden: torch.Tensor,
-        result: ModelRunnerOutput,
-    ) -> None:
+    def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         """Logprobs of each prompt token given the tokens before it, chunk by chunk."""
-        for item, query_start in zip(items, query_starts):
-            request = item.request
-            num_top = request.sampling_params.prompt_logprobs
+        for i, state in enumerate(step.requests):
+            num_top = state.sampling_params.prompt_logprobs
             if num_top is None:
                 continue
-            chunk_start = request.num_computed_tokens
-            start = max(chunk_start, self.prompt_logprobs_reported.get(request.request_id, 0))
+            chunk_start = step.context_lens[i]
+            start = max(chunk_start, self.prompt_logprobs_reported.get(state.request_id, 0))
             # Position p's logits score token p + 1; only prompt tokens are scored.
-            end = min(chunk_start + item.num_new_tokens, request.num_prompt_tokens - 1)
+            end = min(chunk_start + step.query_lens[i], state.num_prompt_tokens - 1)
             if end <= start:
                 continue
-            self.prompt_logprobs_reported[request.request_id] = end
+            self.prompt_logprobs_reported[state.request_id] = end
+            query_start = step.query_starts[i]
             rows = slice(query_start + start - chunk_start, query_start + end - chunk_start)
             logits = self.model.compute_logits(hidden[rows])
-            targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=self.device)
+            prompt = self.input_batch.prompt_token_ids(state)
+            targets = torch.from_numpy(prompt[start + 1 : end + 1].astype(np.int64)).to(self.device)
             ids, values, ranks = compute_logprobs(logits, targets, num_top)
-            result.prompt_logprobs[request.request_id] = _rows_to_logprobs(ids, values, ranks, num_top)
+            result.prompt_logprobs[state.request_id] = _rows_to_logprobs(ids, values, ranks, num_top)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)

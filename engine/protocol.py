@@ -13,6 +13,7 @@ from typing import Any
 import msgpack
 
 from cadence.engine.sampling_params import SamplingParams
+from cadence.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 # Per position: the chosen token first, then the top alternatives, as parallel lists,
 # and the chosen token's rank (1 = most likely). Over the wire the tuple becomes a list.
@@ -117,6 +118,10 @@ _CODES: dict[type, int] = {
     EngineReady: 7,
     EngineCoreOutputs: 8,
     EngineDead: 9,
+    # What a scheduler tells a model runner that may live in another process.
+    NewRequestData: 10,
+    CachedRequestData: 11,
+    SchedulerOutput: 12,
 }
 _TYPES = {code: cls for cls, code in _CODES.items()}
 

@@ -18,13 +18,10 @@ class KVCacheManager:
     shared with another request for writing (copy-on-write), and it never writes into a
     block that the prefix cache serves to others.
 
-    The engine's host block tables (``engine/block_tables.py``) rely on how a request's
-    ``block_ids`` list changes: in place only by appending, by a cached prefix joining an
-    empty list, or by copy-on-write of the block at ``num_computed_tokens // block_size``;
-    and for one list object ``num_computed_tokens`` never goes back. Whatever rewinds a
-    request (preemption, freeing, forking) gives it a new list. A feature that edits a
-    list any other way (rollback of speculative tokens, swapping blocks in, compaction)
-    must give the request a new list too, or the tables go stale.
+    Every in-place swap of a block id (copy-on-write) is noted in the request's
+    `replaced_block_indices`, so the step's `SchedulerOutput` can tell the model runner
+    (scheduler/output.py). A feature that edits a block table any other way while the
+    runner holds the request must note that too.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
@@ -95,6 +92,7 @@ class KVCacheManager:
             (private,) = self.pool.allocate(1)
             self.pool.free([shared])
             request.block_ids[write_block_index] = private
+            request.replaced_block_indices.append(write_block_index)
             copies.append((shared, private))
             # The private copy is registered again once it is full.
             request.num_registered_blocks = min(request.num_registered_blocks, write_block_index)
@@ -133,6 +131,7 @@ class KVCacheManager:
         """Release the request's blocks; the tail goes first so it is evicted first."""
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
+        request.replaced_block_indices.clear()
         request.num_registered_blocks = 0
         request.num_computed_tokens = 0
 

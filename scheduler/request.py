@@ -51,6 +51,15 @@ class StopConditions:
     stop_token_ids: frozenset[int] = frozenset()
 
 
+@dataclass
+class RunnerView:
+    """How much of a request the model runner holds: its first `num_tokens` token ids and
+    first `num_blocks` block ids (scheduler/output.py sends the rest)."""
+
+    num_tokens: int
+    num_blocks: int
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence being generated.
@@ -82,6 +91,11 @@ class Request:
     stop_token_id: int | None = None  # the stop token that finished it, if any
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
+    # What the model runner holds of this request; None while it holds nothing (before
+    # admission, and after a preemption until the request is admitted again).
+    runner_view: RunnerView | None = None
+    # Indices into block_ids that copy-on-write swapped since the runner was last told.
+    replaced_block_indices: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -5,14 +5,18 @@ waiting requests are admitted in (priority, arrival) order while the token budge
 sequence limit and free KV blocks allow. A request that does not fit in the remaining
 budget is chunked. When blocks run out, the newest lowest-priority running request is
 preempted: its blocks are freed and it is recomputed later.
+
+Each step's `SchedulerOutput` (scheduler/output.py) tells the model runner only what
+changed; the scheduler keeps the step's `Request` objects to itself for `update`.
 """
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cadence.scheduler.kv_cache_manager import BlockCopy, KVCacheManager
+from cadence.scheduler.output import NewRequestData, SchedulerOutput, describe
 from cadence.scheduler.request import Request, RequestStatus
 
 
@@ -45,30 +49,6 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's work for the model runner."""
-
-    scheduled: list[ScheduledRequest]
-    block_copies: list[BlockCopy] = field(default_factory=list)
-    # Requests finished, aborted or preempted since the last step: runners drop their state.
-    finished_request_ids: set[str] = field(default_factory=set)
-    preempted_request_ids: set[str] = field(default_factory=set)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 @dataclass
 class FinishedRequest:
@@ -91,8 +71,11 @@ class Scheduler:
         self.running: list[Request] = []
         # Children of an n>1 request, waiting for their parent's prompt KV.
         self.pending_forks: dict[str, list[Request]] = {}
-        self._finished_ids: set[str] = set()
-        self._preempted_ids: set[str] = set()
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
+        # The latest step's work, which `update` advances; the runner never sees it.
+        self._last_output: SchedulerOutput | None = None
+        self._scheduled: list[ScheduledRequest] = []
 
     # ----- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -182,20 +165,31 @@ class Scheduler:
             budget -= num_new
 
         output = SchedulerOutput(
-            scheduled=list(scheduled.values()),
+            num_scheduled_tokens={request_id: item.num_new_tokens for request_id, item in scheduled.items()},
             block_copies=copies,
             finished_request_ids=self._finished_ids,
             preempted_request_ids=self._preempted_ids,
         )
-        self._finished_ids, self._preempted_ids = set(), set()
+        for item in scheduled.values():
+            data = describe(item.request)
+            if isinstance(data, NewRequestData):
+                output.new_requests.append(data)
+            else:
+                output.cached_requests.append(data)
+        self._finished_ids, self._preempted_ids = [], []
+        self._last_output, self._scheduled = output, list(scheduled.values())
         return output
 
     def update(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
     ) -> list[FinishedRequest]:
-        """Advance the scheduled requests by what the model computed and sampled."""
+        """Advance the requests of `output`, the latest step, by what the model computed
+        and sampled."""
+        if output is not self._last_output:
+            raise ValueError("update() takes the output of the latest schedule()")
+        scheduled, self._last_output, self._scheduled = self._scheduled, None, []
         finished: list[FinishedRequest] = []
-        for item in output.scheduled:
+        for item in scheduled:
             request = item.request
             if request.is_finished:
                 continue  # aborted while the step ran
@@ -222,9 +216,10 @@ class Scheduler:
         """Free the victim and requeue it; returns the budget it had been given this step."""
         self.running.remove(victim)
         self.kv_cache.free(victim)
+        victim.runner_view = None
         victim.num_preemptions += 1
         self._enqueue(victim)
-        self._preempted_ids.add(victim.request_id)
+        self._preempted_ids.append(victim.request_id)
         item = scheduled.pop(victim.request_id, None)
         return item.num_new_tokens if item is not None else 0
 
@@ -251,7 +246,8 @@ class Scheduler:
             if request in siblings:
                 siblings.remove(request)
         self.kv_cache.free(request)
-        self._finished_ids.add(request.request_id)
+        request.runner_view = None
+        self._finished_ids.append(request.request_id)
         # Children still waiting for this prompt must compute it themselves.
         for child in self.pending_forks.pop(request.request_id, []):
             child.fork_parent_id = None
@@ -276,9 +272,12 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         for request in self.running:
             assert request.status == RequestStatus.RUNNING, f"{request.request_id} running as {request.status}"
+            assert request.runner_view is not None, f"running {request.request_id} was never sent to the runner"
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         for request in pending:
             assert not request.block_ids, f"unforked {request.request_id} holds blocks"
+        for request in self.waiting + pending:
+            assert request.runner_view is None, f"the runner still holds waiting {request.request_id}"
         assert self.waiting == sorted(self.waiting, key=lambda r: r.sort_key), "waiting out of order"
         self.kv_cache.check_integrity(tracked)

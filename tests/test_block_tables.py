@@ -1,88 +1,88 @@
-"""The host block-table mirrors (engine/block_tables.py) against tables built whole.
+"""The runner's block tables, built from step deltas alone, against the scheduler's own.
 
-Sentinels (-1) in entries a refresh must not need show what each write touched; the real
-scheduler under random traffic, with its steps split between the eager path and the
-decode graphs, checks every table against the lists themselves.
+`InputBatch` keeps a row per request, updated only from each `SchedulerOutput` (sent
+through msgpack, as to another process). The real scheduler under random traffic, with
+its steps split between eager tables and the decode graphs' static rows, checks every
+table, slot and input token against the requests themselves.
 """
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
-from cadence.engine import block_tables
-from cadence.engine.block_tables import EagerBlockTables, TableRows
+from cadence.engine.attention.backend import AttentionBackend, AttentionSpec
+from cadence.engine.cuda_graphs import DecodeGraphs
+from cadence.engine.input_batch import InputBatch, StepInputs
+from cadence.engine.protocol import decode, encode
+from cadence.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.scheduler.request import Request, StopConditions
 from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 4
 
 
-@pytest.fixture
-def mirror_every_list(monkeypatch) -> None:
-    """Mirrors even for the short lists these tests use (longer ones are copied whole)."""
-    monkeypatch.setattr(block_tables, "DIRECT_MAX_BLOCKS", 0)
+def new_request(request_id: str, tokens: list[int], blocks: list[int], computed: int = 0) -> NewRequestData:
+    return NewRequestData(request_id, tokens, len(tokens), None, [0], blocks, computed)
 
 
-def test_table_rows_rewrite_a_row_from_the_block_its_last_step_wrote(mirror_every_list) -> None:
-    table = np.full((2, 8), -7, dtype=np.int32)
-    rows = TableRows(table)
-    held = [10, 11]
-    rows.write(0, held, 1)
-    assert table[0, :2].tolist() == [10, 11]
-    table[0, :2] = -1
-    held.append(12)  # the same request's list grows a block: written from the write block
-    rows.write(0, held, 2)
-    assert table[0, :3].tolist() == [-1, 11, 12]  # block 1 was the last step's write block
-    table[0, :3] = -1
-    held[2] = 20  # copy-on-write swaps the block being written, in place
-    rows.write(0, held, 2)
-    assert table[0, :3].tolist() == [-1, -1, 20]
-    table[0, :3] = -1
-    held[2] = 21  # eager steps since: one swapped block 2, then two blocks came
-    held += [13, 14]
-    rows.write(0, held, 4)
-    assert table[0, :5].tolist() == [-1, -1, 21, 13, 14]
-    rows.write(0, list(held), 4)  # an equal list that is another object (preempted, re-admitted)
-    assert table[0, :5].tolist() == held
-    table[0, :] = 0  # padding overwrote the row
-    rows.forget(0, 1)
-    rows.write(0, [30, 31], 1)
-    rows.write(1, held, 4)  # a list moves to another row: that row is written whole
-    assert table[0, :2].tolist() == [30, 31] and table[1, :5].tolist() == held
+def delta(request_id: str, tokens: list[int], blocks: list[int], computed: int,
+          replaced: list[tuple[int, int]] | None = None) -> CachedRequestData:
+    return CachedRequestData(request_id, tokens, blocks, replaced or [], computed)
 
 
-def test_eager_tables_pad_and_follow_each_request(mirror_every_list) -> None:
-    tables = EagerBlockTables()
-    a, b = [1, 2, 3], [7]
-    assert tables.build([("a", a, 0), ("b", b, 0)]).tolist() == [[1, 2, 3], [7, 0, 0]]
-    assert tables.build([]).shape == (0, 0)
-    # "a" and "b" were missing from the last step: their mirrors went with it.
-    a.append(4)
-    assert tables.build([("b", b, 0), ("a", a, 3)]).tolist() == [[7, 0, 0, 0], [1, 2, 3, 4]]
-    b.extend(range(100, 140))  # past the mirror's first capacity of 16
-    table = tables.build([("b", b, 0)])
-    assert table.dtype == np.int64 and table[0].tolist() == b
+def test_rows_follow_appends_swaps_and_reuse() -> None:
+    batch = InputBatch(max_num_seqs=2, max_model_len=32, block_size=BLOCK_SIZE)
+    batch.apply(SchedulerOutput(new_requests=[new_request("a", list(range(1, 11)), [5, 6, 7])],
+                                num_scheduled_tokens={"a": 10}))
+    step = batch.prepare({"a": 10})
+    assert batch.step_block_table(step).tolist() == [[5, 6, 7]]
+    assert step.input_ids.tolist() == list(range(1, 11)) and step.positions.tolist() == list(range(10))
+    assert step.slot_mapping.tolist() == [5 * 4, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    # A forked sibling shares block 7; the parent's copy-on-write swaps it for 9 in place.
+    batch.apply(SchedulerOutput(cached_requests=[delta("a", [50], [], 10, [(2, 9)])],
+                                num_scheduled_tokens={"a": 1}))
+    step = batch.prepare({"a": 1})
+    assert batch.step_block_table(step).tolist() == [[5, 6, 9]]
+    assert step.input_ids.tolist() == [50] and step.slot_mapping.tolist() == [9 * 4 + 2]
+    # "b" takes the other row; when "a" goes, its row is cleared before "c" reuses it.
+    batch.apply(SchedulerOutput(new_requests=[new_request("b", [3], [1])], num_scheduled_tokens={"b": 1}))
+    batch.apply(SchedulerOutput(new_requests=[new_request("c", [4, 4], [2])],
+                                cached_requests=[delta("b", [8], [], 1)],
+                                num_scheduled_tokens={"c": 2, "b": 1}, finished_request_ids=["a"]))
+    step = batch.prepare({"c": 2, "b": 1})
+    assert [s.request_id for s in step.requests] == ["b", "c"]  # the decode first
+    assert batch.step_block_table(step).tolist() == [[1], [2]]
+    assert batch.block_table[batch.requests["c"].row].tolist() == [2] + [0] * 7
+    assert step.query_starts == [0, 1] and step.positions.tolist() == [1, 0, 1]
+    assert step.input_ids.tolist() == [8, 4, 4] and step.samples(0) and step.samples(1)
+    with pytest.raises(RuntimeError, match="max_num_seqs"):
+        batch.add(new_request("d", [1], [3]))
 
 
-def test_forked_parents_swapped_block_reaches_a_later_eager_step(mirror_every_list) -> None:
-    """A parent's last prompt block is shared with its n > 1 siblings; its first decode,
-    replayed from a graph, swaps the block; eager steps resume after the block filled."""
-    tables = EagerBlockTables()
-    parent = [1, 2, 3]  # 10 prompt tokens: block 2 half full
-    tables.build([("p", parent, 0)])
-    parent[2] = 9  # copy-on-write in the unseen graph step that wrote block 2
-    parent.append(4)  # more unseen decode steps filled it and started block 3
-    assert tables.build([("p", parent, 3)])[0].tolist() == [1, 2, 9, 4]
+class _GraphHooks(AttentionBackend):
+    """Just enough of a backend for DecodeGraphs to stage its host rows (no forward runs)."""
+
+    supports_cuda_graphs = True
+
+    def build_metadata(self, batch: Any) -> Any:
+        raise AssertionError("no forward in this test")
+
+    def forward(self, *args: Any) -> Any:
+        raise AssertionError("no forward in this test")
 
 
 class _Walk:
     """The real Scheduler and KVCacheManager under random traffic: shared prefixes (prefix
     cache hits), n > 1 forks, aborts, a pool small enough to preempt, reused request ids and
-    token budgets down to 3 (one-token prompt chunks). Each step goes, as in
-    ``ModelRunner.execute``, to the graph rows (only when every row decodes one token, and
-    then at random) or to the eager mirrors, and every table is checked against the lists."""
+    token budgets down to 3 (one-token prompt chunks). The runner side sees only the
+    msgpacked outputs. Each step goes, as in ``ModelRunner.execute``, to the graph rows
+    (only when every row decodes one token, and then at random) or to an eager table, and
+    every table is checked against the scheduler's lists."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
@@ -90,9 +90,11 @@ class _Walk:
                                  max_model_len=160)
         self.scheduler = Scheduler(config, CacheConfig(num_blocks=60, block_size=BLOCK_SIZE))
         self.prefixes = [[self.rng.randrange(1, 50) for _ in range(self.rng.randrange(1, 30))] for _ in range(3)]
-        self.eager = EagerBlockTables()
-        self.graph_table = np.full((8, 64), -1, dtype=np.int32)
-        self.graph_rows = TableRows(self.graph_table)
+        self.batch = InputBatch(max_num_seqs=6, max_model_len=160, block_size=BLOCK_SIZE)
+        self.graphs = DecodeGraphs(nn.Identity(), _GraphHooks(AttentionSpec(2, 1, 8, 0.5), BLOCK_SIZE), [],
+                                   max_batch=8, max_model_len=160, block_size=BLOCK_SIZE,
+                                   device=torch.device("cpu"), use_graphs=False)
+        self.graphs.host_tables.fill(-1)  # nothing a step needs may be left from here
         self.arrivals = 0
         self.steps = {"eager": 0, "graph": 0}
 
@@ -114,6 +116,23 @@ class _Walk:
         elif base not in requests:
             self._add(base, prompt, None)
 
+    def _check_inputs(self, step: StepInputs) -> list[list[int]]:
+        """Every flat token, position and slot against the scheduler; returns the block lists."""
+        held_lists = []
+        for i, state in enumerate(step.requests):
+            request = self.scheduler.requests[state.request_id]
+            start, count, flat = step.context_lens[i], step.query_lens[i], step.query_starts[i]
+            assert start == request.num_computed_tokens
+            positions = list(range(start, start + count))
+            assert step.positions[flat : flat + count].tolist() == positions
+            assert step.input_ids[flat : flat + count].tolist() == request.token_ids[start : start + count]
+            held = request.block_ids
+            slots = [held[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+            assert step.slot_mapping[flat : flat + count].tolist() == slots
+            assert step.samples(i) == (start + count == request.num_tokens)
+            held_lists.append(held)
+        return held_lists
+
     def step(self) -> None:
         rng, scheduler = self.rng, self.scheduler
         if len(scheduler.requests) < 8 and rng.random() < 0.4:
@@ -121,29 +140,31 @@ class _Walk:
         if scheduler.requests and rng.random() < 0.03:
             scheduler.abort_requests([rng.choice(list(scheduler.requests))])
         output = scheduler.schedule()
-        items = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.request.num_computed_tokens))
-        rows = [(s.request.request_id, s.request.block_ids, s.request.num_computed_tokens // BLOCK_SIZE)
-                for s in items]
-        if rows and all(s.num_new_tokens == 1 for s in items) and rng.random() < 0.6:
-            for i, (_, held, write_block) in enumerate(rows):
-                self.graph_rows.write(i, held, write_block)
-                assert self.graph_table[i, : len(held)].tolist() == held
-            padded = next(b for b in (1, 2, 4, 8) if b >= len(rows))
-            self.graph_table[len(rows) : padded, 0] = 0  # padding rows, as DecodeGraphs writes them
-            self.graph_rows.forget(len(rows), padded)
-            self.steps["graph"] += 1
-        elif rows:
-            table = self.eager.build(rows)
-            assert table.dtype == np.int64 and table.shape == (len(rows), max(len(h) for _, h, _ in rows))
-            for i, (_, held, _) in enumerate(rows):
-                assert table[i, : len(held)].tolist() == held and not table[i, len(held) :].any()
-            self.steps["eager"] += 1
-        scheduler.update(output, {s.request.request_id: rng.randrange(50) for s in output.scheduled if s.samples})
+        wire = decode(encode(output))
+        self.batch.apply(wire)
+        assert set(self.batch.requests) == {r.request_id for r in scheduler.running}
+        if wire.num_scheduled_tokens:
+            step = self.batch.prepare(wire.num_scheduled_tokens)
+            held_lists = self._check_inputs(step)
+            if self.graphs.can_run(step) and rng.random() < 0.6:
+                padded = self.graphs.stage(step, self.batch.block_table)
+                for i, held in enumerate(held_lists):
+                    assert self.graphs.host_tables[i, : len(held)].tolist() == held
+                assert not self.graphs.host_tables[len(held_lists) : padded, 0].any()  # padding reads block 0
+                self.steps["graph"] += 1
+            else:
+                table = self.batch.step_block_table(step)
+                assert table.dtype == np.int32 and table.shape == (step.num_seqs, max(map(len, held_lists)))
+                for i, held in enumerate(held_lists):
+                    assert table[i, : len(held)].tolist() == held and not table[i, len(held) :].any()
+                self.steps["eager"] += 1
+        sampled = {rid: rng.randrange(50) for rid in output.num_scheduled_tokens
+                   if scheduler.requests[rid].num_computed_tokens + output.num_scheduled_tokens[rid]
+                   == scheduler.requests[rid].num_tokens}
+        scheduler.update(output, sampled)
 
 
-@pytest.mark.parametrize("direct_max_blocks", [0, 2])
-def test_mirrors_match_the_lists_under_the_real_scheduler(monkeypatch, direct_max_blocks: int) -> None:
-    monkeypatch.setattr(block_tables, "DIRECT_MAX_BLOCKS", direct_max_blocks)  # 2: both kinds of row
+def test_runner_tables_match_the_scheduler_under_random_traffic() -> None:
     steps = {"eager": 0, "graph": 0}
     for seed in range(30):
         walk = _Walk(seed)

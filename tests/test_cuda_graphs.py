@@ -15,6 +15,8 @@ import torch
 from helpers import hf_greedy
 
 from cadence import LLM, SamplingParams
+from cadence.engine.attention.backend import AttentionSpec
+from cadence.engine.attention.triton_backend import TritonAttentionBackend, split_ladder
 from cadence.engine.cuda_graphs import CAPTURE_BATCH_SIZES, DecodeGraphs
 
 # Three sequences pad to a batch of 4; the lengths differ so the rows' contexts differ.
@@ -31,9 +33,9 @@ def count_runs(graphs: DecodeGraphs) -> list[int]:
     sizes: list[int] = []
     run = graphs.run
 
-    def counted(items):
-        sizes.append(len(items))
-        return run(items)
+    def counted(step, block_table):
+        sizes.append(step.num_seqs)
+        return run(step, block_table)
 
     graphs.run = counted  # type: ignore[method-assign]
     return sizes
@@ -60,13 +62,22 @@ def test_padded_static_inputs_give_the_eager_tokens(tiny_model_dir) -> None:
 
 def test_batch_sizes_and_split_ladder() -> None:
     assert list(CAPTURE_BATCH_SIZES) == sorted(set(CAPTURE_BATCH_SIZES))
-    graphs = DecodeGraphs.__new__(DecodeGraphs)
-    graphs.num_kv_heads, graphs.num_sms, graphs.max_model_len = 8, 132, 32768
     # One sequence of 8 KV heads leaves 124 of 132 SMs idle: up to cdiv(132, 8) = 17 splits.
-    assert graphs.split_ladder(1) == [1, 2, 4, 8, 16]
-    assert graphs.split_ladder(32) == [1]  # 256 programs already fill the GPU
-    graphs.max_model_len = 300
-    assert graphs.split_ladder(1) == [1]  # too short to split at all
+    assert split_ladder(1, 8, 32768, 132) == [1, 2, 4, 8, 16]
+    assert split_ladder(32, 8, 32768, 132) == [1]  # 256 programs already fill the GPU
+    assert split_ladder(1, 8, 300, 132) == [1]  # too short to split at all
+
+
+def test_the_backend_picks_the_largest_captured_split_not_above_its_choice() -> None:
+    backend = TritonAttentionBackend(AttentionSpec(8, 8, 16, 0.25), block_size=16)
+    cpu = torch.device("cpu")  # a nominal 8 SMs: one sequence of 8 KV heads fills them
+    assert backend.graph_variants(1, 32768, cpu) == [1]
+    ladder = [1, 2, 4, 8, 16]
+    assert backend.pick_graph_variant(1, 32768, ladder, cpu) == 1
+    narrow = TritonAttentionBackend(AttentionSpec(1, 1, 16, 0.25), block_size=16)
+    assert narrow.graph_variants(1, 32768, cpu) == [1, 2, 4, 8]  # cdiv(8, 1) = 8 splits
+    assert narrow.pick_graph_variant(1, 700, ladder, cpu) == 2  # 700 // 256 = 2 splits
+    assert narrow.pick_graph_variant(1, 200, ladder, cpu) == 1
 
 
 @pytest.mark.gpu

@@ -3,45 +3,89 @@
 The fake cache stores, per slot, the token id whose KV it holds. After every step each
 scheduled request must read back exactly its own tokens through its block table: that
 catches a shared block written by the wrong request, a stale prefix hit, or a copy that
-did not happen.
+did not happen. The fake model knows the requests only from the pickled
+`SchedulerOutput`s, as a runner in another process would, and checks its copy of each
+against the scheduler's every step.
 """
 from __future__ import annotations
 
+import pickle
 import random
+from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cadence.scheduler.output import CachedRequestData, NewRequestData
 from cadence.scheduler.request import Request, RequestStatus, StopConditions
 from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig, SchedulerOutput
 
 EOS = 0
 
 
+@dataclass
+class HeldRequest:
+    """The fake model's copy of a request, built from step deltas alone."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
 class FakeModel:
     """Keeps a slot -> token table and checks every request's view of it."""
 
-    def __init__(self, num_blocks: int, block_size: int, rng: random.Random) -> None:
-        self.block_size = block_size
-        self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+    def __init__(self, scheduler: Scheduler, rng: random.Random) -> None:
+        self.scheduler = scheduler
+        self.block_size = scheduler.kv_cache.block_size
+        num_blocks = scheduler.kv_cache.pool.num_blocks
+        self.slots: list[list[int | None]] = [[None] * self.block_size for _ in range(num_blocks)]
         self.rng = rng
+        self.held: dict[str, HeldRequest] = {}
+
+    def apply(self, output: SchedulerOutput) -> None:
+        """Update the held copies from a step's changes only."""
+        for request_id in output.finished_request_ids + output.preempted_request_ids:
+            self.held.pop(request_id, None)
+        for new in output.new_requests:
+            assert new.request_id not in self.held, f"{new.request_id} sent as new twice"
+            self.held[new.request_id] = HeldRequest(new.token_ids, new.block_ids, new.num_computed_tokens)
+        for cached in output.cached_requests:
+            held = self.held[cached.request_id]
+            held.token_ids += cached.new_token_ids
+            held.block_ids += cached.new_block_ids
+            for index, block_id in cached.replaced_blocks:
+                held.block_ids[index] = block_id
+            held.num_computed_tokens = cached.num_computed_tokens
+        # The model holds exactly the running requests. Those scheduled now are exactly as
+        # the scheduler has them; one the budget left out may lack its newest token.
+        assert set(self.held) == {r.request_id for r in self.scheduler.running}
+        for request in self.scheduler.running:
+            held = self.held[request.request_id]
+            assert held.block_ids == request.block_ids, f"{request.request_id}: stale block table"
+            if request.request_id in output.num_scheduled_tokens:
+                assert held.token_ids == request.token_ids, f"{request.request_id}: stale tokens"
+                assert held.num_computed_tokens == request.num_computed_tokens
+            else:
+                assert held.token_ids == request.token_ids[: len(held.token_ids)]
 
     def execute(self, output: SchedulerOutput, vocab: int = 50) -> dict[str, int]:
+        self.apply(pickle.loads(pickle.dumps(output)))
         for src, dst in output.block_copies:
             self.slots[dst] = list(self.slots[src])
-        for item in output.scheduled:
-            request, start = item.request, item.request.num_computed_tokens
-            for pos in range(start, start + item.num_new_tokens):
-                block = request.block_ids[pos // self.block_size]
-                self.slots[block][pos % self.block_size] = request.token_ids[pos]
+        for request_id, num_new in output.num_scheduled_tokens.items():
+            held = self.held[request_id]
+            for pos in range(held.num_computed_tokens, held.num_computed_tokens + num_new):
+                block = held.block_ids[pos // self.block_size]
+                self.slots[block][pos % self.block_size] = held.token_ids[pos]
         sampled = {}
-        for item in output.scheduled:
-            request = item.request
-            end = request.num_computed_tokens + item.num_new_tokens
-            seen = [self.slots[request.block_ids[p // self.block_size]][p % self.block_size] for p in range(end)]
-            assert seen == request.token_ids[:end], f"{request.request_id} reads wrong KV"
-            if item.samples:
-                sampled[request.request_id] = self.rng.randrange(vocab)
+        for request_id, num_new in output.num_scheduled_tokens.items():
+            held = self.held[request_id]
+            end = held.num_computed_tokens + num_new
+            seen = [self.slots[held.block_ids[p // self.block_size]][p % self.block_size] for p in range(end)]
+            assert seen == held.token_ids[:end], f"{request_id} reads wrong KV"
+            if end == len(held.token_ids):
+                sampled[request_id] = self.rng.randrange(vocab)
         return sampled
 
 
@@ -72,13 +116,13 @@ def run_to_completion(scheduler: Scheduler, model: FakeModel, max_steps: int = 2
 
 def test_chunked_prefill_respects_budget_and_finishes() -> None:
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_model_len=256), CacheConfig(64, 4))
-    model = FakeModel(64, 4, random.Random(0))
+    model = FakeModel(scheduler, random.Random(0))
     scheduler.add_request(make_request("a", list(range(1, 30)), 0, max_tokens=5))
     scheduler.add_request(make_request("b", list(range(1, 4)), 1, max_tokens=5))
     first = scheduler.schedule()
-    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("a", 8)]
-    assert not first.scheduled[0].samples
-    scheduler.update(first, model.execute(first))
+    assert first.num_scheduled_tokens == {"a": 8}
+    assert model.execute(first) == {}  # a chunk short of the prompt's end samples nothing
+    scheduler.update(first, {})
     finished = run_to_completion(scheduler, model)
     assert set(finished) == {"a", "b"}
     assert scheduler.kv_cache.usage == 0.0
@@ -86,15 +130,16 @@ def test_chunked_prefill_respects_budget_and_finishes() -> None:
 
 def test_prefix_cache_hit_reuses_blocks_and_leaves_one_token() -> None:
     scheduler = Scheduler(SchedulerConfig(max_model_len=256), CacheConfig(64, 4))
-    model = FakeModel(64, 4, random.Random(0))
+    model = FakeModel(scheduler, random.Random(0))
     prompt = list(range(1, 17))  # exactly four blocks
     scheduler.add_request(make_request("a", prompt, 0, max_tokens=1))
     run_to_completion(scheduler, model)
     scheduler.add_request(make_request("b", prompt, 1, max_tokens=1))
     output = scheduler.schedule()
     # Three blocks hit; the fourth holds the last prompt token, which must be recomputed.
-    assert output.scheduled[0].request.num_computed_tokens == 12
-    assert output.scheduled[0].num_new_tokens == 4
+    (new,) = output.new_requests
+    assert new.num_computed_tokens == 12 and len(new.block_ids) == 4
+    assert output.num_scheduled_tokens == {"b": 4}
     scheduler.update(output, model.execute(output))
     scheduler.check_integrity()
 
@@ -103,7 +148,7 @@ def test_prefix_hit_is_confirmed_on_tokens_not_digest() -> None:
     scheduler = Scheduler(SchedulerConfig(), CacheConfig(16, 4))
     pool = scheduler.kv_cache.pool
     scheduler.add_request(make_request("a", [1, 2, 3, 4, 5], 0, max_tokens=1))
-    run_to_completion(scheduler, FakeModel(16, 4, random.Random(0)))
+    run_to_completion(scheduler, FakeModel(scheduler, random.Random(0)))
     (block_id,) = pool.cached_blocks.values()
     # Forge a colliding digest entry for other tokens: the lookup must refuse it.
     other = make_request("b", [9, 9, 9, 9, 9], 1)
@@ -116,7 +161,7 @@ def test_prefix_hit_is_confirmed_on_tokens_not_digest() -> None:
 def test_preemption_recomputes_and_never_crashes() -> None:
     # 6 blocks of 4 tokens cannot hold three 10-token prompts growing to 18 tokens.
     scheduler = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(6, 4, enable_prefix_caching=False))
-    model = FakeModel(6, 4, random.Random(1))
+    model = FakeModel(scheduler, random.Random(1))
     for i in range(3):
         scheduler.add_request(make_request(f"r{i}", [5 + i] * 10, i, max_tokens=8))
     finished = run_to_completion(scheduler, model)
@@ -124,31 +169,53 @@ def test_preemption_recomputes_and_never_crashes() -> None:
     assert sum(r.num_preemptions for r in finished.values()) > 0
 
 
+def test_a_preempted_request_comes_back_whole_with_its_outputs() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(6, 4, enable_prefix_caching=False))
+    model = FakeModel(scheduler, random.Random(1))
+    for i in range(3):
+        scheduler.add_request(make_request(f"r{i}", [5 + i] * 10, i, max_tokens=8))
+    preempted: set[str] = set()
+    resumed: list[NewRequestData] = []
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        preempted.update(output.preempted_request_ids)
+        resumed += [new for new in output.new_requests if new.request_id in preempted]
+        assert all(isinstance(c, CachedRequestData) and c.request_id not in output.preempted_request_ids
+                   for c in output.cached_requests)
+        scheduler.update(output, model.execute(output))
+        scheduler.check_integrity()
+    assert resumed and all(len(new.token_ids) > new.num_prompt_tokens == 10 for new in resumed)
+
+
 def test_priority_orders_admission_and_preempts_lowest() -> None:
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=1), CacheConfig(32, 4))
     scheduler.add_request(make_request("low", [1, 2], 0, priority=5))
     scheduler.add_request(make_request("high", [3, 4], 1, priority=0))
     output = scheduler.schedule()
-    assert [s.request.request_id for s in output.scheduled] == ["high"]
+    assert list(output.num_scheduled_tokens) == ["high"]
 
 
 def test_fork_shares_prompt_blocks_with_copy_on_write() -> None:
     scheduler = Scheduler(SchedulerConfig(), CacheConfig(32, 4, enable_prefix_caching=False))
-    model = FakeModel(32, 4, random.Random(2))
+    model = FakeModel(scheduler, random.Random(2))
     prompt = list(range(1, 11))  # 10 tokens: the third block is partial and shared
     scheduler.add_request(make_request("p", prompt, 0, max_tokens=4))
     for i in (1, 2):
         scheduler.add_request(make_request(f"c{i}", prompt, i, max_tokens=4, fork_parent_id="p"))
     output = scheduler.schedule()
-    assert [s.request.request_id for s in output.scheduled] == ["p"]
+    assert list(output.num_scheduled_tokens) == ["p"]
     scheduler.update(output, model.execute(output))
     scheduler.check_integrity()
     pool = scheduler.kv_cache.pool
     parent = scheduler.requests["p"]
     assert all(pool.ref_counts[b] == 3 for b in parent.block_ids)
     output = scheduler.schedule()
-    assert {s.request.request_id: s.num_new_tokens for s in output.scheduled} == {"p": 1, "c1": 1, "c2": 1}
+    assert output.num_scheduled_tokens == {"p": 1, "c1": 1, "c2": 1}
     assert len(output.block_copies) == 2  # two of the three writers of the last block copy it
+    # The parent's copy replaces its block 2 in place; the children arrive whole.
+    (cached,) = output.cached_requests
+    assert cached.replaced_blocks == [(2, parent.block_ids[2])] and cached.new_block_ids == []
+    assert [new.request_id for new in output.new_requests] == ["c1", "c2"]
     scheduler.update(output, model.execute(output))
     scheduler.check_integrity()
     run_to_completion(scheduler, model)
@@ -157,7 +224,7 @@ def test_fork_shares_prompt_blocks_with_copy_on_write() -> None:
 
 def test_abort_frees_blocks_everywhere() -> None:
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=4), CacheConfig(32, 4))
-    model = FakeModel(32, 4, random.Random(3))
+    model = FakeModel(scheduler, random.Random(3))
     scheduler.add_request(make_request("a", list(range(1, 20)), 0))
     scheduler.add_request(make_request("b", list(range(1, 20)), 1, fork_parent_id="a"))
     scheduler.add_request(make_request("c", [3, 3], 2))
@@ -203,7 +270,7 @@ def test_random_workloads_keep_invariants(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
         CacheConfig(num_blocks, block_size, prefix_caching),
     )
-    model = FakeModel(num_blocks, block_size, rng)
+    model = FakeModel(scheduler, rng)
     shared_prefix = [rng.randrange(1, 50) for _ in range(12)]
     next_id, live = 0, []
     for _ in range(300):
@@ -221,7 +288,7 @@ def test_random_workloads_keep_invariants(
         output = scheduler.schedule()
         scheduler.check_integrity()
         assert output.num_batched_tokens <= budget
-        assert len(output.scheduled) <= max_num_seqs
+        assert len(output.num_scheduled_tokens) <= max_num_seqs
         scheduler.update(output, model.execute(output))
         scheduler.check_integrity()
     run_to_completion(scheduler, model)
@@ -232,7 +299,7 @@ def test_waiting_children_cannot_pin_the_cache() -> None:
     # The parent fills all four blocks and finishes; the two children share them, and the
     # first one's copy-on-write block can only come from its sibling's references.
     scheduler = Scheduler(SchedulerConfig(max_model_len=16), CacheConfig(4, 4, enable_prefix_caching=False))
-    model = FakeModel(4, 4, random.Random(4))
+    model = FakeModel(scheduler, random.Random(4))
     prompt = list(range(3, 18))  # 15 tokens: the last block is partial
     scheduler.add_request(make_request("p", prompt, 0, max_tokens=1))
     for i in (1, 2):
@@ -243,7 +310,7 @@ def test_waiting_children_cannot_pin_the_cache() -> None:
 
 def test_higher_priority_arrival_does_not_strand_forked_children() -> None:
     scheduler = Scheduler(SchedulerConfig(max_model_len=16), CacheConfig(4, 4, enable_prefix_caching=False))
-    model = FakeModel(4, 4, random.Random(5))
+    model = FakeModel(scheduler, random.Random(5))
     prompt = list(range(3, 11))  # two full blocks
     scheduler.add_request(make_request("a", prompt, 0, max_tokens=1, priority=1))
     scheduler.add_request(make_request("a#1", prompt, 1, max_tokens=1, priority=1, fork_parent_id="a"))

@@ -3,7 +3,10 @@
 A step's batch is flattened: T new tokens from many sequences, no padding. Sequences
 that add exactly one token (decodes) come first, then the multi-token chunks (prefills).
 Each backend turns the backend-neutral `StepBatch` into its own metadata once per step,
-and every layer then calls `AttentionContext.attend` with that metadata.
+and every layer then calls `AttentionContext.attend` with that metadata. A backend whose
+step needs no host sync can also describe a pure-decode step over static buffers, which
+engine/cuda_graphs.py captures and replays (`graph_variants`, `pick_graph_variant`,
+`graph_metadata`).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ class StepBatch:
     query_starts: list[int]
     query_lens: list[int]
     context_lens: list[int]
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     num_decodes: int
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per new token
 
@@ -57,6 +60,18 @@ def split_kv_cache(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
     return cache, None
 
 
+@dataclass
+class DecodeGraphInputs:
+    """The static device buffers a captured decode forward reads: a padded batch of
+    sequences that add one token each, rewritten before every replay."""
+
+    slot_mapping: torch.Tensor  # [batch] int64; -1 in padding rows, whose write is skipped
+    block_tables: torch.Tensor  # [batch, max_blocks] int32
+    seq_lens: torch.Tensor  # [batch] int64: context + the new token
+    query_start_loc: torch.Tensor  # [batch + 1] int32: sequence i's query is row i
+    max_seq_len: int  # the longest sequence a replay may hold
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """The shape of attention that a model asks of a backend."""
@@ -76,8 +91,8 @@ class AttentionBackend(ABC):
     its scales.
     """
 
-    # Whether a step's forward may be captured in a CUDA graph: no host syncs, and
-    # metadata that a graph's static buffers can stand in for (engine/cuda_graphs.py).
+    # Whether a decode step's forward may be captured in a CUDA graph: no host syncs, and
+    # `graph_metadata` over static buffers (engine/cuda_graphs.py).
     supports_cuda_graphs = False
 
     def __init__(self, spec: AttentionSpec, block_size: int) -> None:
@@ -98,6 +113,25 @@ class AttentionBackend(ABC):
         metadata: Any,
     ) -> torch.Tensor:
         """Write the new K/V into their slots, then attend; returns [T, num_heads, head_dim]."""
+
+    # ----- CUDA-graph hooks (with supports_cuda_graphs) ----------------------------------
+    def graph_variants(self, batch_size: int, max_seq_len: int, device: torch.device) -> list[int]:
+        """The variants of one padded batch size's decode forward to capture, ascending: a
+        backend whose launches depend on more than the batch size names them (the Triton
+        backend's split-KV counts). One by default."""
+        return [1]
+
+    def pick_graph_variant(
+        self, batch_size: int, longest_seq_len: int, variants: list[int], device: torch.device
+    ) -> int:
+        """Which captured variant replays a step whose longest sequence (with its new token)
+        is `longest_seq_len`; every variant must compute the same result."""
+        return variants[0]
+
+    def graph_metadata(self, inputs: DecodeGraphInputs, variant: int) -> Any:
+        """Metadata for a decode forward that reads nothing but `inputs`' buffers, so that a
+        captured graph stays valid as they are rewritten."""
+        raise NotImplementedError(f"{type(self).__name__} has no CUDA-graph support")
 
 
 class AttentionContext:

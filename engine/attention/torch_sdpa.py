@@ -66,15 +66,20 @@ def group_by_length(lengths: list[int]) -> list[tuple[int, int]]:
     return groups
 
 
-def gather_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of `positions` (any shape) in a padded block table row or rows."""
-    block_index = torch.div(positions, block_size, rounding_mode="floor")
-    return torch.gather(block_table, -1, block_index) * block_size + positions % block_size
+def leading_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """int64 cache slots of positions 0..length-1 through a padded block table row or rows
+    (int32 `[..., blocks]`): each needed block's slots at once, rather than a divide,
+    gather and remainder per position, which cost several passes over the whole padded
+    context on every decode step. Contiguous, since every layer gathers with it."""
+    num_blocks = -(-length // block_size)
+    offsets = torch.arange(block_size, device=block_table.device)
+    slots = block_table[..., :num_blocks, None].long() * block_size + offsets
+    return slots.flatten(-2)[..., :length].contiguous()
 
 
 # cuDNN attention builds an execution plan for every new shape; with decode lengths that
-# change every step that cost ~1.5 ms of host time per call on an H100, 25x the GPU work.
-# CPU has no cuDNN, so CPU calls skip the `sdpa_kernel` context (~10 us per entry).
+# change every step that host time outweighed the GPU work many times (bench/RESULTS.md).
+# CPU has no cuDNN, so CPU calls skip the `sdpa_kernel` context, which costs per entry.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -127,10 +132,10 @@ class TorchSDPABackend(AttentionBackend):
         for start, end in group_by_length(decode_lens):
             lens = decode_lens[start:end]
             max_len = max(lens)
-            positions = torch.arange(max_len, device=device).expand(end - start, max_len)
-            slots = gather_slots(tables[start:end], positions, self.block_size)
+            slots = leading_slots(tables[start:end], max_len, self.block_size)
             mask = None
             if device.type == "cuda" or min(lens) < max_len or (window is not None and max_len > window):
+                positions = torch.arange(max_len, device=device).expand(end - start, max_len)
                 seq_lens = torch.tensor(lens, device=device)[:, None]
                 mask = positions < seq_lens
                 if window is not None:
@@ -144,8 +149,7 @@ class TorchSDPABackend(AttentionBackend):
             kv_len = context_len + query_len
             slots = mask = None
             if context_len:
-                positions = torch.arange(kv_len, device=device)
-                slots = gather_slots(tables[i], positions, self.block_size)
+                slots = leading_slots(tables[i], kv_len, self.block_size)
             if context_len or window is not None:
                 query_pos = torch.arange(context_len, kv_len, device=device)[:, None]
                 key_pos = torch.arange(kv_len, device=device)[None, :]
@@ -200,8 +204,8 @@ class TorchSDPABackend(AttentionBackend):
             # A decode token's query heads that share a KV head go in as that head's query
             # rows ([rows, kv_heads, heads per kv head, D]), not through enable_gqa: each
             # row attends to the same keys under the same mask, and the CPU flash kernel
-            # then reads each K/V block once per KV head rather than once per query head,
-            # 1.2-4.5x faster (bench/cpu_decode_ops.py). Query head h maps to KV head
+            # then reads each K/V block once per KV head rather than once per query head
+            # (bench/cpu_decode_ops.py times both). Query head h maps to KV head
             # h // group size, as enable_gqa (and transformers' repeat_kv) map it.
             decoded = F.scaled_dot_product_attention(
                 query[group.start : group.end].view(rows, num_kv_heads, -1, head_dim),

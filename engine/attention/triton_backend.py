@@ -11,9 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.engine.attention.backend import AttentionBackend, KVCache, StepBatch, split_kv_cache
+from cadence.engine.attention.backend import (
+    AttentionBackend,
+    DecodeGraphInputs,
+    KVCache,
+    StepBatch,
+    split_kv_cache,
+)
 from cadence.kernels.kv_cache_write import write_kv_cache
-from cadence.kernels.paged_attention import paged_attention
+from cadence.kernels.launch import num_sms
+from cadence.kernels.paged_attention import choose_num_splits, paged_attention
 
 
 @dataclass
@@ -22,7 +29,7 @@ class TritonMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64
     block_tables: torch.Tensor  # [S, max_blocks] int32
-    seq_lens: torch.Tensor  # [S] int32: context + new tokens
+    seq_lens: torch.Tensor  # [S] int32 (int64 in a decode graph): context + new tokens
     query_start_loc: torch.Tensor  # [S + 1] int32
     max_query_len: int
     max_seq_len: int  # known on the host, so choosing split-KV never syncs the device
@@ -30,8 +37,25 @@ class TritonMetadata:
     num_splits: int | None = None
 
 
+def split_ladder(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> list[int]:
+    """Split-KV counts worth a graph for `num_seqs` decodes: powers of two up to what the
+    longest possible context would choose."""
+    top = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
+    ladder = [1]
+    while ladder[-1] * 2 <= top:
+        ladder.append(ladder[-1] * 2)
+    return ladder
+
+
 class TritonAttentionBackend(AttentionBackend):
-    """Unified paged attention in Triton (on CPU tensors it needs TRITON_INTERPRET=1)."""
+    """Unified paged attention in Triton (on CPU tensors it needs TRITON_INTERPRET=1).
+
+    The attention kernel's split-KV count is part of its grid, which a CUDA graph bakes
+    in, so each padded decode batch size is captured once per count on `split_ladder`; a
+    step replays the largest one not above what the kernel would choose for its real
+    longest context (splits past a sequence's length do no work, so any count is
+    correct, only the speed differs).
+    """
 
     supports_cuda_graphs = True
 
@@ -42,11 +66,31 @@ class TritonAttentionBackend(AttentionBackend):
         starts = list(batch.query_starts) + [sum(batch.query_lens)]
         return TritonMetadata(
             slot_mapping=batch.slot_mapping,
-            block_tables=batch.block_tables.to(torch.int32),
+            block_tables=batch.block_tables,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             max_query_len=max(batch.query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
+        )
+
+    def graph_variants(self, batch_size: int, max_seq_len: int, device: torch.device) -> list[int]:
+        return split_ladder(batch_size, self.spec.num_kv_heads, max_seq_len, num_sms(device))
+
+    def pick_graph_variant(
+        self, batch_size: int, longest_seq_len: int, variants: list[int], device: torch.device
+    ) -> int:
+        wanted = choose_num_splits(batch_size, self.spec.num_kv_heads, longest_seq_len, num_sms(device))
+        return max(s for s in variants if s <= wanted)
+
+    def graph_metadata(self, inputs: DecodeGraphInputs, variant: int) -> TritonMetadata:
+        return TritonMetadata(
+            slot_mapping=inputs.slot_mapping,
+            block_tables=inputs.block_tables,
+            seq_lens=inputs.seq_lens,
+            query_start_loc=inputs.query_start_loc,
+            max_query_len=1,
+            max_seq_len=inputs.max_seq_len,
+            num_splits=variant,
         )
 
     def forward(
