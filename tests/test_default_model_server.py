@@ -10,7 +10,7 @@ from server_harness import ServerProcess
 from cadence import LLM, SamplingParams
 from cadence.engine.quantization.linear import Int8Linear
 
-pytestmark = needs_smollm2
+pytestmark = [needs_smollm2, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

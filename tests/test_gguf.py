@@ -211,6 +211,7 @@ def smollm2(tmp_path_factory) -> str:
     return resolve_model_path(None, str(tmp_path_factory.mktemp("smollm2-cache")))
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_smollm2_config_and_chat_template(smollm2) -> None:
     with open(os.path.join(smollm2, "config.json"), encoding="utf-8") as f:
@@ -228,6 +229,7 @@ def test_smollm2_config_and_chat_template(smollm2) -> None:
     assert tokenizer.eos_token == "<|im_end|>"
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_smollm2_answers_paris_like_transformers(smollm2) -> None:
     llm = LLM(smollm2, dtype="float32", max_model_len=256, num_gpu_blocks=64)
