@@ -100,7 +100,8 @@ class DecodeGraphs:
         # Fixed per batch size, so asked once rather than on every step.
         self.variants = {batch: backend.graph_variants(batch, max_model_len, device) for batch in self.batch_sizes}
         self._captured: dict[tuple[int, int], _Captured] = {}
-        self._pool = None
+        # The first captured graph's memory pool, which every later capture shares.
+        self._pool: torch.cuda._POOL_HANDLE | None = None
 
     # ----- start-up --------------------------------------------------------------------
     @torch.inference_mode()

@@ -101,10 +101,14 @@ class LLM:
     def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
-        prompts = list(prompts)
-        if prompts and all(isinstance(p, int) for p in prompts):
-            return [prompts]  # one prompt given as token ids
-        return prompts
+        items = list(prompts)
+        token_ids = [p for p in items if isinstance(p, int)]
+        if items and len(token_ids) == len(items):
+            return [token_ids]  # one prompt given as token ids
+        prompt_list = [p for p in items if not isinstance(p, int)]
+        if len(prompt_list) != len(items):
+            raise ValueError("a list of prompts cannot mix token ids with other prompts")
+        return prompt_list
 
     @staticmethod
     def _per_prompt(
@@ -129,6 +133,6 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as token ids")
             return self.tokenizer.encode(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, dict) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("a token-id prompt must be a list of ints")
         return list(prompt)

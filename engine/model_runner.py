@@ -180,6 +180,8 @@ class ModelRunner:
         for state, token_id in zip(states, token_ids):
             result.sampled_token_ids[state.request_id] = token_id
         if sampled.logprobs is not None:
+            # The sampler fills the three logprob fields together.
+            assert sampled.logprob_token_ids is not None and sampled.sampled_ranks is not None
             rows = _rows_to_logprobs(
                 sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_ranks, metadata.max_num_logprobs or 0
             )

@@ -52,7 +52,7 @@ def poisoned(m: int, n: int, dtype: torch.dtype, device: str = "cpu") -> torch.T
 
 def greedy(max_tokens: int, **options: object) -> SamplingParams:
     """Greedy sampling for exactly `max_tokens` tokens (EOS ignored), plus any other fields."""
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **options)  # type: ignore[arg-type]
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **options)
 
 
 def make_llm(path: str, **options: object) -> LLM:

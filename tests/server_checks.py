@@ -5,6 +5,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+from openai.types.chat import ChatCompletionMessageParam
 from server_harness import ServerProcess
 
 MODEL = "tiny"
@@ -13,7 +14,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 STRICT_MAX_MODEL_LEN = 64
 BODY_LIMIT = 4096
 VOCAB_SIZE = 512
-MESSAGES = [{"role": "user", "content": "Hello there"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello there"}]
 # A long generation: the tiny model's context minus room for the prompt.
 LONG = 480
 

@@ -141,6 +141,7 @@ class _Walk:
             scheduler.abort_requests([rng.choice(list(scheduler.requests))])
         output = scheduler.schedule()
         wire = decode(encode(output))
+        assert isinstance(wire, SchedulerOutput)
         self.batch.apply(wire)
         assert set(self.batch.requests) == {r.request_id for r in scheduler.running}
         if wire.num_scheduled_tokens:

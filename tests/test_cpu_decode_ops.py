@@ -9,6 +9,7 @@ heads go in as its query rows, checked head by head against fp64.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -191,7 +192,7 @@ def test_decode_folds_each_kv_heads_query_heads_into_its_rows(monkeypatch: pytes
     if layout == "heads inner":
         sdpa = torch_sdpa.F.scaled_dot_product_attention
 
-        def swapped(*args: object, **kwargs: object) -> torch.Tensor:
+        def swapped(*args: Any, **kwargs: Any) -> torch.Tensor:  # passes SDPA's arguments through
             out = sdpa(*args, **kwargs)
             return out.transpose(1, 2).contiguous().transpose(1, 2)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import openai
 import pytest
 from helpers import needs_smollm2
-from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 from server_harness import ServerProcess
 
 from cadence import LLM, SamplingParams
@@ -29,15 +29,16 @@ def test_default_model_answers_a_chat_question(server) -> None:
         temperature=0,
     )
     reply = ChatCompletion.model_validate_json(raw.text, strict=True)
-    assert "Paris" in reply.choices[0].message.content
+    content = reply.choices[0].message.content
+    assert content is not None and "Paris" in content
     # The model ends its answer with <|im_end|> (its EOS), well before the cap.
     assert reply.choices[0].finish_reason == "stop"
-    assert reply.usage.completion_tokens < 32
+    assert reply.usage is not None and reply.usage.completion_tokens < 32
 
 
 def test_default_model_streams_the_same_answer(server) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
-    messages = [{"role": "user", "content": "Name three colours."}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three colours."}]
     # The first request reuses only the system-prompt blocks the Paris question cached,
     # so its prefill splits differently from the two below, which reuse this prompt's
     # own blocks. Attention over a different split differs in the last fp32 bits, and the
@@ -71,6 +72,7 @@ def test_offline_llm_with_no_model_gives_the_servers_greedy_tokens(server) -> No
         reply = client.completions.create(
             model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
         )
+        assert reply.usage is not None
         assert reply.usage.prompt_tokens == len(offline.prompt_token_ids) < 16
         assert reply.usage.completion_tokens == len(offline.outputs[0].token_ids) == 24
         assert reply.choices[0].text == offline.outputs[0].text

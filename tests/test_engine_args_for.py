@@ -108,6 +108,7 @@ def test_llm_on_a_gguf_gives_the_servers_greedy_tokens(tiny_gguf, cache_home) ->
             reply = client.completions.create(
                 model=tiny_gguf, prompt=text, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
             )
+            assert reply.usage is not None
             assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
             assert reply.usage.completion_tokens == len(offline.outputs[0].token_ids) == 8
             assert reply.choices[0].text == offline.outputs[0].text

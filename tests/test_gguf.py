@@ -148,7 +148,12 @@ def test_cache_reuses_folder_and_reconverts_changed_file(tiny_gguf, tmp_path, mo
     first = convert_gguf(path, str(tmp_path / "cache"))
     calls: list[str] = []
     real = gguf_loader.write_hf_folder
-    monkeypatch.setattr(gguf_loader, "write_hf_folder", lambda *a: (calls.append(a[0]), real(*a)))
+
+    def recording_write(gguf_path: str, folder: str) -> None:
+        calls.append(gguf_path)
+        real(gguf_path, folder)
+
+    monkeypatch.setattr(gguf_loader, "write_hf_folder", recording_write)
     assert convert_gguf(path, str(tmp_path / "cache")) == first and calls == []
     os.utime(path, ns=(1_000_000_000, 1_000_000_000))  # a replaced file: new mtime
     second = convert_gguf(path, str(tmp_path / "cache"))
@@ -225,6 +230,7 @@ def test_smollm2_config_and_chat_template(smollm2) -> None:
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                          add_generation_prompt=True)
+    assert isinstance(chat, str)
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert tokenizer.eos_token == "<|im_end|>"
 

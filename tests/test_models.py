@@ -19,13 +19,8 @@ from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.quantization.cpu_policy import has_fast_bf16
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.rotary import _inv_freq
-
-try:  # works whether or not tests/ is a package (pytest's import mode differs)
-    from tests.sdpa_contexts import CachedSdpaContext, VarlenSdpaContext
-    from tests.tiny_models import KINDS, make_tiny_model
-except ImportError:
-    from sdpa_contexts import CachedSdpaContext, VarlenSdpaContext  # type: ignore[no-redef]
-    from tiny_models import KINDS, make_tiny_model  # type: ignore[no-redef]
+from sdpa_contexts import CachedSdpaContext, VarlenSdpaContext
+from tiny_models import KINDS, make_tiny_model
 
 # Max abs logit difference allowed, relative to the largest |logit| (~45 here). Against
 # transformers' eager attention we measure 0 (bitwise equal) for most kinds and ~1e-6

@@ -147,16 +147,17 @@ class TorchSDPABackend(AttentionBackend):
         for i in range(num_decodes, batch.num_seqs):
             context_len, query_len = batch.context_lens[i], batch.query_lens[i]
             kv_len = context_len + query_len
-            slots = mask = None
+            chunk_slots: torch.Tensor | None = None
+            chunk_mask: torch.Tensor | None = None
             if context_len:
-                slots = leading_slots(tables[i], kv_len, self.block_size)
+                chunk_slots = leading_slots(tables[i], kv_len, self.block_size)
             if context_len or window is not None:
                 query_pos = torch.arange(context_len, kv_len, device=device)[:, None]
                 key_pos = torch.arange(kv_len, device=device)[None, :]
-                mask = key_pos <= query_pos
+                chunk_mask = key_pos <= query_pos
                 if window is not None:
-                    mask &= key_pos > query_pos - window
-            prefills.append(PrefillChunk(batch.query_starts[i], query_len, slots, mask))
+                    chunk_mask &= key_pos > query_pos - window
+            prefills.append(PrefillChunk(batch.query_starts[i], query_len, chunk_slots, chunk_mask))
         return TorchSDPAMetadata(batch.slot_mapping, decode_groups, prefills)
 
     def forward(
@@ -218,19 +219,19 @@ class TorchSDPABackend(AttentionBackend):
             # with its head and row dims swapped in memory, which decoded.view would refuse.
             out[group.start : group.end].view(rows, num_kv_heads, -1, head_dim).copy_(decoded)
         for chunk in metadata.prefills:
-            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            chunk_rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             if chunk.gather_slots is None and key_cache.scales is None:
-                keys, values = key[rows], value[rows]
+                keys, values = key[chunk_rows], value[chunk_rows]
             elif chunk.gather_slots is None:
                 # A quantized cache: attend to the K/V as stored, as decodes and the
                 # Triton backend do, so a prompt reads the same whether fresh or cached.
-                slots = metadata.slot_mapping[rows]
+                slots = metadata.slot_mapping[chunk_rows]
                 keys, values = key_cache.gather(slots), value_cache.gather(slots)
             else:
                 keys, values = key_cache.gather(chunk.gather_slots), value_cache.gather(chunk.gather_slots)
             # A batch dimension of 1 matters: 3-D inputs miss the CPU flash kernel.
             attended = F.scaled_dot_product_attention(
-                query[rows].transpose(0, 1).unsqueeze(0),
+                query[chunk_rows].transpose(0, 1).unsqueeze(0),
                 keys.transpose(0, 1).unsqueeze(0),
                 values.transpose(0, 1).unsqueeze(0),
                 attn_mask=chunk.attn_mask,
@@ -238,5 +239,5 @@ class TorchSDPABackend(AttentionBackend):
                 scale=scale,
                 enable_gqa=True,
             )
-            out[rows] = attended[0].transpose(0, 1)
+            out[chunk_rows] = attended[0].transpose(0, 1)
         return out
