@@ -105,6 +105,7 @@ class EngineDead:
 
 Message = (
     EngineCoreRequest | AbortRequests | Shutdown | EngineReady | EngineCoreOutputs | EngineDead
+    | SchedulerOutput  # a scheduler step for a runner in another process
 )
 
 # Wire codes. Append only: a code never changes meaning.
