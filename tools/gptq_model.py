@@ -117,7 +117,7 @@ def gptq_model(
         return torch.cat(outs), torch.cat(resids)
 
     for index, layer in enumerate(layers):
-        projections = {suffix: layer.get_submodule(suffix) for suffix in FUSED_SHARDS}
+        projections = {suffix: _projection(layer, suffix) for suffix in FUSED_SHARDS}
         hessians = {suffix: HessianAccumulator(m.in_features, device) for suffix, m in projections.items()}
         hooks = [m.register_forward_pre_hook(lambda _m, args, acc=hessians[suffix]: acc.add(args[0]))
                  for suffix, m in projections.items()]
@@ -138,6 +138,12 @@ def gptq_model(
         if progress is not None:
             progress(index + 1, len(layers))
     return results
+
+
+def _projection(layer: nn.Module, suffix: str) -> LinearLayer:
+    module = layer.get_submodule(suffix)
+    assert isinstance(module, LinearLayer), suffix
+    return module
 
 
 def _layer_prefix(name: str) -> str:

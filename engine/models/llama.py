@@ -21,7 +21,12 @@ from cadence.engine.models.rotary import PositionedRotary, RotaryEmbedding
 from cadence.engine.models.weight_names import FUSED_SHARDS, LM_HEAD, fused_target
 from cadence.engine.quantization.linear import Int8Method
 from cadence.engine.quantization.lm_head import Int8Embedding
-from cadence.engine.quantization.method import DenseConfig, DenseMethod, LinearLayer, QuantConfig
+from cadence.engine.quantization.method import (
+    DenseConfig,
+    DenseMethod,
+    LinearLayer,
+    QuantConfig,
+)
 
 
 class RMSNorm(nn.Module):

@@ -23,10 +23,24 @@ from cadence.engine.quantization.apply import (
     quantize_model,
     validate_quantization,
 )
-from cadence.engine.quantization.checkpoint import CheckpointQuantization, parse_quantization_config
+from cadence.engine.quantization.checkpoint import (
+    CheckpointQuantization,
+    parse_quantization_config,
+)
 from cadence.engine.quantization.fp8_linear import Fp8Linear, Fp8Method
-from cadence.engine.quantization.linear import Int4Linear, Int4Method, Int8Linear, Int8Method
-from cadence.engine.quantization.method import DenseConfig, DenseMethod, LinearLayer, QuantConfig, QuantMethod
+from cadence.engine.quantization.linear import (
+    Int4Linear,
+    Int4Method,
+    Int8Linear,
+    Int8Method,
+)
+from cadence.engine.quantization.method import (
+    DenseConfig,
+    DenseMethod,
+    LinearLayer,
+    QuantConfig,
+    QuantMethod,
+)
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",

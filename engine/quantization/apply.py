@@ -10,7 +10,12 @@ from torch import nn
 
 from cadence.engine.quantization.fp8_linear import Fp8Method
 from cadence.engine.quantization.linear import Int4Method, Int8Method
-from cadence.engine.quantization.method import DenseMethod, LinearLayer, QuantConfig, QuantMethod
+from cadence.engine.quantization.method import (
+    DenseMethod,
+    LinearLayer,
+    QuantConfig,
+    QuantMethod,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,18 @@ import torch
 
 from cadence.engine.models.weight_names import SHARD_OF
 from cadence.engine.quantization.linear import Int4Method
-from cadence.engine.quantization.method import LinearLayer, QuantConfig, QuantMethod, load_rows
-from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, from_awq, from_gptq
+from cadence.engine.quantization.method import (
+    LinearLayer,
+    QuantConfig,
+    QuantMethod,
+    load_rows,
+)
+from cadence.kernels.quant_formats import (
+    SYMMETRIC_ZERO,
+    Int4Weight,
+    from_awq,
+    from_gptq,
+)
 
 _REQUIRED = ("qweight", "qzeros", "scales")
 _OPTIONAL = ("g_idx", "bias")

@@ -36,8 +36,8 @@ from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.engine.quantization.linear import QuantizedMethod, check_shape
 from cadence.engine.quantization.method import LinearLayer, take_dense_weight
 from cadence.kernels.fp8_format import (
-    FP16_DECODE_DIVISOR,
     FP8_DTYPE,
+    FP16_DECODE_DIVISOR,
     dequantize_fp8,
     fp8_as_fp16_divided,
     quantize_fp8_per_token,
@@ -72,7 +72,9 @@ class Fp8Method(QuantizedMethod):
         return dequantize_fp8(layer.qweight, layer.weight_scale, dtype)
 
     def cuda_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
-        from cadence.kernels.w8a8_fp8 import fp8_matmul  # imports triton: only when used
+        from cadence.kernels.w8a8_fp8 import (
+            fp8_matmul,  # imports triton: only when used
+        )
 
         return fp8_matmul(x2, layer.qweight, layer.weight_scale)
 
@@ -102,6 +104,6 @@ class Fp8Linear(LinearLayer):
         Fp8Method.install(self, qweight, weight_scale)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
         qweight, scale = quantize_fp8_weight(linear.weight.detach())
         return cls(qweight, scale, linear.bias)

@@ -37,11 +37,21 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from cadence.engine.gguf_loader import HF_TO_GGUF, SOURCE_FILE, cache_key, unpermute_rope_rows
+from cadence.engine.gguf_loader import (
+    HF_TO_GGUF,
+    SOURCE_FILE,
+    cache_key,
+    unpermute_rope_rows,
+)
 from cadence.engine.models.weight_names import FUSED_SHARDS, fused_suffix
 from cadence.engine.quantization.checkpoint import concat_int4
 from cadence.engine.quantization.linear import Int4Method, Int8Method
-from cadence.engine.quantization.method import DenseMethod, LinearLayer, QuantConfig, QuantMethod
+from cadence.engine.quantization.method import (
+    DenseMethod,
+    LinearLayer,
+    QuantConfig,
+    QuantMethod,
+)
 from cadence.kernels.quant_formats import Int4Weight, pack_nibbles, quantize_int8
 
 logger = logging.getLogger(__name__)

@@ -25,9 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_transposed, matching_block_n
+from cadence.engine.quantization.cpu_int4_layout import (
+    dequantize_cpu_int4_transposed,
+    matching_block_n,
+)
 from cadence.engine.quantization.cpu_policy import cpu_policy
-from cadence.engine.quantization.method import DenseMethod, LinearLayer, take_dense_weight
+from cadence.engine.quantization.method import (
+    DenseMethod,
+    LinearLayer,
+    take_dense_weight,
+)
 from cadence.kernels.quant_formats import (
     SYMMETRIC_ZERO,
     Int4Weight,
@@ -176,7 +183,7 @@ class Int4Method(QuantizedMethod):
     @staticmethod
     def int4_weight(layer: LinearLayer) -> Int4Weight:
         """The Cadence-layout weight; gone once converted for the CPU op (memory)."""
-        if layer.qweight is None:
+        if layer.qweight is None or layer.scales is None:
             raise RuntimeError("this int4 layer was converted to the CPU packed layout; "
                                "keep the Int4Weight it was built from to dequantize it")
         return Int4Weight(layer.qweight, layer.scales, layer.zeros, layer.group_size)
@@ -198,19 +205,21 @@ class Int4Method(QuantizedMethod):
                 n, layer.in_features, g,
             )
             return
-        codes = unpack_int4(self.int4_weight(layer)).t()  # uint8 [N, K]
+        weight = self.int4_weight(layer)
+        codes = unpack_int4(weight).t()  # uint8 [N, K]
         layer.cpu_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
         # Prefill-sized batches dequantize from the packed bytes instead (see cpu_matmul).
         layer.cpu_block_n = matching_block_n(layer.cpu_packed, codes)
         # The op computes (code - 8) * scale + zero_term; ours is (code - z) * scale, so
         # zero_term = (8 - z) * scale (zero for symmetric weights).
-        scales = layer.scales.float().repeat_interleave(g // cpu_group, dim=0)
-        z = SYMMETRIC_ZERO if layer.zeros is None else layer.zeros.float().repeat_interleave(g // cpu_group, dim=0)
+        scales = weight.scales.float().repeat_interleave(g // cpu_group, dim=0)
+        z = SYMMETRIC_ZERO if weight.zeros is None else weight.zeros.float().repeat_interleave(g // cpu_group, dim=0)
         zero_term = (SYMMETRIC_ZERO - z) * scales
         layer.cpu_scales_zeros = torch.stack([scales, zero_term.expand_as(scales)], dim=2).to(torch.bfloat16).contiguous()
         # Keep the weight once: the CPU layout is the same size as ours (N*K/2 bytes), and
         # cpu_scales_zeros replaces our scales and zeros.
-        layer.qweight = layer.scales = layer.zeros = None
+        for name in ("qweight", "scales", "zeros"):
+            layer.register_buffer(name, None)
         layer.cpu_group_size = cpu_group
 
     @staticmethod
@@ -236,12 +245,13 @@ class Int4Method(QuantizedMethod):
         # Large M: the packed op is compute-bound; a per-call bf16 copy of the weight
         # (freed right after) lets the AMX matmul run, as for int8, in chunks of whole
         # packed row blocks once the weight is large.
-        k, block_n = layer.in_features, layer.cpu_block_n
+        k, block_n, scales_zeros = layer.in_features, layer.cpu_block_n, layer.cpu_scales_zeros
+        assert scales_zeros is not None  # set with cpu_packed
         packed_bytes = layer.cpu_packed.view(-1)  # row blocks of block_n rows lie one after another
 
         def dense_t(start: int, stop: int) -> torch.Tensor:
             return dequantize_cpu_int4_transposed(packed_bytes[start * k // 2 : stop * k // 2],
-                                                  layer.cpu_scales_zeros[:, start:stop], stop - start, k,
+                                                  scales_zeros[:, start:stop], stop - start, k,
                                                   layer.cpu_group_size, block_n)
 
         return _matmul_in_row_chunks(x2.to(torch.bfloat16), layer.out_features, k, block_n, dense_t).to(x2.dtype)
@@ -267,7 +277,7 @@ class Int8Linear(LinearLayer):
         Int8Method.install(self, qweight, scale)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         qweight, scale = quantize_int8(linear.weight.detach())
         return cls(qweight, scale, linear.bias)
 
@@ -282,7 +292,7 @@ class Int4Linear(LinearLayer):
         method.install(self, weight)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 128, symmetric: bool = True) -> "Int4Linear":
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, symmetric: bool = True) -> Int4Linear:
         return cls(quantize_int4(linear.weight.detach(), group_size, symmetric), linear.bias)
 
     @property

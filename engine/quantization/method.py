@@ -29,32 +29,32 @@ class QuantMethod(ABC):
 
     @abstractmethod
     def create_weights(
-        self, layer: "LinearLayer", input_size: int, output_sizes: list[int], dtype: torch.dtype,
+        self, layer: LinearLayer, input_size: int, output_sizes: list[int], dtype: torch.dtype,
         device: torch.device | None,
     ) -> None:
         """Register what the layer holds while loading (``output_sizes``: one N per shard)."""
 
-    def load_weights(self, layer: "LinearLayer", shard: int, name: str, tensor: torch.Tensor) -> None:
+    def load_weights(self, layer: LinearLayer, shard: int, name: str, tensor: torch.Tensor) -> None:
         """Take the checkpoint tensor ``name`` ("weight", "qweight", "bias", ...) of ``shard``."""
         if name == "bias":
             load_rows(layer, "bias", shard, tensor, name)
             return
         raise ValueError(f"unexpected tensor {layer.tensor_name(shard, name)!r} for a {type(self).__name__} layer")
 
-    def expected_tensors(self, layer: "LinearLayer") -> tuple[str, ...]:
+    def expected_tensors(self, layer: LinearLayer) -> tuple[str, ...]:
         """The tensor names every shard must bring from the checkpoint stream."""
         return ("bias",) if layer.bias is not None else ()
 
     @abstractmethod
-    def process_after_loading(self, layer: "LinearLayer") -> None:
+    def process_after_loading(self, layer: LinearLayer) -> None:
         """Turn the loaded tensors into the ones ``apply`` reads."""
 
     @abstractmethod
-    def apply(self, layer: "LinearLayer", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         """``[..., K]`` -> ``[..., N]`` in the activation dtype, bias included."""
 
     @abstractmethod
-    def dequantized_weight(self, layer: "LinearLayer", dtype: torch.dtype) -> torch.Tensor:
+    def dequantized_weight(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
         """The dense ``[N, K]`` weight the layer stands for (references, tests, tools)."""
 
 
@@ -66,6 +66,24 @@ class LinearLayer(nn.Module):
     that methods reading tensors from elsewhere (a GGUF file) can find them; ``prefix``
     is the layer's module name in the model.
     """
+
+    # What the methods hold on a layer (each registers only its own; typed here once).
+    weight: nn.Parameter  # dense, and the staging weight of methods that quantize at load
+    qweight: torch.Tensor  # int8 / fp8 [N, K]; int4 packed [K / 8, N] (a None buffer once repacked for CPU)
+    scale: torch.Tensor  # int8: per output channel
+    scale_bf16: torch.Tensor
+    weight_scale: torch.Tensor  # fp8: per output channel
+    cpu_output_scale: torch.Tensor
+    scales: torch.Tensor | None  # int4: [K / group, N]
+    zeros: torch.Tensor | None
+    cpu_packed: torch.Tensor | None  # int4 in the layout of torch's CPU op
+    cpu_scales_zeros: torch.Tensor | None
+    group_size: int
+    symmetric: bool
+    cpu_block_n: int | None
+    cpu_group_size: int
+    dense_dtype: torch.dtype  # the dtype the staged dense weight was loaded in
+    pending: list[dict[str, torch.Tensor]]  # packed checkpoint tensors per shard, until processed
 
     def __init__(
         self, input_size: int, output_sizes: list[int], bias: bool, method: QuantMethod,
