@@ -232,8 +232,8 @@ class LlamaForCausalLM(nn.Module):
             ):
                 continue  # old checkpoints saved RoPE buffers; we compute our own
             module, _, attr = name.rpartition(".")
-            if module == LM_HEAD and self.lm_head is None:
-                continue  # tied: the head is embed_tokens
+            if module == LM_HEAD and (self.lm_head is None or head_reads_embedding):
+                continue  # tied: the head is the embedding table (an int8 head loads it from there)
             if module == "model.embed_tokens" and head_reads_embedding:
                 module = LM_HEAD  # the tied int8 head holds the table
             target = (module, 0) if module == LM_HEAD else fused_target(module)
