@@ -31,7 +31,7 @@ from torch import nn
 
 from cadence import LLM
 from cadence.engine.default_model import resolve_model_path
-from cadence.engine.quantization import TARGET_LAYERS, Int4Linear, Int8Linear
+from cadence.engine.quantization import TARGET_LAYERS, Int4Linear, Int4Method, Int8Linear
 from cadence.engine.quantization.cpu_policy import cpu_policy
 from common.engine_timing import decode_steps, decode_tokens_per_s, lm_head_ms, median_phases, prefill_tokens_per_s
 from common.from_tests import EVAL_TEXT, perplexity
@@ -80,7 +80,7 @@ def format_table(path: str, rows: list[tuple[str | None, str, bool]], new_tokens
         text_ids = tokenizer(EVAL_TEXT)["input_ids"]
         prompt = text_ids[:32]
         linear, total = footprint(llm.engine.model)
-        groups = sorted({m.group_size for m in llm.engine.model.modules() if isinstance(m, Int4Linear)})
+        groups = sorted({m.group_size for m in llm.engine.model.modules() if isinstance(getattr(m, "method", None), Int4Method)})
         ppl = perplexity(llm, text_ids)
         rate = decode_tokens_per_s(llm, prompt, new_tokens, repeats)
         step_ms = median_phases(decode_steps(llm, prompt, new_tokens)).total * 1e3
@@ -132,7 +132,7 @@ def rtn_perplexity(path: str, group: int, symmetric: bool, ids: list[int]) -> fl
 
 def gptq_table(path: str, args: argparse.Namespace) -> None:
     """Dense, int4 round-to-nearest and int4 GPTQ perplexity on the fixed text (never used to calibrate)."""
-    from cadence.engine.quantization.gptq_model import quantize_checkpoint
+    from cadence.tools.gptq_model import quantize_checkpoint
 
     dense = LLM(path, dtype="float32", max_model_len=1024, num_gpu_blocks=128)
     tokenizer = dense.get_tokenizer()

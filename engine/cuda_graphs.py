@@ -32,6 +32,7 @@ from torch import nn
 
 from cadence.engine.attention.backend import AttentionBackend, AttentionContext, DecodeGraphInputs, KVCache
 from cadence.engine.input_batch import StepInputs
+from cadence.engine.models.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         backend: AttentionBackend,
         kv_caches: list[KVCache],
         *,

@@ -49,6 +49,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# HF module -> its GGUF per-layer name part (the projections' blocks are read back by name).
+HF_TO_GGUF = {hf: part for part, hf in _LAYER_NAMES.items()}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",

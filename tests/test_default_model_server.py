@@ -8,7 +8,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 from server_harness import ServerProcess
 
 from cadence import LLM, SamplingParams
-from cadence.engine.quantization.linear import Int8Linear
+from cadence.engine.quantization.lm_head import Int8HeadMethod
 
 pytestmark = [needs_smollm2, pytest.mark.slow]
 
@@ -62,7 +62,7 @@ def test_offline_llm_with_no_model_gives_the_servers_greedy_tokens(server) -> No
     """`LLM()` and `cadence serve`, both with no arguments: the same model, quantization
     (the file's Q4_1 blocks, its Q8_0 head as int8) and tokenizer, so the same tokens."""
     llm = LLM()
-    assert llm.engine.args.quantization == "gguf" and isinstance(llm.engine.model.lm_head, Int8Linear)
+    assert llm.engine.args.quantization == "gguf" and isinstance(llm.engine.model.lm_head.method, Int8HeadMethod)
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     # Prompts shorter than a KV block, one at a time on both sides: no prefix-cache hit or

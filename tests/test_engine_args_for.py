@@ -14,7 +14,7 @@ from tiny_models import build_tiny_model
 from cadence import LLM, SamplingParams
 from cadence.engine import default_model
 from cadence.engine.engine_args import EngineArgs, engine_args_for
-from cadence.engine.quantization.linear import Int8Linear
+from cadence.engine.quantization.linear import Int8Method
 from cadence.server.cli import build_parser, engine_args_from
 
 TEXTS = ["The quick brown fox", "Paris is the capital of"]
@@ -94,7 +94,7 @@ def test_llm_on_a_gguf_gives_the_servers_greedy_tokens(tiny_gguf, cache_home) ->
     llm = LLM(tiny_gguf, **SHARED_FLAGS)
     # Served in the file's own blocks by default, as the server does: layers 1+ are Q8_0.
     assert llm.engine.args.quantization == "gguf"
-    assert isinstance(llm.engine.model.model.layers[1].self_attn.qkv_proj, Int8Linear)
+    assert isinstance(llm.engine.model.model.layers[1].self_attn.qkv_proj.method, Int8Method)
     tokenizer = llm.get_tokenizer()
     assert tokenizer is not None  # from the converted folder: the GGUF carries its tokenizer
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

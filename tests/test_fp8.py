@@ -26,7 +26,14 @@ from quant_eval import TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, pr
 from torch import nn
 
 from cadence.engine.engine_args import EngineArgs
-from cadence.engine.quantization import Fp8Linear, quantize_model, validate_quantization
+from cadence.engine.quantization import (
+    DenseMethod,
+    Fp8Linear,
+    Fp8Method,
+    LinearLayer,
+    quantize_model,
+    validate_quantization,
+)
 from cadence.engine.quantization import fp8_linear as fp8_linear_module
 from cadence.engine.quantization.cpu_policy import CpuQuantPolicy
 from cadence.kernels import w8a8_fp8
@@ -184,10 +191,11 @@ def test_quantize_model_fp8_swaps_only_the_projections(tiny_model_dir) -> None:
     from cadence.engine.loader import load_model
 
     model, _ = load_model(tiny_model_dir("llama"), torch.float32, "cpu", quantization="fp8")
-    kinds = {name.rsplit(".", 1)[-1]: type(mod).__name__ for name, mod in model.named_modules()}
+    kinds = {name.rsplit(".", 1)[-1]: type(mod.method).__name__
+             for name, mod in model.named_modules() if isinstance(mod, LinearLayer)}
     for layer in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-        assert kinds[layer] == "Fp8Linear"
-    assert type(model.lm_head) is nn.Linear and isinstance(model.model.embed_tokens, nn.Embedding)
+        assert kinds[layer] == "Fp8Method"
+    assert type(model.lm_head.method) is DenseMethod and isinstance(model.model.embed_tokens, nn.Embedding)
     assert quantize_model(model, "fp8").quantized == 0  # nothing dense left to swap
 
 
@@ -199,7 +207,7 @@ def test_fp8_option_is_accepted_everywhere() -> None:
     assert build_parser().parse_args(["serve", "some/model", "--quantization", "fp8"]).quantization == "fp8"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks Fp8Linear's CPU path; CUDA runs fp8_matmul, "
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks Fp8Method's CPU path; CUDA runs fp8_matmul, "
                     "compared with its reference in the gpu tests above")
 def test_tiny_model_end_to_end_fp8(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tiny_model_dir("llama")
@@ -212,14 +220,14 @@ def test_tiny_model_end_to_end_fp8(tiny_model_dir, monkeypatch: pytest.MonkeyPat
     # activations it really sees: the model-level numbers below cannot show a small
     # error in the CPU path, because this model amplifies any perturbation.
     layer_errors: list[float] = []
-    cpu_matmul = Fp8Linear._cpu_matmul
+    cpu_matmul = Fp8Method.cpu_matmul
 
-    def checked(self: Fp8Linear, x2: torch.Tensor) -> torch.Tensor:
-        y = cpu_matmul(self, x2)
-        layer_errors.append(rel_err(y, reference_for(x2, self.qweight, self.weight_scale)))
+    def checked(self: Fp8Method, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
+        y = cpu_matmul(self, layer, x2)
+        layer_errors.append(rel_err(y, reference_for(x2, layer.qweight, layer.weight_scale)))
         return y
 
-    monkeypatch.setattr(Fp8Linear, "_cpu_matmul", checked)
+    monkeypatch.setattr(Fp8Method, "cpu_matmul", checked)
     llm = tiny_llm(path, "fp8")
     agreement = prefix_agreement(ref_tokens, greedy_tokens(llm, TINY_PROMPTS, max_tokens=8))
     ppl = perplexity(llm, text)

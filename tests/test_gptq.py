@@ -1,4 +1,4 @@
-"""GPTQ (engine/quantization/gptq.py, gptq_model.py) and ``cadence quantize``.
+"""GPTQ (tools/gptq.py, gptq_model.py) and ``cadence quantize``.
 
 GPTQ's claim is a smaller layer *output* error than round-to-nearest for the same int4
 grid, on inputs like its calibration data. The synthetic check uses correlated inputs
@@ -18,9 +18,9 @@ import torch
 
 from cadence import LLM
 from cadence.engine.loader import iterate_weights, load_model
-from cadence.engine.quantization import gptq_model, linear as linear_module
-from cadence.engine.quantization.gptq import HessianAccumulator, gptq_quantize
-from cadence.engine.quantization.linear import Int4Linear
+from cadence.engine.quantization.linear import Int4Method
+from cadence.tools import gptq_model
+from cadence.tools.gptq import HessianAccumulator, gptq_quantize
 from cadence.kernels.quant_formats import dequantize_int4, quantize_int4
 from helpers import gen
 from quant_eval import TINY_PROMPTS, greedy_tokens
@@ -88,12 +88,12 @@ def test_checkpoint_loads_into_the_codes_gptq_chose(tiny_model_dir, tmp_path, mo
     dense = dict(iterate_weights(source))
     out = str(tmp_path / "gptq")
     gptq_model.write_gptq_checkpoint(source, out, dense, chosen, sizes, 32, False, {"source": "test"})
-    # Keep Int4Linear in our layout so its buffers can be compared code for code.
-    monkeypatch.setattr(linear_module.Int4Linear, "_convert_for_cpu", lambda self: None)
+    # Keep the int4 layers in our layout so their buffers can be compared code for code.
+    monkeypatch.setattr(Int4Method, "convert_for_cpu", lambda self, layer: None)
     loaded, _ = load_model(out, torch.float32)
     for name, weight in chosen.items():
         layer = loaded.get_submodule(name)
-        assert isinstance(layer, Int4Linear)
+        assert isinstance(layer.method, Int4Method)
         assert torch.equal(layer.qweight, weight.qweight) and torch.equal(layer.scales, weight.scales), name
         assert torch.equal(layer.zeros, weight.zeros), name
     # gptq_model left the model holding the dequantized weights: the loaded checkpoint is
@@ -113,7 +113,7 @@ def test_cadence_quantize_writes_a_servable_checkpoint(tiny_model_dir, tmp_path)
     assert qconfig["quant_method"] == "gptq" and qconfig["group_size"] == 64 and qconfig["sym"] is True
     assert qconfig["calibration"]["source"] == "self-generated" and qconfig["calibration"]["samples"] == 3
     llm = LLM(out, dtype="float32", block_size=4, max_model_len=128, num_gpu_blocks=64)
-    assert isinstance(llm.engine.model.get_submodule("model.layers.0.mlp.down_proj"), Int4Linear)
+    assert isinstance(llm.engine.model.get_submodule("model.layers.0.mlp.down_proj").method, Int4Method)
     tokens = greedy_tokens(llm, TINY_PROMPTS[:2], max_tokens=4)
     assert all(len(t) == 4 for t in tokens)
 

@@ -19,9 +19,11 @@ from cadence.engine.engine_args import EngineArgs
 from cadence.engine.gguf_loader import convert_gguf
 from cadence.engine.quantization.gguf_native import open_source_gguf
 from cadence.engine.loader import load_model
-from cadence.engine.quantization import linear as linear_module, lm_head
+from cadence.engine.quantization import lm_head
 from cadence.engine.quantization.lm_head import Int8Embedding
-from cadence.engine.quantization.linear import Int8Linear
+from cadence.engine.quantization.linear import Int4Method, Int8Method
+from cadence.engine.quantization.method import LinearLayer
+from cadence.tools import gptq_model
 from cadence.kernels.quant_formats import dequantize_int8, quantize_int8
 from gguf_writer import write_tiny_gguf_in
 from helpers import CPU_PATH_TOL, rel_err
@@ -30,6 +32,10 @@ from quant_eval import TINY_PROMPTS, greedy_tokens, prefix_agreement, tiny_llm
 from tiny_models import build_tiny_model
 
 QUANT_TOL = 5e-2
+
+
+def is_int8(head: nn.Module | None) -> bool:
+    return isinstance(head, LinearLayer) and isinstance(head.method, Int8Method)
 
 
 def logits_of(model: nn.Module, ids: list[int]) -> torch.Tensor:
@@ -45,7 +51,7 @@ def logits_of(model: nn.Module, ids: list[int]) -> torch.Tensor:
 def test_int8_head_tracks_the_dense_logits(tiny_model_dir, kind: str) -> None:
     dense, _ = load_model(tiny_model_dir(kind), torch.float32, "cpu")
     model, _ = load_model(tiny_model_dir(kind), torch.float32, "cpu", quantize_lm_head=True)
-    assert isinstance(model.lm_head, Int8Linear)
+    assert is_int8(model.lm_head)
     dense_head = dense.model.embed_tokens.weight if kind == "tied" else dense.lm_head.weight
     # Per vocabulary row: every weight within half a quantization step of the dense one.
     err = (model.lm_head.dequantized_weight(torch.float32) - dense_head).abs()
@@ -83,7 +89,7 @@ def test_int8_head_on_a_quantized_body_serves_end_to_end(tiny_model_dir) -> None
     llm = tiny_llm(path, "int8")
     both = type(llm)(path, dtype="float32", quantization="int8", quantize_lm_head=True, block_size=4,
                      max_model_len=256, num_gpu_blocks=256)
-    assert isinstance(both.engine.model.lm_head, Int8Linear)
+    assert is_int8(both.engine.model.lm_head)
     body_only = greedy_tokens(llm, TINY_PROMPTS, max_tokens=8)
     with_head = greedy_tokens(both, TINY_PROMPTS, max_tokens=8)
     agreement = prefix_agreement(dense, with_head)
@@ -128,7 +134,7 @@ def tied_q8_head_gguf(tmp_path_factory) -> str:
 
 def test_gguf_head_stored_quantized_is_served_int8_by_default(tied_q8_head_gguf) -> None:
     model, _ = load_model(tied_q8_head_gguf, torch.bfloat16, quantization="gguf")
-    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.embed_tokens, Int8Embedding)
+    assert is_int8(model.lm_head) and isinstance(model.model.embed_tokens, Int8Embedding)
     # Re-quantized from the file's block values, not from the bf16-rounded dense copy.
     reader = gguf.GGUFReader(open_source_gguf(tied_q8_head_gguf)[0])
     raw = next(t for t in reader.tensors if t.name == "token_embd.weight")
@@ -162,15 +168,13 @@ def test_int8_head_on_gpu_matches_cpu(tiny_model_dir, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "tied"])
 def test_gptq_checkpoint_with_a_quantized_head_loads_it(tiny_model_dir, tmp_path, monkeypatch, kind: str) -> None:
-    """GPTQ's ``lm_head: true``: ``lm_head.qweight`` & co. become an Int4Linear head. With
+    """GPTQ's ``lm_head: true``: ``lm_head.qweight`` & co. become an int4 head. With
     tied embeddings the lookup table stays dense (the checkpoint stores it as such)."""
     import json
     import os
 
     from safetensors.torch import load_file, save_file
 
-    from cadence.engine.quantization import gptq_model
-    from cadence.engine.quantization.linear import Int4Linear
     from cadence.kernels.quant_formats import dequantize_int4, quantize_int4, to_gptq
 
     source = tiny_model_dir(kind)
@@ -188,9 +192,9 @@ def test_gptq_checkpoint_with_a_quantized_head_loads_it(tiny_model_dir, tmp_path
     config["quantization_config"]["lm_head"] = True
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f)
-    monkeypatch.setattr(linear_module.Int4Linear, "_convert_for_cpu", lambda self: None)
+    monkeypatch.setattr(Int4Method, "convert_for_cpu", lambda self, layer: None)
     model, _ = load_model(out, torch.float32)
-    assert isinstance(model.lm_head, Int4Linear)
+    assert isinstance(model.lm_head, LinearLayer) and isinstance(model.lm_head.method, Int4Method)
     if kind == "llama":  # an int8 head on top of the checkpoint's int4 one is refused, clearly
         with pytest.raises(ValueError, match="already quantized"):
             load_model(out, torch.float32, quantize_lm_head=True)

@@ -1,4 +1,4 @@
-"""Pre-quantized GPTQ / AWQ checkpoints load natively into Int4Linear layers.
+"""Pre-quantized GPTQ / AWQ checkpoints load natively into int4 layers (``Int4Method``).
 
 The checkpoints are written here with our own packers: each decoder projection of the
 tiny random Llama is quantized with ``quantize_int4`` (group 32, fp16 scales, as real
@@ -7,7 +7,7 @@ names; a second folder holds the same model with the *dequantized* int4 weights 
 plain fp32 ``*.weight`` tensors. A correct loader makes the two the same function.
 
 How exactly they agree depends on the CPU path:
-* Int4Linear's CPU packed op (``_weight_int4pack_mm_for_cpu``) runs with bf16
+* the int4 CPU packed op (``_weight_int4pack_mm_for_cpu``) runs with bf16
   activations and bf16 scales, so the quantized model is the dense-dequantized one plus
   bf16 rounding in every projection. This tiny model (built with huge activations so
   greedy tests are robust) amplifies such noise a lot -- test_quantization.py measures
@@ -15,7 +15,7 @@ How exactly they agree depends on the CPU path:
   (a) each loaded layer's *effective weight* (probed with an identity matrix, exact in
   bf16) equals the dequantized weight to bf16 precision, and (b) end-to-end prompt
   logprobs within a loose, measured bound.
-* With the conversion to the packed layout switched off, Int4Linear's forward is the
+* With the conversion to the packed layout switched off, the int4 forward is the
   fp32 dequantize-and-matmul reference: then the quantized and the dense-dequantized
   model must give identical greedy tokens and logprobs to 1e-4 -- the exact end-to-end
   check of the conversion, concatenation and fusion.
@@ -33,7 +33,7 @@ from torch import nn
 
 from cadence import LLM
 from cadence.engine.loader import load_model
-from cadence.engine.quantization import Int4Linear, parse_quantization_config
+from cadence.engine.quantization import DenseMethod, Int4Method, LinearLayer, parse_quantization_config
 from cadence.kernels.quant_formats import dequantize_int4, quantize_int4, to_awq, to_gptq
 from quant_eval import greedy_tokens, prompt_logprobs
 
@@ -123,7 +123,7 @@ def test_prequantized_layers_are_int4_and_match_dequantized_weights(checkpoints,
     layers, worst = 0, 0.0
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            assert isinstance(module, Int4Linear) and module.cpu_ready, name
+            assert isinstance(module.method, Int4Method) and Int4Method.cpu_ready(module), name
             assert module.group_size == GROUP and module.symmetric == FORMATS[fmt][1]
             # The identity is exact in bf16, so this reads back the weight the packed op
             # actually uses ([K, N] -> [N, K]); the reference is the dense checkpoint's
@@ -139,7 +139,7 @@ def test_prequantized_layers_are_int4_and_match_dequantized_weights(checkpoints,
     assert layers == 4 * 3
     print(f"{fmt}: worst layer probe error {worst:.2e}")
     # Embeddings, norms and the head load dense and bit-identical.
-    assert type(model.lm_head) is nn.Linear and isinstance(model.model.embed_tokens, nn.Embedding)
+    assert type(model.lm_head.method) is DenseMethod and isinstance(model.model.embed_tokens, nn.Embedding)
     assert torch.equal(model.lm_head.weight, dense.lm_head.weight)
     assert torch.equal(model.model.embed_tokens.weight, dense.model.embed_tokens.weight)
     assert torch.equal(model.model.layers[1].input_layernorm.weight, dense.model.layers[1].input_layernorm.weight)
@@ -154,7 +154,7 @@ def test_prequantized_layers_on_cuda(checkpoints, fmt: str) -> None:
     dense_modules = dict(dense.named_modules())
     x = torch.randn(24, 64, device="cuda")
     for name, module in model.named_modules():
-        if isinstance(module, Int4Linear):
+        if isinstance(module, LinearLayer) and isinstance(module.method, Int4Method):
             assert module.qweight is not None and module.qweight.is_cuda
             xin = x if module.in_features == 64 else torch.randn(24, module.in_features, device="cuda")
             ref = dense_modules[name](xin)
@@ -166,11 +166,11 @@ def test_prequantized_layers_on_cuda(checkpoints, fmt: str) -> None:
 
 
 def test_prequantized_exact_against_dequantized_dense(checkpoints, monkeypatch) -> None:
-    """Int4Linear's fp32 reference path: the loaded model IS the dequantized dense model."""
-    monkeypatch.setattr(Int4Linear, "_convert_for_cpu", lambda self: None)
+    """The int4 layers' fp32 reference path: the loaded model IS the dequantized dense model."""
+    monkeypatch.setattr(Int4Method, "convert_for_cpu", lambda self, layer: None)
     for fmt in FORMATS:
         quant = _llm(checkpoints[fmt])
-        assert all(type(quant.engine.model.get_submodule(f"model.layers.0.{n}")) is Int4Linear
+        assert all(isinstance(quant.engine.model.get_submodule(f"model.layers.0.{n}").method, Int4Method)
                    for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
         dense = _llm(checkpoints[_dense_ref(fmt)])
         assert greedy_tokens(quant, PROMPTS, 8) == greedy_tokens(dense, PROMPTS, 8), fmt
@@ -193,7 +193,7 @@ def test_prequantized_cpu_packed_path_end_to_end(checkpoints) -> None:
         assert first >= MIN_FIRST_TOKEN_AGREEMENT, fmt
 
 
-# Measured on the 2-core AMX Xeon: |logprob diff| median 0.14-0.22, max 0.59; first-token
+# Measured (bench/RESULTS.md's CPU): |logprob diff| median 0.14-0.22, max 0.59; first-token
 # agreement 0.75 (gptq_sym) and 1.00 (asym formats) over 4 prompts. A k/v shard swap or
 # a GPTQ zero-convention slip fails these bounds (checked by mutating the loader).
 MEDIAN_LOGPROB_TOL = 0.6

@@ -1,14 +1,13 @@
 """Model registry: maps a checkpoint's architecture name to our implementation."""
 from __future__ import annotations
 
-from torch import nn
-
 from cadence.engine.model_config import ModelConfig
+from cadence.engine.models.causal_lm import CausalLM, ModelClass
 from cadence.engine.models.llama import LlamaForCausalLM
 
 # All four are the same decoder; the differences (biases, q/k norm, sliding window)
 # come from ModelConfig flags.
-_REGISTRY: dict[str, type[nn.Module]] = {
+_REGISTRY: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -16,7 +15,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(config: ModelConfig) -> type[nn.Module]:
+def get_model_class(config: ModelConfig) -> ModelClass:
     """The model class for `config.architecture`; ValueError if unsupported."""
     try:
         return _REGISTRY[config.architecture]
@@ -26,4 +25,4 @@ def get_model_class(config: ModelConfig) -> type[nn.Module]:
         ) from None
 
 
-__all__ = ["LlamaForCausalLM", "get_model_class"]
+__all__ = ["CausalLM", "LlamaForCausalLM", "ModelClass", "get_model_class"]

@@ -2,12 +2,13 @@
 
 Works on a flattened varlen batch: `input_ids` and `positions` are [T] with tokens from
 many sequences back to back; only attention (behind `AttentionContext`) mixes tokens.
-q/k/v and gate/up are each one fused Linear, so every layer runs three big GEMMs plus
-the output projection instead of seven small ones.
+q/k/v and gate/up are each one fused ``LinearLayer`` (``weight_names.FUSED_SHARDS``), so
+every layer runs three big GEMMs plus the output projection instead of seven small ones.
+Each projection's weight format comes from the ``QuantConfig`` the model is built with.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,15 @@ from cadence.engine.attention.backend import AttentionContext, AttentionSpec
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.fused_ops import rms_norm, silu_and_mul
 from cadence.engine.models.rotary import PositionedRotary, RotaryEmbedding
+from cadence.engine.models.weight_names import FUSED_SHARDS, LM_HEAD, fused_target
+from cadence.engine.quantization.linear import Int8Method
+from cadence.engine.quantization.lm_head import Int8Embedding
+from cadence.engine.quantization.method import (
+    DenseConfig,
+    DenseMethod,
+    LinearLayer,
+    QuantConfig,
+)
 
 
 class RMSNorm(nn.Module):
@@ -37,10 +47,19 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
 
+def projection(quant: QuantConfig, prefix: str, fused: str, input_size: int, output_sizes: list[int],
+               bias: bool) -> LinearLayer:
+    """The decoder projection ``prefix.fused`` with the method ``quant`` gives it."""
+    name = f"{prefix}.{fused}"
+    shards = tuple(hf.rsplit(".", 1)[-1] for hf in FUSED_SHARDS[fused])
+    return LinearLayer(input_size, output_sizes, bias, quant.linear_method(name, shards, input_size),
+                       shard_names=shards, prefix=name)
+
+
 class Attention(nn.Module):
     """Self-attention with fused qkv projection and RoPE; the cache lives in the backend."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, quant: QuantConfig) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -48,10 +67,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        prefix = f"model.layers.{layer_idx}"
+        self.qkv_proj = projection(quant, prefix, "self_attn.qkv_proj", config.hidden_size,
+                                   [self.q_size, self.kv_size, self.kv_size], config.qkv_bias)
+        self.o_proj = projection(quant, prefix, "self_attn.o_proj", self.q_size, [config.hidden_size], config.o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -75,15 +94,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one projection."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, quant: QuantConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
-        )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        prefix, inter = f"model.layers.{layer_idx}", config.intermediate_size
+        self.gate_up_proj = projection(quant, prefix, "mlp.gate_up_proj", config.hidden_size, [inter, inter],
+                                       config.mlp_bias)
+        self.down_proj = projection(quant, prefix, "mlp.down_proj", inter, [config.hidden_size], config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -97,12 +114,12 @@ class DecoderLayer(nn.Module):
     the input to the next norm is their sum.
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, quant: QuantConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config, layer_idx, quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer_idx, quant)
 
     def forward(
         self, rope: PositionedRotary, x: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext
@@ -120,7 +137,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers and the final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant: QuantConfig) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(
             config.head_dim,
@@ -128,9 +145,9 @@ class LlamaModel(nn.Module):
             config.rope_theta,
             config.rope_scaling,
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Embedding | Int8Embedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, quant) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -146,16 +163,6 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
-# HF checkpoint name suffix -> (our parameter suffix, shard index) for the fused weights.
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-
-
 class LlamaForCausalLM(nn.Module):
     """Causal LM over a flat varlen batch.
 
@@ -163,16 +170,22 @@ class LlamaForCausalLM(nn.Module):
     [T, hidden]; `compute_logits` maps only the rows the caller needs to float32 logits.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant: QuantConfig | None = None) -> None:
         super().__init__()
+        quant = quant or DenseConfig()
         self.config = config
-        self.model = LlamaModel(config)
-        # When tied there is no lm_head module at all: sharing a Parameter between two
-        # modules would be split apart by meta-device construction + to_empty().
-        # quantize_lm_head may later install an int8 head (engine/quantization/lm_head.py).
-        self.lm_head: nn.Module | None = None
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, quant)
+        # A dense tied head is no module at all: compute_logits reads the embedding (sharing
+        # a Parameter between two modules would be split apart by meta-device construction
+        # + to_empty()). A quantized head is a layer of its own; an int8 one tied to the
+        # embedding also serves the lookups (Int8Embedding), and the dense table is dropped.
+        self.lm_head: LinearLayer | None = None
+        head = quant.lm_head
+        if head is not None or not config.tie_word_embeddings:
+            self.lm_head = LinearLayer(config.hidden_size, [config.vocab_size], False, head or DenseMethod(),
+                                       shard_names=(LM_HEAD,), prefix=LM_HEAD)
+            if config.tie_word_embeddings and isinstance(head, Int8Method):
+                self.model.embed_tokens = Int8Embedding(self.lm_head)
 
     def attention_spec(self) -> AttentionSpec:
         c = self.config
@@ -193,50 +206,53 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32 logits."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+        embedding = self.model.embed_tokens
+        assert isinstance(embedding, nn.Embedding)  # an Int8Embedding always comes with its head
+        return F.linear(hidden, embedding.weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our (fused) parameters, casting to their dtype/device.
+        """Copy HF-named tensors into our parameters, and each projection's shards through
+        its ``LinearLayer``'s method (which casts, concatenates or keeps them packed).
 
-        Raises on a name we do not know, a shape mismatch, or any parameter left unloaded.
+        Raises on a name we do not know, a shape mismatch, or any tensor left unloaded.
+        ``process_after_loading`` on every ``LinearLayer`` finishes the job (the loader's).
         """
-        params = dict(self.named_parameters())
-        loaded: set[tuple[str, int]] = set()  # (param name, shard index or -1)
-        c = self.config
-        qkv_sizes = [c.num_attention_heads * c.head_dim] + [c.num_key_value_heads * c.head_dim] * 2
+        # Every name a module has: a tied int8 head is also the embedding's ``table``.
+        layers = {name: m for name, m in self.named_modules(remove_duplicate=False) if isinstance(m, LinearLayer)}
+        params = {name: p for name, p in self.named_parameters(remove_duplicate=False)
+                  if name.rpartition(".")[0] not in layers}  # the layers' own are their methods'
+        for layer in layers.values():
+            layer.loaded.clear()  # a second pass (a test's) starts over
+        head_reads_embedding = isinstance(self.model.embed_tokens, Int8Embedding)
+        loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or (
                 "rotary_emb.sin_cached" in name
             ):
                 continue  # old checkpoints saved RoPE buffers; we compute our own
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the head is embed_tokens
-            target, shard = name, -1
-            for hf, (ours, idx) in _FUSED.items():
-                if f".{hf}." in name:
-                    target, shard = name.replace(f".{hf}.", f".{ours}."), idx
-                    break
-            param = params.get(target)
+            module, _, attr = name.rpartition(".")
+            if module == LM_HEAD and (self.lm_head is None or head_reads_embedding):
+                continue  # tied: the head is the embedding table (an int8 head loads it from there)
+            if module == "model.embed_tokens" and head_reads_embedding:
+                module = LM_HEAD  # the tied int8 head holds the table
+            target = (module, 0) if module == LM_HEAD else fused_target(module)
+            if target is not None and target[0] in layers:
+                layers[target[0]].load(target[1], attr, tensor)
+                continue
+            param = params.get(name)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            dst = param.data
-            if shard >= 0:
-                sizes = qkv_sizes if "qkv_proj" in target else [c.intermediate_size] * 2
-                start = sum(sizes[:shard])
-                dst = dst.narrow(0, start, sizes[shard])
-            if dst.shape != tensor.shape:
+            if param.shape != tensor.shape:
                 raise ValueError(
                     f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
-                    f"expected {tuple(dst.shape)}"
+                    f"expected {tuple(param.shape)}"
                 )
-            dst.copy_(tensor)
-            loaded.add((target, shard))
-        missing = []
-        for pname in params:
-            shards = 3 if "qkv_proj" in pname else 2 if "gate_up_proj" in pname else 0
-            needed = [(pname, i) for i in range(shards)] if shards else [(pname, -1)]
-            missing += [f"{p}[{i}]" if i >= 0 else p for p, i in needed if (p, i) not in loaded]
+            param.data.copy_(tensor)
+            loaded.add(name)
+        missing = [p for p in params if p not in loaded]
+        for layer in {id(m): m for m in layers.values()}.values():
+            missing += layer.missing()
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
-        self.model.rotary.build(self.model.embed_tokens.weight.device)
+        self.model.rotary.build(self.model.norm.weight.device)

@@ -1,33 +1,64 @@
-"""Quantization of dense checkpoints while loading: int8 per channel, int4 per group
-(weight-only), and fp8 W8A8 (e4m3 weights per channel, activations per token).
+"""Weight formats behind one interface: each ``LinearLayer`` is created, loaded, finalised
+and applied by its ``QuantMethod`` (``method.py``), chosen while the model is built by a
+``QuantConfig``:
 
-``quantize_model`` swaps a loaded model's projection layers for ``Int8Linear`` /
-``Int4Linear`` (``linear.py``) or ``Fp8Linear`` (``fp8_linear.py``), whose forward runs
-the Triton GEMMs (or ``torch._scaled_mm`` for fp8) on CUDA and torch paths on CPU
-(``cpu_policy.py`` says which, and why). Pre-quantized GPTQ/AWQ
-int4 checkpoints load natively into ``Int4Linear`` (``checkpoint.py``).
+* ``DenseConfig``: dense projections (``DenseMethod``);
+* ``LoadTimeConfig``: ``--quantization int8|int4|fp8`` quantizes a dense checkpoint as it
+  loads (``Int8Method`` / ``Int4Method`` in ``linear.py``, ``Fp8Method`` in ``fp8_linear.py``);
+* ``CheckpointConfig``: GPTQ/AWQ int4 checkpoints (``checkpoint.py``);
+* ``GgufNativeConfig``: a GGUF file's own Q4_0/Q4_1/Q8_0 blocks (``gguf_native.py``);
+* the LM head's method on any of them: the int8 head (``lm_head.py``).
+
+On CUDA the methods run the Triton GEMMs (or ``torch._scaled_mm`` for fp8), on CPU torch
+paths (``cpu_policy.py`` says which, and why). GPTQ calibration (``cadence quantize``)
+is a tool, in ``cadence.tools``, outside the serving path.
 """
 from cadence.engine.quantization.apply import (
     DEFAULT_GROUP_SIZE,
     QUANTIZATION_METHODS,
     TARGET_LAYERS,
+    LoadTimeConfig,
     QuantizationSummary,
     group_size_for,
     quantize_model,
     validate_quantization,
 )
-from cadence.engine.quantization.checkpoint import CheckpointQuantization, parse_quantization_config
-from cadence.engine.quantization.fp8_linear import Fp8Linear
-from cadence.engine.quantization.linear import Int4Linear, Int8Linear
+from cadence.engine.quantization.checkpoint import (
+    CheckpointQuantization,
+    parse_quantization_config,
+)
+from cadence.engine.quantization.fp8_linear import Fp8Linear, Fp8Method
+from cadence.engine.quantization.linear import (
+    Int4Linear,
+    Int4Method,
+    Int8Linear,
+    Int8Method,
+)
+from cadence.engine.quantization.method import (
+    DenseConfig,
+    DenseMethod,
+    LinearLayer,
+    QuantConfig,
+    QuantMethod,
+)
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
     "QUANTIZATION_METHODS",
     "TARGET_LAYERS",
     "CheckpointQuantization",
+    "DenseConfig",
+    "DenseMethod",
     "Fp8Linear",
+    "Fp8Method",
     "Int4Linear",
+    "Int4Method",
     "Int8Linear",
+    "Int8Method",
+    "LinearLayer",
+    "LoadTimeConfig",
+    "QuantConfig",
+    "QuantMethod",
     "QuantizationSummary",
     "group_size_for",
     "parse_quantization_config",

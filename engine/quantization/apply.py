@@ -1,4 +1,5 @@
-"""Swap a loaded dense model's projection layers for quantized ones (int8/int4 weight-only, fp8 W8A8)."""
+"""Quantizing a dense checkpoint: the ``--quantization`` choices, int4 group sizes, and the
+config that gives each decoder projection its load-time method (int8/int4 weight-only, fp8 W8A8)."""
 from __future__ import annotations
 
 import logging
@@ -7,8 +8,14 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from cadence.engine.quantization.fp8_linear import Fp8Linear
-from cadence.engine.quantization.linear import Int4Linear, Int8Linear
+from cadence.engine.quantization.fp8_linear import Fp8Method
+from cadence.engine.quantization.linear import Int4Method, Int8Method
+from cadence.engine.quantization.method import (
+    DenseMethod,
+    LinearLayer,
+    QuantConfig,
+    QuantMethod,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,34 @@ def group_size_for(in_features: int, group_size: int) -> int | None:
     return g if g >= MIN_GROUP_SIZE else None
 
 
+def load_time_method(method: str, in_features: int, group_size: int = DEFAULT_GROUP_SIZE,
+                     symmetric: bool = True) -> QuantMethod | None:
+    """The method that quantizes a dense projection with K = ``in_features`` as it loads;
+    None where int4 has no usable group size (the layer then stays dense)."""
+    if method == "int8":
+        return Int8Method()
+    if method == "fp8":
+        return Fp8Method()
+    group = group_size_for(in_features, group_size)
+    return None if group is None else Int4Method(group, symmetric)
+
+
+class LoadTimeConfig(QuantConfig):
+    """``--quantization int8|int4|fp8`` on a dense checkpoint: each decoder projection is
+    loaded dense and quantized as soon as loading ends (``process_after_loading``)."""
+
+    def __init__(self, method: str, group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool = True) -> None:
+        self.method, self.group_size, self.symmetric = method, group_size, symmetric
+
+    def linear_method(self, prefix: str, shard_names: tuple[str, ...], input_size: int) -> QuantMethod:
+        method = load_time_method(self.method, input_size, self.group_size, self.symmetric)
+        if method is None:
+            logger.warning("%s stays dense: K=%d has no int4 group size of at least %d",
+                           prefix, input_size, MIN_GROUP_SIZE)
+            return DenseMethod()
+        return method
+
+
 @dataclass
 class QuantizationSummary:
     """What quantize_model did: layer counts and the group sizes actually used."""
@@ -60,11 +95,12 @@ class QuantizationSummary:
 def quantize_model(
     model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool = True
 ) -> QuantizationSummary:
-    """Replace every ``nn.Linear`` named in TARGET_LAYERS with an Int8Linear/Int4Linear/Fp8Linear.
+    """Quantize an already loaded model's dense decoder projections in place.
 
-    Works in place, one layer at a time: each dense weight is dropped as soon as its
-    quantized replacement exists, so the extra memory is one layer's worth at a time.
-    Quantizes on the layers' own device (the Int4Linear CPU conversion happens here).
+    The same methods as loading with ``quantization=`` (each dense layer is handed to the
+    method's ``process_after_loading``), for tools and tests that start from a dense model.
+    One layer at a time: each dense weight is dropped as soon as its quantized form
+    exists, so the extra memory is one layer's worth.
     """
     checked = validate_quantization(method)
     if checked is None:
@@ -73,32 +109,21 @@ def quantize_model(
         raise ValueError("'gguf' reads a GGUF file's own blocks while loading (load_model); "
                          "it cannot quantize a loaded model")
     summary = QuantizationSummary(checked)
-    # Names, not modules: a list of modules would keep every dense layer alive until the
-    # loop ends, and peak memory would be the dense plus the quantized model.
-    for parent_name in [name for name, _ in model.named_modules()]:
-        parent = model.get_submodule(parent_name)
-        for child_name in [name for name, _ in parent.named_children()]:
-            child = getattr(parent, child_name)
-            if child_name not in TARGET_LAYERS or type(child) is not nn.Linear:
-                continue
-            full = f"{parent_name}.{child_name}" if parent_name else child_name
-            new: nn.Module
-            if checked == "int8":
-                new = Int8Linear.from_linear(child)
-            elif checked == "fp8":
-                new = Fp8Linear.from_linear(child)
-            else:
-                g = group_size_for(child.in_features, group_size)
-                if g is None:
-                    summary.kept_dense.append(full)
-                    continue
-                new = Int4Linear.from_linear(child, g, symmetric)
-                summary.group_sizes[g] = summary.group_sizes.get(g, 0) + 1
-            setattr(parent, child_name, new)  # the dense Linear is freed with its last reference
-            summary.quantized += 1
+    for name, layer in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in TARGET_LAYERS or not isinstance(layer, LinearLayer):
+            continue
+        if type(layer.method) is not DenseMethod:
+            continue
+        chosen = load_time_method(checked, layer.in_features, group_size, symmetric)
+        if chosen is None:
+            summary.kept_dense.append(name)
+            continue
+        layer.method = chosen
+        chosen.process_after_loading(layer)
+        if isinstance(chosen, Int4Method):
+            summary.group_sizes[chosen.group_size] = summary.group_sizes.get(chosen.group_size, 0) + 1
+        summary.quantized += 1
     if summary.kept_dense:
         logger.warning("kept %d layers dense (no usable int4 group size): %s",
                        len(summary.kept_dense), ", ".join(summary.kept_dense[:4]))
-    if checked == "int4" and set(summary.group_sizes) - {group_size}:
-        logger.info("int4 group sizes used (group size -> layers): %s", summary.group_sizes)
     return summary

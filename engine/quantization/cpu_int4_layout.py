@@ -1,8 +1,8 @@
 """Reading codes back out of ``_convert_weight_to_int4pack_for_cpu``'s layout.
 
-``Int4Linear`` keeps its CPU weight only in the layout torch's packed op reads (holding
+``Int4Method`` keeps a CPU weight only in the layout torch's packed op reads (holding
 our own copy too would double the weight). That op is the fast path up to moderate batch
-sizes, but it is compute-bound and slow for prefill: at M = 1024 it is 2.7-4x slower than
+sizes, but it is compute-bound and slow for prefill, several times slower than
 dequantizing the weight and running the AMX bf16 matmul (bench/RESULTS.md). Dequantizing
 needs the codes, so this module unpacks them from torch's layout.
 

@@ -1,32 +1,29 @@
 """Which torch path a quantized linear layer takes on CPU, from the CPU's ISA and the batch.
 
-Measured on this project's 2-core AMX Xeon (bench/RESULTS.md, "CPU linear paths by batch
-size"; bench/quant.py's crossover table):
+The thresholds come from measurements on an AMX CPU (bench/RESULTS.md, "CPU linear paths
+by batch size"; bench/quant.py's crossover table):
 
 * ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` with bf16 activations beat
   every dense path at M = 1 (memory-bound: they read 1/4 resp. 1/8 of the fp32 bytes),
-  but lose to dense bf16 (AMX) by 3-12x at M >= 64.
-* ``_weight_int8pack_mm`` with fp32 activations is 7-50x slower than fp32 dense at every
+  but lose to dense bf16 (AMX) by several times at large M.
+* ``_weight_int8pack_mm`` with fp32 activations is far slower than fp32 dense at every
   M, so activations are always cast to bf16 for it (and the output cast back).
 * int8: dequantizing the weight per call (int8 -> bf16 times the scale; the dense copy
   lives only for that call, so the memory saving stands) and running the dense bf16
-  matmul costs a flat ~130-1000 us on SmolLM2's shapes; the packed op grows with M and
-  crosses it between M = 16 and M = 32 (e.g. gate_up 576->3072: 534 vs 779 us at M=16,
-  1069 vs 677 at M=32). Hence ``int8_packed_max_m = 16``.
-* int4: the packed op grows with M; dequantizing the packed bytes per call
-  (``cpu_int4_layout``, fp32 arithmetic, ~0.5-1.5 ms a projection) and running the bf16
-  matmul costs a flat ~4.5-5.5 ms over SmolLM2's four projections. They cross between
-  M = 64 and 96 (packed 4.2-5.1 vs 4.7-5.5 ms at 64; 6.0-8.3 vs 4.8-6.7 at 96), hence
-  ``int4_packed_max_m = 64``. Prefill stays slower than dense bf16 by the dequantize
-  pass, the price of the memory.
+  matmul costs about the same at any M, while the packed op grows with M; they cross
+  between M = 16 and M = 32 on SmolLM2's shapes, hence ``int8_packed_max_m = 16``.
+* int4: likewise, dequantizing the packed bytes per call (``cpu_int4_layout``, fp32
+  arithmetic) and running the bf16 matmul is flat in M; the packed op crosses it
+  between M = 64 and 96, hence ``int4_packed_max_m = 64``. Prefill stays slower than
+  dense bf16 by the dequantize pass, the price of the memory.
 
 Without AVX512-BF16/AMX, bf16 matmuls are slow, so the per-call dequantized path runs in
 the activation dtype instead, and the packed op is kept for longer (M <= 32); that
 branch has not been measured on such a machine.
 
-fp8 (``Fp8Linear``) decodes its codes to fp16 and runs the fp16 matmul where oneDNN has
-fast fp16 (AVX512-FP16 / AMX-FP16, as here), else widens them to fp32 (exact; that
-branch is not measured either). Numbers in ``fp8_linear.py``.
+fp8 (``Fp8Method``) decodes its codes to fp16 and runs the fp16 matmul where oneDNN has
+fast fp16 (AVX512-FP16 / AMX-FP16), else widens them to fp32 (exact; that branch is not
+measured either). Why in ``fp8_linear.py``.
 """
 from __future__ import annotations
 
@@ -78,7 +75,7 @@ def has_fast_fp16() -> bool:
 def cpu_policy() -> CpuQuantPolicy:
     """The policy for this process's CPU (computed once)."""
     # See the module docstring for where 16 and 64 come from; without bf16 hardware the dense
-    # matmul is fp32 (3-5x slower at M >= 16), so the packed op stays ahead for longer.
+    # matmul is fp32 (several times slower at M >= 16), so the packed op stays ahead for longer.
     fast = has_fast_bf16()
     return CpuQuantPolicy(fast_bf16=fast, int8_packed_max_m=16 if fast else 32, fast_fp16=has_fast_fp16(),
                           int4_packed_max_m=64 if fast else 1 << 30)

@@ -1,4 +1,4 @@
-"""FP8 W8A8 replacement for ``nn.Linear``: e4m3 weights per output channel, e4m3 activations per token.
+"""FP8 W8A8 (``Fp8Method``): e4m3 weights per output channel, e4m3 activations per token.
 
 What vLLM's ``--quantization fp8`` does to a bf16/fp16 checkpoint ("dynamic" FP8): the
 weight is quantized once, at load, to float8_e4m3fn with a float32 scale per output
@@ -16,24 +16,15 @@ Dispatch by device:
   the two scales applied to the output. The weight is decoded per call and never
   cached, so it stays one byte per weight.
 
-Measured on this project's 2-core AMX Xeon, torch 2.13 (bench/RESULTS.md, "FP8 W8A8
-linear on CPU"; ``python bench/fp8_linear.py``), µs per call on SmolLM2's 576 -> 1536
-projection, fp32 activations, per-token quantization of x included:
+Why this CPU path and not ``torch._scaled_mm`` (which accepts CPU fp8 tensors with
+row-wise scales) or an fp8 ``.to(bf16)`` cast: CPUs without fp8 arithmetic run both far
+slower than the integer decode, at every batch size and shape measured (bench/RESULTS.md,
+"FP8 W8A8 linear on CPU"; ``python bench/fp8_linear.py``). The per-call weight decode
+still keeps this path well behind dense bf16: on CPU fp8 buys memory and the GPU's W8A8
+arithmetic, not speed, and int8 is the faster CPU choice.
 
-    path                                M=1    M=16   M=64   M=256
-    dense bf16 (baseline)                86      79    166     375
-    this path                           234     312    469     930
-    torch._scaled_mm (oneDNN)         2,817   3,269  3,508   5,610
-    fp8 .to(bf16) + bf16 matmul       2,528   2,630  2,903   3,544
-
-``torch._scaled_mm`` does accept CPU fp8 tensors with row-wise scales, but this CPU has
-no fp8 arithmetic and torch's fp8 casts are slow (~2.5 ms for this weight against ~0.1
-ms for the integer decode), so this path wins at every M and shape measured. It is still
-2.5-4.7x dense bf16 (the per-call weight decode is the floor; batch-1 decode on SmolLM2
-runs at 0.75-0.79x dense): on CPU fp8 buys memory and the GPU's W8A8 arithmetic, not
-speed, and int8 is the faster CPU choice.
-
-Outputs are in the activation dtype; bias is added in it.
+``Fp8Linear`` builds a standalone layer from ready tensors (benches, tests). Outputs are
+in the activation dtype; bias is added in it.
 """
 from __future__ import annotations
 
@@ -42,10 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence.engine.quantization.cpu_policy import cpu_policy
-from cadence.engine.quantization.linear import QuantizedLinear
+from cadence.engine.quantization.linear import QuantizedMethod, check_shape
+from cadence.engine.quantization.method import LinearLayer, take_dense_weight
 from cadence.kernels.fp8_format import (
-    FP16_DECODE_DIVISOR,
     FP8_DTYPE,
+    FP16_DECODE_DIVISOR,
     dequantize_fp8,
     fp8_as_fp16_divided,
     quantize_fp8_per_token,
@@ -58,48 +50,60 @@ from cadence.kernels.fp8_format import (
 _FP16_SAFE_K = int(torch.finfo(torch.float16).max / (448.0 / FP16_DECODE_DIVISOR) ** 2)
 
 
-class Fp8Linear(QuantizedLinear):
+class Fp8Method(QuantizedMethod):
     """``y = quant(x) @ (qweight * weight_scale[:, None]).T + bias`` with e4m3 ``[N, K]`` weights."""
 
-    def __init__(self, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
+    def process_after_loading(self, layer: LinearLayer) -> None:
+        self.install(layer, *quantize_fp8_weight(take_dense_weight(layer)))
+
+    @staticmethod
+    def install(layer: LinearLayer, qweight: torch.Tensor, weight_scale: torch.Tensor) -> None:
         if qweight.dtype != FP8_DTYPE or weight_scale.dtype != torch.float32:
             raise TypeError(f"expected {FP8_DTYPE} weights and float32 scales, "
                             f"got {qweight.dtype} and {weight_scale.dtype}")
-        self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("weight_scale", weight_scale.contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        check_shape(layer, qweight.shape[1], qweight.shape[0])
+        layer.register_buffer("qweight", qweight.contiguous())
+        layer.register_buffer("weight_scale", weight_scale.contiguous())
         # The CPU path's decoded products come out FP16_DECODE_DIVISOR**2 too small; N
         # values, derived, so not saved.
-        self.register_buffer("cpu_output_scale", weight_scale * FP16_DECODE_DIVISOR**2, persistent=False)
+        layer.register_buffer("cpu_output_scale", weight_scale * FP16_DECODE_DIVISOR**2, persistent=False)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
-        qweight, scale = quantize_fp8_weight(linear.weight.detach())
-        return cls(qweight, scale, linear.bias)
+    def dequantized_weight(self, layer: LinearLayer, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_fp8(layer.qweight, layer.weight_scale, dtype)
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The dense ``[N, K]`` weight these buffers stand for (tests, references)."""
-        return dequantize_fp8(self.qweight, self.weight_scale, dtype)
+    def cuda_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
+        from cadence.kernels.w8a8_fp8 import (
+            fp8_matmul,  # imports triton: only when used
+        )
 
-    def _cuda_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        from cadence.kernels.w8a8_fp8 import fp8_matmul  # imports triton: only when used
+        return fp8_matmul(x2, layer.qweight, layer.weight_scale)
 
-        return fp8_matmul(x2, self.qweight, self.weight_scale)
-
-    def _cpu_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+    def cpu_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         dtype = cpu_policy().fp8_matmul_dtype()
         xq, x_scale = quantize_fp8_per_token(x2)
         x_codes = fp8_as_fp16_divided(xq).to(dtype)
-        w_codes = fp8_as_fp16_divided(self.qweight).to(dtype)  # per call, freed after: memory stays 1 byte/weight
-        if dtype != torch.float16 or self.in_features <= _FP16_SAFE_K:
+        w_codes = fp8_as_fp16_divided(layer.qweight).to(dtype)  # per call, freed after: memory stays 1 byte/weight
+        if dtype != torch.float16 or layer.in_features <= _FP16_SAFE_K:
             y = F.linear(x_codes, w_codes).float()
         else:
-            y = torch.zeros(x2.shape[0], self.out_features)
+            y = torch.zeros(x2.shape[0], layer.out_features)
             for x_part, w_part in zip(x_codes.split(_FP16_SAFE_K, 1), w_codes.split(_FP16_SAFE_K, 1)):
                 y += F.linear(x_part, w_part).float()
-        return y.mul_(x_scale[:, None]).mul_(self.cpu_output_scale).to(x2.dtype)  # y is ours: in place
+        return y.mul_(x_scale[:, None]).mul_(layer.cpu_output_scale).to(x2.dtype)  # y is ours: in place
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+class Fp8Linear(LinearLayer):
+    """A standalone ``LinearLayer`` served by ``Fp8Method``, from ready fp8 tensors."""
+
+    def __init__(self, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        n, k = qweight.shape
+        super().__init__(k, [n], False, Fp8Method(), device=torch.device("meta"))
+        take_dense_weight(self)  # the meta staging weight: ready tensors replace it
+        if bias is not None:
+            self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        Fp8Method.install(self, qweight, weight_scale)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        qweight, scale = quantize_fp8_weight(linear.weight.detach())
+        return cls(qweight, scale, linear.bias)

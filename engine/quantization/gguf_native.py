@@ -30,24 +30,28 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from torch import nn
 
-from cadence.engine.gguf_loader import SOURCE_FILE, cache_key, unpermute_rope_rows
-from cadence.engine.quantization.checkpoint import (
-    FUSED_SHARDS,
-    PendingInt4Linear,
-    fused_of,
-    projection_of,
-    concat_int4,
+from cadence.engine.gguf_loader import (
+    HF_TO_GGUF,
+    SOURCE_FILE,
+    cache_key,
+    unpermute_rope_rows,
 )
-from cadence.engine.quantization.linear import Int4Linear, Int8Linear
+from cadence.engine.models.weight_names import FUSED_SHARDS, fused_suffix
+from cadence.engine.quantization.checkpoint import concat_int4
+from cadence.engine.quantization.linear import Int4Method, Int8Method
+from cadence.engine.quantization.method import (
+    DenseMethod,
+    LinearLayer,
+    QuantConfig,
+    QuantMethod,
+)
 from cadence.kernels.quant_formats import Int4Weight, pack_nibbles, quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -57,17 +61,6 @@ BLOCK = 32
 _INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 _INT8_TYPES = (GGMLQuantizationType.Q8_0,)
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-# HF projection suffix -> the GGUF per-layer tensor name part.
-_GGUF_PART = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
 
 @dataclass(frozen=True)
 class RawTensor:
@@ -158,39 +151,42 @@ def int8_from_q8_0(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, 
 # ---------------------------------------------------------------- loading
 
 
-class GgufNativeLoader:
-    """Chooses which fused projections load natively, and builds them from the GGUF file.
+class GgufSource:
+    """The GGUF file a converted folder came from: its projections' shards, decoded from
+    their blocks (Q/K rows un-permuted), and its LM head."""
 
-    Use: ``install_placeholders`` on the meta model, stream the converted folder's weights
-    through ``filter`` into ``load_weights``, then ``finish`` to swap in the quantized layers.
-    """
-
-    def __init__(self, folder: str, model: nn.Module, num_heads: int, num_kv_heads: int) -> None:
+    def __init__(self, folder: str, num_heads: int, num_kv_heads: int) -> None:
         self.path, self.tensors = open_source_gguf(folder)
         self.heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
-        self.plan: dict[str, str] = {}  # fused module name -> "int4" | "int8"
-        dense: list[str] = []
-        for name, module in model.named_modules():
-            fused = _fused_suffix(name)
-            if fused is None or not isinstance(module, nn.Linear):
-                continue
-            types = {self._tensor(name, fused, hf).qtype for hf in FUSED_SHARDS[fused]}
-            if types <= set(_INT4_TYPES):
-                self.plan[name] = "int4"
-            elif types <= set(_INT8_TYPES):
-                self.plan[name] = "int8"
-            else:
-                dense.append(f"{name} ({'/'.join(sorted(t.name for t in types))})")
-        if dense:
-            logger.info("GGUF layers without a native int4/int8 mapping stay dense: %s", ", ".join(dense[:4]))
-        self.biases: dict[str, torch.Tensor] = {}  # HF projection name -> bias (already un-permuted)
 
-    def _tensor(self, fused_name: str, fused: str, hf: str) -> RawTensor:
-        layer = fused_name.split(".")[-3]  # model.layers.<i>.<self_attn|mlp>.<proj>
-        gguf_name = f"blk.{layer}.{_GGUF_PART[hf]}.weight"
-        if gguf_name not in self.tensors:
-            raise ValueError(f"{os.path.basename(self.path)} has no tensor {gguf_name}")
-        return self.tensors[gguf_name]
+    def tensor(self, prefix: str, hf: str) -> RawTensor:
+        """The raw tensor of checkpoint module ``hf`` (``self_attn.q_proj``) in decoder layer ``prefix``."""
+        layer = prefix.split(".")[2]  # model.layers.<i>.<self_attn|mlp>.<proj>
+        name = f"blk.{layer}.{HF_TO_GGUF[hf]}.weight"
+        if name not in self.tensors:
+            raise ValueError(f"{os.path.basename(self.path)} has no tensor {name}")
+        return self.tensors[name]
+
+    def shards(self, layer: LinearLayer) -> list[tuple[str, RawTensor]]:
+        """(checkpoint module suffix, raw tensor) of each of ``layer``'s shards, in N order."""
+        fused = fused_suffix(layer.prefix)
+        assert fused is not None, layer.prefix
+        return [(hf, self.tensor(layer.prefix, hf)) for hf in FUSED_SHARDS[fused]]
+
+    def int4_shard(self, hf: str, tensor: RawTensor) -> Int4Weight:
+        codes, d, minimum = decode_q4(tensor.data, tensor.qtype)
+        heads = self.heads.get(hf)
+        if heads is not None:
+            codes, d = unpermute_rope_rows(codes, heads), unpermute_rope_rows(d, heads)
+            minimum = None if minimum is None else unpermute_rope_rows(minimum, heads)
+        return int4_from_gguf(codes, d, minimum)
+
+    def int8_shard(self, hf: str, tensor: RawTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, d = decode_q8_0(tensor.data)
+        heads = self.heads.get(hf)
+        if heads is not None:
+            codes, d = unpermute_rope_rows(codes, heads), unpermute_rope_rows(d, heads)
+        return int8_from_q8_0(codes, d)
 
     def head_tensor(self, tied: bool) -> RawTensor:
         """The file's LM head: its ``output.weight``, or ``token_embd.weight`` when tied."""
@@ -208,76 +204,67 @@ class GgufNativeLoader:
         raw = self.head_tensor(tied)
         return torch.from_numpy(np.asarray(dequantize(raw.data, raw.qtype), dtype=np.float32))
 
-    def install_placeholders(self, model: nn.Module) -> None:
-        for name in self.plan:
-            module = model.get_submodule(name)
-            parent, child = name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), child,
-                    PendingInt4Linear(module.in_features, module.out_features, module.bias is not None))
 
-    def filter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Drop the dense copies of natively loaded projections; keep their biases aside."""
-        for name, tensor in weights:
-            projection = projection_of(name)
-            if projection is None:
-                yield name, tensor
-                continue
-            module, attr = projection
-            prefix, fused, _ = fused_of(module)
-            if prefix + fused not in self.plan:
-                yield name, tensor
-            elif attr == "bias":
-                self.biases[module] = tensor
+class _FromFile(QuantMethod):
+    """Loading for a projection whose weight comes from the GGUF file: the converted
+    folder's dense copy in the stream is skipped; only the bias loads from it."""
 
-    def finish(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-        """Build and install every planned layer; returns how many were built."""
-        for name, kind in self.plan.items():
-            fused = _fused_suffix(name)
-            assert fused is not None
-            prefix = name[: -len(fused)]
-            placeholder = model.get_submodule(name)
-            shards = [self._shard(name, fused, hf) for hf in FUSED_SHARDS[fused]]
-            bias = self._bias(placeholder, [prefix + hf for hf in FUSED_SHARDS[fused]], dtype)
-            layer: nn.Module
-            if kind == "int4":
-                weight = concat_int4(shards)  # type: ignore[arg-type]
-                layer = Int4Linear(weight.to(device), None if bias is None else bias.to(device))
-            else:
-                qweight = torch.cat([q for q, _ in shards])  # type: ignore[misc]
-                scale = torch.cat([s for _, s in shards])  # type: ignore[misc]
-                layer = Int8Linear(qweight.to(device), scale.to(device), None if bias is None else bias.to(device))
-            if (layer.in_features, layer.out_features) != (placeholder.in_features, placeholder.out_features):
-                raise ValueError(f"{name}: GGUF gives {layer.in_features}->{layer.out_features}, "
-                                 f"the model expects {placeholder.in_features}->{placeholder.out_features}")
-            parent, child = name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), child, layer)
-        return len(self.plan)
+    def create_weights(
+        self, layer: LinearLayer, input_size: int, output_sizes: list[int], dtype: torch.dtype,
+        device: torch.device | None,
+    ) -> None:
+        pass
 
-    def _shard(self, fused_name: str, fused: str, hf: str) -> Int4Weight | tuple[torch.Tensor, torch.Tensor]:
-        tensor = self._tensor(fused_name, fused, hf)
-        heads = self.heads.get(hf)
-        if tensor.qtype in _INT4_TYPES:
-            parts = decode_q4(tensor.data, tensor.qtype)
-            if heads is not None:
-                parts = tuple(None if p is None else unpermute_rope_rows(p, heads) for p in parts)  # type: ignore[assignment]
-            return int4_from_gguf(*parts)
-        codes, d = decode_q8_0(tensor.data)
-        if heads is not None:
-            codes, d = unpermute_rope_rows(codes, heads), unpermute_rope_rows(d, heads)
-        return int8_from_q8_0(codes, d)
+    def load_weights(self, layer: LinearLayer, shard: int, name: str, tensor: torch.Tensor) -> None:
+        if name != "weight":
+            QuantMethod.load_weights(self, layer, shard, name, tensor)
 
-    def _bias(self, placeholder: PendingInt4Linear, shard_names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
-        if not placeholder.has_bias:
-            return None
-        missing = [n for n in shard_names if n not in self.biases]
-        if missing:
-            raise ValueError(f"the converted checkpoint is missing biases: {', '.join(missing)}")
-        return torch.cat([self.biases.pop(n).to(dtype) for n in shard_names])
+    def expected_tensors(self, layer: LinearLayer) -> tuple[str, ...]:
+        return QuantMethod.expected_tensors(self, layer)
 
 
-def _fused_suffix(name: str) -> str | None:
-    """``model.layers.3.mlp.gate_up_proj`` -> ``mlp.gate_up_proj`` (None for other modules)."""
-    for fused in FUSED_SHARDS:
-        if name.endswith("." + fused):
-            return fused
-    return None
+class GgufInt4Method(_FromFile, Int4Method):
+    """Q4_0/Q4_1 shards straight into the int4 layout (group 32), joined along N."""
+
+    def __init__(self, source: GgufSource, device: torch.device) -> None:
+        super().__init__(BLOCK, symmetric=False)
+        self.source, self.device = source, device
+
+    def process_after_loading(self, layer: LinearLayer) -> None:
+        weight = concat_int4([self.source.int4_shard(hf, raw) for hf, raw in self.source.shards(layer)])
+        self.install(layer, weight.to(self.device))
+
+
+class GgufInt8Method(_FromFile, Int8Method):
+    """Q8_0 shards re-quantized per output channel into the int8 layout, joined along N."""
+
+    def __init__(self, source: GgufSource, device: torch.device) -> None:
+        self.source, self.device = source, device
+
+    def process_after_loading(self, layer: LinearLayer) -> None:
+        shards = [self.source.int8_shard(hf, raw) for hf, raw in self.source.shards(layer)]
+        qweight, scale = torch.cat([q for q, _ in shards]), torch.cat([s for _, s in shards])
+        self.install(layer, qweight.to(self.device), scale.to(self.device))
+
+
+class GgufNativeConfig(QuantConfig):
+    """``quantization="gguf"``: each fused projection whose shards are all Q4_0/Q4_1 (or
+    all Q8_0) in the file reads them from there; any other stays dense from the folder."""
+
+    def __init__(self, folder: str, num_heads: int, num_kv_heads: int, device: torch.device) -> None:
+        self.source = GgufSource(folder, num_heads, num_kv_heads)
+        self.device = device
+        self.kept_dense: list[str] = []
+
+    def linear_method(self, prefix: str, shard_names: tuple[str, ...], input_size: int) -> QuantMethod:
+        fused = fused_suffix(prefix)
+        assert fused is not None, prefix
+        types = {self.source.tensor(prefix, hf).qtype for hf in FUSED_SHARDS[fused]}
+        if types <= set(_INT4_TYPES):
+            return GgufInt4Method(self.source, self.device)
+        if types <= set(_INT8_TYPES):
+            return GgufInt8Method(self.source, self.device)
+        self.kept_dense.append(f"{prefix} ({'/'.join(sorted(t.name for t in types))})")
+        if len(self.kept_dense) == 1:
+            logger.info("GGUF layers without a native int4/int8 mapping stay dense, such as %s", self.kept_dense[0])
+        return DenseMethod()

@@ -5,7 +5,8 @@ decoder layer at a time. Each layer's four projections gather their input Hessia
 one pass, are quantized by ``gptq.py``, and the layer is run again with the quantized
 weights, so the next layer calibrates on the activations the quantized model will
 really produce. The result is written as a standard 4-bit GPTQ checkpoint that Cadence
-(engine/quantization/checkpoint.py), vLLM and transformers load.
+(engine/quantization/checkpoint.py), vLLM and transformers load. A tool, not serving:
+nothing under ``cadence.engine`` or ``cadence.server``'s serve path imports it.
 
 Calibration text: a file of the user's, or, by default, samples the model draws from
 itself at temperature 1 (data-free; nothing to download here). The perplexity the
@@ -28,19 +29,15 @@ from torch import nn
 from cadence.engine.attention.backend import AttentionSpec
 from cadence.engine.loader import iterate_weights, load_model
 from cadence.engine.model_config import ModelConfig
+from cadence.engine.models.llama import LlamaForCausalLM
+from cadence.engine.models.weight_names import FUSED_SHARDS
 from cadence.engine.quantization.apply import TARGET_LAYERS, group_size_for
-from cadence.engine.quantization.gptq import DEFAULT_DAMPING, HessianAccumulator, gptq_quantize
+from cadence.engine.quantization.method import LinearLayer
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, to_gptq
+from cadence.tools.gptq import DEFAULT_DAMPING, HessianAccumulator, gptq_quantize
 
 logger = logging.getLogger(__name__)
 
-# Our fused projections and the HF modules each holds, in order along N.
-_SHARDS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
 # Files of the source folder that do not describe the quantized one.
 _NOT_COPIED = ("gguf_source.json", "model.safetensors.index.json")
 
@@ -66,13 +63,13 @@ class CausalContext:
         return out.transpose(1, 2).reshape(q.shape)
 
 
-def common_group_size(model: nn.Module, requested: int) -> int:
+def common_group_size(model: LlamaForCausalLM, requested: int) -> int:
     """One group size for every projection (a GPTQ config has one): the largest power of
     two up to ``requested`` that divides every projection's K. SmolLM2 (K = 576 and
     1,536) gets 64 for a requested 128."""
     sizes = []
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in TARGET_LAYERS:
+        if name.rsplit(".", 1)[-1] in TARGET_LAYERS and isinstance(module, LinearLayer):
             g = group_size_for(module.in_features, requested)
             if g is None:
                 raise ValueError(f"{name} (K={module.in_features}) has no int4 group size of at least 32")
@@ -82,7 +79,7 @@ def common_group_size(model: nn.Module, requested: int) -> int:
 
 @torch.no_grad()
 def gptq_model(
-    model: nn.Module,
+    model: LlamaForCausalLM,
     samples: torch.Tensor,
     group_size: int,
     symmetric: bool = True,
@@ -97,11 +94,11 @@ def gptq_model(
     ``chunk`` samples run through a layer at a time.
     """
     s, length = samples.shape
-    decoder = model.model  # type: ignore[union-attr]
+    decoder = model.model
     device = decoder.norm.weight.device
     ids = samples.to(device).reshape(-1)
     positions = torch.arange(length, device=device).repeat(s)
-    spec = model.attention_spec()  # type: ignore[operator]
+    spec = model.attention_spec()
     rows = chunk * length
     hidden = decoder.embed_tokens(ids)
     residual: torch.Tensor | None = None
@@ -120,7 +117,7 @@ def gptq_model(
         return torch.cat(outs), torch.cat(resids)
 
     for index, layer in enumerate(layers):
-        projections = {suffix: layer.get_submodule(suffix) for suffix in _SHARDS}
+        projections = {suffix: _projection(layer, suffix) for suffix in FUSED_SHARDS}
         hessians = {suffix: HessianAccumulator(m.in_features, device) for suffix, m in projections.items()}
         hooks = [m.register_forward_pre_hook(lambda _m, args, acc=hessians[suffix]: acc.add(args[0]))
                  for suffix, m in projections.items()]
@@ -143,6 +140,12 @@ def gptq_model(
     return results
 
 
+def _projection(layer: nn.Module, suffix: str) -> LinearLayer:
+    module = layer.get_submodule(suffix)
+    assert isinstance(module, LinearLayer), suffix
+    return module
+
+
 def _layer_prefix(name: str) -> str:
     """``model.layers.3.mlp.down_proj`` -> ``model.layers.3``."""
     return name.rsplit(".", 2)[0]
@@ -160,7 +163,7 @@ def split_shards(name: str, weight: Int4Weight, sizes: dict[str, int]) -> dict[s
     """A fused ``Int4Weight`` cut along N back into its HF modules, ``sizes`` being each one's N."""
     prefix, suffix = _layer_prefix(name), name.split(".", 3)[3]
     out, start = {}, 0
-    for hf in _SHARDS[suffix]:
+    for hf in FUSED_SHARDS[suffix]:
         stop = start + sizes[hf]
         zeros = None if weight.zeros is None else weight.zeros[:, start:stop].contiguous()
         out[f"{prefix}.{hf}"] = Int4Weight(weight.qweight[:, start:stop].contiguous(),
@@ -249,6 +252,7 @@ def quantize_checkpoint(
     else:
         samples = self_samples(source, num_samples, sample_length, seed, device)
     model, config = load_model(source, torch.float32, device)
+    assert isinstance(model, LlamaForCausalLM), "GPTQ calibration runs the Llama-family decoder"
     group = common_group_size(model, group_size)
     logger.info("GPTQ: %d samples of %d tokens, group %d, %s", samples.shape[0], samples.shape[1], group,
                 "symmetric" if symmetric else "with zero points")
@@ -258,7 +262,7 @@ def quantize_checkpoint(
                    "samples": int(samples.shape[0]), "tokens_per_sample": int(samples.shape[1]), "seed": seed,
                    "damping": damping}
     # Everything but the projection weights GPTQ replaces (no second copy of those).
-    projections = {f"{_layer_prefix(name)}.{hf}.weight" for name in quantized for hf in _SHARDS[name.split(".", 3)[3]]}
+    projections = {f"{_layer_prefix(name)}.{hf}.weight" for name in quantized for hf in FUSED_SHARDS[name.split(".", 3)[3]]}
     dense = {name: t for name, t in iterate_weights(source) if name not in projections}
     write_gptq_checkpoint(source, out, dense, quantized, shard_sizes(config), group, symmetric, calibration)
     return {"group_size": group, "layers": len(quantized), **calibration}
