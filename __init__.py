@@ -3,6 +3,7 @@
 The public names load lazily, so importing a light subpackage such as
 `cadence.scheduler` (pure Python) does not pull in torch.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -17,6 +17,7 @@ cores other processes used meanwhile.
     python bench/cpu_linear.py --n 1536 --k 576      # SmolLM2-135M's MLP up-projection
     python bench/cpu_linear.py --n 1536 --k 576 --fp8 --rounds 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,7 @@ def build_paths(n: int, k: int, m: int, group_size: int) -> dict[str, Callable[[
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
     # The op computes (q - 8) * scale + zero, so the zero point is the group minimum shifted by 8 steps.
     scales_and_zeros = torch.stack([step.T, (low + 8 * step).T], dim=2).contiguous().bfloat16()
-    paths["int4pack g%d (bf16 act.)" % group_size] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+    paths[f"int4pack g{group_size} (bf16 act.)"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
         xb, packed, group_size, scales_and_zeros
     )
     return paths
@@ -75,8 +76,9 @@ def fp8_paths(n: int, k: int, m: int) -> dict[str, Callable[[], torch.Tensor]]:
 
     def scaled_mm() -> torch.Tensor:
         xq, x_scale = quantize_fp8_per_token(xb)
-        return torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :],
-                                out_dtype=torch.bfloat16)
+        return torch._scaled_mm(
+            xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=torch.bfloat16
+        )
 
     def torch_cast_codes() -> torch.Tensor:
         xq, x_scale = quantize_fp8_per_token(xb)

@@ -14,6 +14,7 @@ StepTimings; it then times the LM head alone (the model's compute_logits on one 
 Prints the median engine step and its execute phase, the LM head, the step-bound tok/s,
 and B's ratio over A.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,16 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         for label, llm in engines.items():
             steps[label] += decode_steps(llm, prompt, args.new_tokens)
             heads[label].append(lm_head_ms(llm))
-    print(f"# Batch-1 decode A/B ({time.strftime('%Y-%m-%d %H:%M')}), {os.path.basename(path)}, "
-          f"{' '.join(args.base)}; {args.rounds} x {args.new_tokens} tokens each, load {os.getloadavg()[0]:.2f}\n")
+    print(
+        f"# Batch-1 decode A/B ({time.strftime('%Y-%m-%d %H:%M')}), {os.path.basename(path)}, "
+        f"{' '.join(args.base)}; {args.rounds} x {args.new_tokens} tokens each, load {os.getloadavg()[0]:.2f}\n"
+    )
     print("| engine | options | step ms | execute ms | LM head ms | step-bound tok/s |")
     print("|---|---|---:|---:|---:|---:|")
     bound = {}
     for label in engines:
         median = median_phases(steps[label])
         bound[label] = 1 / median.total
-        print(f"| {label} | {' '.join(configs[label])} | {median.total * 1e3:.1f} | {median.execute * 1e3:.1f} "
-              f"| {statistics.median(heads[label]):.2f} | {bound[label]:.1f} |")
+        print(
+            f"| {label} | {' '.join(configs[label])} | {median.total * 1e3:.1f} | {median.execute * 1e3:.1f} "
+            f"| {statistics.median(heads[label]):.2f} | {bound[label]:.1f} |"
+        )
     print(f"\nB / A: {bound['B'] / bound['A']:.2f}x step-bound decode")
     return 0
 

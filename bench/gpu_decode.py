@@ -11,6 +11,7 @@ weight format runs with decode CUDA graphs (the default) and with --enforce-eage
 "graph GPU ms" replays the captured batch-1 forward alone, timed with CUDA events: the
 decoder layers' GPU time, whose weight bytes over that time give "layers GB/s".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,19 +33,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--no-eager", action="store_true", help="skip the --enforce-eager runs (they are slow at 8B)")
-    ap.add_argument("--quantize-lm-head", action="store_true",
-                    help="also run int8 and int4 with the int8 LM head (--quantize-lm-head)")
+    ap.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="also run int8 and int4 with the int8 LM head (--quantize-lm-head)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    shape = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                 num_attention_heads=args.hidden // 64, num_key_value_heads=8, vocab_size=128256,
-                 tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=4096,
-                 rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
+    shape = dict(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     path = build_random_model(f"llama-h{args.hidden}-l{args.layers}-i{args.intermediate}-bf16", shape, fast=True)
     prompt = torch.randint(3, 128000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
-    print(f"# batch-1 decode on {torch.cuda.get_device_name()}: hidden {args.hidden}, {args.layers} layers, "
-          f"intermediate {args.intermediate}, {args.dtype}, torch {torch.__version__}\n")
+    print(
+        f"# batch-1 decode on {torch.cuda.get_device_name()}: hidden {args.hidden}, {args.layers} layers, "
+        f"intermediate {args.intermediate}, {args.dtype}, torch {torch.__version__}\n"
+    )
     print("| weights | graphs tok/s | vs dense | eager tok/s | graphs / eager | graph GPU ms | layers GB/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     base = None
@@ -54,20 +70,32 @@ def main(argv: list[str] | None = None) -> int:
     for method, int8_head in runs:
         rates = {}
         for eager in (False,) if args.no_eager else (False, True):
-            llm = LLM(path, dtype=args.dtype, quantization=method, quantize_lm_head=int8_head, max_model_len=1024,
-                      num_gpu_blocks=256, enforce_eager=eager)
+            llm = LLM(
+                path,
+                dtype=args.dtype,
+                quantization=method,
+                quantize_lm_head=int8_head,
+                max_model_len=1024,
+                num_gpu_blocks=256,
+                enforce_eager=eager,
+            )
             rates[eager] = decode_tokens_per_s(llm, prompt, args.new_tokens, args.repeats)
             if not eager:
                 gpu_ms = replay_ms(llm)
-                layer_bytes = sum(t.numel() * t.element_size() for t in
-                                  [*llm.engine.model.model.layers.parameters(), *llm.engine.model.model.layers.buffers()])
+                layer_bytes = sum(
+                    t.numel() * t.element_size()
+                    for t in [*llm.engine.model.model.layers.parameters(), *llm.engine.model.model.layers.buffers()]
+                )
             del llm
             torch.cuda.empty_cache()
         base = base or rates[False]
         eager_cells = f"{rates[True]:.1f} | {rates[False] / rates[True]:.2f}x" if True in rates else "- | -"
         label = (method or "dense") + (" + int8 head" if int8_head else "")
-        print(f"| {label} | {rates[False]:.1f} | {rates[False] / base:.2f}x | {eager_cells} | "
-              f"{gpu_ms:.3f} | {layer_bytes / gpu_ms / 1e6:.0f} |", flush=True)
+        print(
+            f"| {label} | {rates[False]:.1f} | {rates[False] / base:.2f}x | {eager_cells} | "
+            f"{gpu_ms:.3f} | {layer_bytes / gpu_ms / 1e6:.0f} |",
+            flush=True,
+        )
     return 0
 
 

@@ -30,6 +30,7 @@ rows therefore time the same thing now. The compact table prints last (the devic
 tool returns only the tail of the output); ``--out DIR`` also writes kernels.json and
 kernels.md with every figure. Exit status 1 if any correctness check failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,14 +69,33 @@ class Sizes:
 
 def pick_sizes(args: argparse.Namespace, num_sms: int) -> Sizes:
     if args.smoke:  # ragged on purpose: partial tiles, two int4 groups, a partial KV block
-        return Sizes({"tiny": (128, 48)}, [1, 5, 33, 256], 64, (8, 2, 32, 16), [40, 64], [1, 3],
-                     {"tiny": (4, 2, 64, 32)}, [1, 5, 33], num_sms, force_split=True)
+        return Sizes(
+            {"tiny": (128, 48)},
+            [1, 5, 33, 256],
+            64,
+            (8, 2, 32, 16),
+            [40, 64],
+            [1, 3],
+            {"tiny": (4, 2, 64, 32)},
+            [1, 5, 33],
+            num_sms,
+            force_split=True,
+        )
     llama8b = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
     moe = {"mixtral": (8, 2, 4096, 14336), "qwen-moe": (60, 4, 2048, 1408)}
     if args.quick:
         return Sizes(llama8b, [1, 16, 128], 128, (32, 8, 128, 16), [1024, 8192, 32768], [1, 32], moe, [1, 64], num_sms)
-    return Sizes(llama8b, [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 2048], 128, (32, 8, 128, 16),
-                 [1024, 2048, 4096, 8192, 16384, 32768], [1, 8, 32], moe, [1, 4, 16, 64, 256], num_sms)
+    return Sizes(
+        llama8b,
+        [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 2048],
+        128,
+        (32, 8, 128, 16),
+        [1024, 2048, 4096, 8192, 16384, 32768],
+        [1, 8, 32],
+        moe,
+        [1, 4, 16, 64, 256],
+        num_sms,
+    )
 
 
 class Bench:
@@ -90,9 +110,20 @@ class Bench:
         t = torch.randn(*shape, device=self.dev, dtype=dtype)
         return t.mul_(scale) if scale != 1.0 else t
 
-    def run(self, section: str, case: str, variant: str, calls: list[Callable[[], object]],
-            check: Callable[[], float] | None, moved_bytes: float, flops: float, *, tol: float = TOLERANCE[F16],
-            rate: str = "fp16", note: str = "") -> Record:
+    def run(
+        self,
+        section: str,
+        case: str,
+        variant: str,
+        calls: list[Callable[[], object]],
+        check: Callable[[], float] | None,
+        moved_bytes: float,
+        flops: float,
+        *,
+        tol: float = TOLERANCE[F16],
+        rate: str = "fp16",
+        note: str = "",
+    ) -> Record:
         """Check (when given) then time one variant; a crash becomes a failed record, not an abort."""
         err = None
         try:
@@ -101,8 +132,20 @@ class Bench:
             us = time_us(calls, self.on_gpu)
         except Exception as exc:  # noqa: BLE001 -- report every kernel, even after one breaks
             traceback.print_exc(limit=3)
-            return self.rep.add(Record(section, case, variant, None, moved_bytes, flops, rate, math.nan, False,
-                                       f"{type(exc).__name__}: {str(exc)[:80]}"))
+            return self.rep.add(
+                Record(
+                    section,
+                    case,
+                    variant,
+                    None,
+                    moved_bytes,
+                    flops,
+                    rate,
+                    math.nan,
+                    False,
+                    f"{type(exc).__name__}: {str(exc)[:80]}",
+                )
+            )
         return self.rep.add(Record(section, case, variant, us, moved_bytes, flops, rate, err, True, note), tol)
 
     def skip(self, section: str, case: str, why: str) -> None:
@@ -111,10 +154,12 @@ class Bench:
 
 def poisoned_check(call: Callable[[], object], out: torch.Tensor, ref: torch.Tensor) -> Callable[[], float]:
     """Fill out with NaN, run, compare: an element the kernel never writes fails."""
+
     def check() -> float:
         out.fill_(math.nan)
         call()
         return rel_err(out, ref)
+
     return check
 
 
@@ -162,8 +207,13 @@ def quant_shape(b: Bench, name: str, k: int, n: int, fp8: object | None) -> obje
     weights = []
     for _ in range(sets):
         w = b.randn(n, k, scale=k**-0.5)  # unit-variance outputs: no fp16 overflow
-        ws = {"fp16": w, "bf16": w.to(BF16), "w8a16": quantize_int8(w),
-              w4_sym: quantize_int4(w, group, True), w4_asym: quantize_int4(w, group, False)}
+        ws = {
+            "fp16": w,
+            "bf16": w.to(BF16),
+            "w8a16": quantize_int8(w),
+            w4_sym: quantize_int4(w, group, True),
+            w4_asym: quantize_int4(w, group, False),
+        }
         if fp8 is not None:
             ws["fp8"] = importlib.import_module("cadence.kernels.fp8_format").quantize_fp8_weight(w)
         weights.append(ws)
@@ -175,22 +225,36 @@ def quant_shape(b: Bench, name: str, k: int, n: int, fp8: object | None) -> obje
     # From 256 rows, both sides of the tiled / dequantize-then-matmul switch
     # (kernels/dequant.py's DEQUANT_MIN_M), whichever the default picks.
     both_paths: dict[str, tuple[Callable, Callable]] = {
-        "w8a16 tiled": (lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out, dequant_min_m=1 << 62),
-                        kernels["w8a16"][1]),
-        "w8a16 dequant+mm": (lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out, dequant_min_m=1),
-                             kernels["w8a16"][1]),
-        f"{w4_sym} tiled": (lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out, dequant_min_m=1 << 62),
-                            w4a16.reference),
-        f"{w4_sym} dequant+mm": (lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out, dequant_min_m=1),
-                                 w4a16.reference),
+        "w8a16 tiled": (
+            lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out, dequant_min_m=1 << 62),
+            kernels["w8a16"][1],
+        ),
+        "w8a16 dequant+mm": (
+            lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out, dequant_min_m=1),
+            kernels["w8a16"][1],
+        ),
+        f"{w4_sym} tiled": (
+            lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out, dequant_min_m=1 << 62),
+            w4a16.reference,
+        ),
+        f"{w4_sym} dequant+mm": (
+            lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out, dequant_min_m=1),
+            w4a16.reference,
+        ),
     }
     # Where the tiled kernels split K by default (one M block, above the GEMVs' rows),
     # the same kernels unsplit, to tune launch.TILED_PROGRAMS_PER_SM.
     unsplit: dict[str, tuple[Callable, Callable, range]] = {
-        "w8a16 unsplit": (lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out, k_splits=1),
-                          kernels["w8a16"][1], range(w8a16.DEFAULT_SMALL_M_THRESHOLD + 1, 65)),
-        f"{w4_sym} unsplit": (lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out, k_splits=1),
-                              w4a16.reference, range(w4a16.DEFAULT_SMALL_M_THRESHOLD + 1, 65)),
+        "w8a16 unsplit": (
+            lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out, k_splits=1),
+            kernels["w8a16"][1],
+            range(w8a16.DEFAULT_SMALL_M_THRESHOLD + 1, 65),
+        ),
+        f"{w4_sym} unsplit": (
+            lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out, k_splits=1),
+            w4a16.reference,
+            range(w4a16.DEFAULT_SMALL_M_THRESHOLD + 1, 65),
+        ),
     }
     for m in b.sizes.quant_m:
         if b.rep.out_of_time():
@@ -209,15 +273,30 @@ def quant_shape(b: Bench, name: str, k: int, n: int, fp8: object | None) -> obje
             wkey = variant.removesuffix(" tiled").removesuffix(" dequant+mm").removesuffix(" unsplit")
             calls = [lambda i=i, v=wkey, f=kernel: f(xs[i], weights[i][v], outs[i]) for i in range(sets)]
             ref = reference(xs[0], weights[0][wkey])
-            b.run("quant", case, variant, calls, poisoned_check(calls[0], outs[0], ref),
-                  nbytes(weights[0][wkey]) + io_bytes, flops)
+            b.run(
+                "quant",
+                case,
+                variant,
+                calls,
+                poisoned_check(calls[0], outs[0], ref),
+                nbytes(weights[0][wkey]) + io_bytes,
+                flops,
+            )
         if fp8 is not None:
             fp8 = bench_fp8(b, fp8, case, xs, weights, outs, io_bytes, flops)
     return fp8
 
 
-def bench_fp8(b: Bench, mod: object, case: str, xs: list[torch.Tensor], weights: list[dict],
-              outs: list[torch.Tensor], io_bytes: int, flops: int) -> object | None:
+def bench_fp8(
+    b: Bench,
+    mod: object,
+    case: str,
+    xs: list[torch.Tensor],
+    weights: list[dict],
+    outs: list[torch.Tensor],
+    io_bytes: int,
+    flops: int,
+) -> object | None:
     """W8A8 FP8: the Triton kernel, and torch._scaled_mm where fp8_matmul would pick it.
 
     Reads the API fp8_matmul(x, wq, w_scale, out=, allow_scaled_mm=) and reference(xq,
@@ -238,11 +317,22 @@ def bench_fp8(b: Bench, mod: object, case: str, xs: list[torch.Tensor], weights:
         print(f"  fp8 W8A8 disabled: w8a8_fp8's API differs from what this script reads: {exc}")
         return None
     for label, kwargs in paths.items():
-        calls = [lambda i=i, kw=kwargs: mod.fp8_matmul(xs[i], *weights[i]["fp8"], out=outs[i], **kw)  # type: ignore[attr-defined]
-                 for i in range(len(xs))]
+        calls = [
+            lambda i=i, kw=kwargs: mod.fp8_matmul(xs[i], *weights[i]["fp8"], out=outs[i], **kw)  # type: ignore[attr-defined]
+            for i in range(len(xs))
+        ]
         # _scaled_mm returns bf16 (then cast to x's dtype): bf16 output rounding sets the bound.
-        b.run("quant", case, label, calls, poisoned_check(calls[0], outs[0], ref),
-              nbytes(weights[0]["fp8"]) + io_bytes, flops, tol=TOLERANCE[BF16], rate="fp8")
+        b.run(
+            "quant",
+            case,
+            label,
+            calls,
+            poisoned_check(calls[0], outs[0], ref),
+            nbytes(weights[0]["fp8"]) + io_bytes,
+            flops,
+            tol=TOLERANCE[BF16],
+            rate="fp8",
+        )
     return mod
 
 
@@ -259,8 +349,16 @@ def make_kv_cache(b: Bench, kind: str, shape: tuple[int, ...]) -> tuple[torch.Te
     return b.randn(*shape).to(torch.float8_e4m3fn), scales
 
 
-def attention_reference(pa: object, q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None,
-                        table: torch.Tensor, seq_lens: torch.Tensor, scale: float, n_check: int) -> torch.Tensor:
+def attention_reference(
+    pa: object,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    n_check: int,
+) -> torch.Tensor:
     """Reference output of the first n_check sequences over a compacted copy of their blocks.
 
     The whole pool can be several GB (the fp32 reference would double it), and attention
@@ -272,8 +370,15 @@ def attention_reference(pa: object, q: torch.Tensor, cache: torch.Tensor, scales
     small = raw[:, ids].view(cache.dtype)
     small_table = torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).view(n_check, -1)
     starts = torch.arange(n_check + 1, device=ids.device, dtype=torch.int32)
-    return pa.reference(q[:n_check], small, small_table, seq_lens[:n_check], starts, scale,  # type: ignore[attr-defined]
-                        kv_scales=None if scales is None else scales[:, ids])
+    return pa.reference(
+        q[:n_check],
+        small,
+        small_table,
+        seq_lens[:n_check],
+        starts,
+        scale,  # type: ignore[attr-defined]
+        kv_scales=None if scales is None else scales[:, ids],
+    )
 
 
 def bench_attention(b: Bench) -> None:
@@ -292,8 +397,10 @@ def bench_attention(b: Bench) -> None:
             met = sum(r.derived["pct_bw"] >= 80 for r in recs)
             worst = min(recs, key=lambda r: r.derived["pct_bw"], default=None)
             if worst is not None:
-                b.rep.targets.append(f"paged decode {kind} >= 80% of copy BW: met in {met}/{len(recs)} "
-                                     f"(lowest {worst.derived['pct_bw']:.0f}% at {worst.case})")
+                b.rep.targets.append(
+                    f"paged decode {kind} >= 80% of copy BW: met in {met}/{len(recs)} "
+                    f"(lowest {worst.derived['pct_bw']:.0f}% at {worst.case})"
+                )
 
 
 def attention_case(b: Bench, batch: int, ctx: int, kinds: list[str]) -> None:
@@ -321,9 +428,19 @@ def attention_case(b: Bench, batch: int, ctx: int, kinds: list[str]) -> None:
         attention_kind(b, pa, case, kind, [None] + ([alt] if alt else []), qs, outs, tables, seq_lens, starts, ctx)
 
 
-def attention_kind(b: Bench, pa: object, case: str, kind: str, split_choices: list[int | None],
-                   qs: list[torch.Tensor], outs: list[torch.Tensor], tables: torch.Tensor,
-                   seq_lens: torch.Tensor, starts: torch.Tensor, ctx: int) -> None:
+def attention_kind(
+    b: Bench,
+    pa: object,
+    case: str,
+    kind: str,
+    split_choices: list[int | None],
+    qs: list[torch.Tensor],
+    outs: list[torch.Tensor],
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    starts: torch.Tensor,
+    ctx: int,
+) -> None:
     """One KV format: its pool (up to GBs) lives only for this call."""
     hq, hkv, d, bs = b.sizes.heads
     batch, sets, n_check = qs[0].shape[0], len(qs), min(qs[0].shape[0], 4)
@@ -333,9 +450,20 @@ def attention_kind(b: Bench, pa: object, case: str, kind: str, split_choices: li
     ref = attention_reference(pa, qs[0], cache, kv_scales, tables[0], seq_lens, d**-0.5, n_check)
 
     def attend(i: int, num_splits: int | None) -> torch.Tensor:
-        return pa.paged_attention(qs[i], cache, tables[i], seq_lens, starts, 1, d**-0.5,  # type: ignore[attr-defined]
-                                  num_splits=num_splits, max_seq_len=ctx, num_sms=b.sizes.num_sms,
-                                  out=outs[i], kv_scales=kv_scales)
+        return pa.paged_attention(
+            qs[i],
+            cache,
+            tables[i],
+            seq_lens,
+            starts,
+            1,
+            d**-0.5,  # type: ignore[attr-defined]
+            num_splits=num_splits,
+            max_seq_len=ctx,
+            num_sms=b.sizes.num_sms,
+            out=outs[i],
+            kv_scales=kv_scales,
+        )
 
     def check(num_splits: int | None) -> float:
         outs[0].fill_(math.nan)  # the whole batch is poisoned; the first n_check rows are compared
@@ -351,8 +479,9 @@ def attention_kind(b: Bench, pa: object, case: str, kind: str, split_choices: li
 # ---------------------------------------------------------------- fused MoE
 
 
-def torch_moe_loop(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> torch.Tensor:
+def torch_moe_loop(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
     """The plain-torch baseline: one gathered F.linear pair per routed-to expert, in x's dtype."""
     out = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
     for e in torch.unique(topk_ids).tolist():  # host sync, as any eager per-expert loop has
@@ -380,12 +509,17 @@ def moe_shape(b: Bench, name: str, experts: int, top_k: int, hidden: int, inter:
 
     group = min(b.sizes.group, inter)
     sets = rotation_sets(experts * 3 * hidden * inter / 2, b.l2, cap=4)  # int4 experts, the smallest
-    dense = [(b.randn(experts, 2 * inter, hidden, scale=hidden**-0.5),
-              b.randn(experts, hidden, inter, scale=inter**-0.5)) for _ in range(sets)]
-    formats = {"dense fp16": dense,
-               "int8": [(fm.Int8Experts.quantize(w1), fm.Int8Experts.quantize(w2)) for w1, w2 in dense],
-               f"int4 g{group}": [(fm.Int4Experts.quantize(w1, group), fm.Int4Experts.quantize(w2, group))
-                                  for w1, w2 in dense]}
+    dense = [
+        (b.randn(experts, 2 * inter, hidden, scale=hidden**-0.5), b.randn(experts, hidden, inter, scale=inter**-0.5))
+        for _ in range(sets)
+    ]
+    formats = {
+        "dense fp16": dense,
+        "int8": [(fm.Int8Experts.quantize(w1), fm.Int8Experts.quantize(w2)) for w1, w2 in dense],
+        f"int4 g{group}": [
+            (fm.Int4Experts.quantize(w1, group), fm.Int4Experts.quantize(w2, group)) for w1, w2 in dense
+        ],
+    }
     for m in b.sizes.moe_m:
         case = f"{name} M={m}"
         if b.rep.out_of_time():
@@ -397,8 +531,15 @@ def moe_shape(b: Bench, name: str, experts: int, top_k: int, hidden: int, inter:
         flops, io_bytes = 6 * m * top_k * hidden * inter, 2 * m * hidden * 2
         loop = [lambda i=i: torch_moe_loop(xs[i], *dense[i], *routes[i]) for i in range(sets)]
         dense_ref = fm.reference(xs[0], *dense[0], *routes[0])
-        b.run("moe", case, "torch loop", loop, lambda: rel_err(loop[0](), dense_ref),
-              touched / experts * nbytes(dense[0]) + io_bytes, flops)
+        b.run(
+            "moe",
+            case,
+            "torch loop",
+            loop,
+            lambda: rel_err(loop[0](), dense_ref),
+            touched / experts * nbytes(dense[0]) + io_bytes,
+            flops,
+        )
         outs = [torch.empty(m, hidden, device=b.dev, dtype=F16) for _ in range(sets)]
         for fmt, ws in formats.items():
             per_call = touched / experts * nbytes(ws[0]) + io_bytes
@@ -409,14 +550,33 @@ def moe_shape(b: Bench, name: str, experts: int, top_k: int, hidden: int, inter:
                 moe_graph(b, case, fmt, calls, outs[0], ref, per_call, flops)
 
 
-def moe_graph(b: Bench, case: str, fmt: str, calls: list[Callable[[], object]], out0: torch.Tensor,
-              ref: torch.Tensor, per_call: float, flops: float) -> None:
+def moe_graph(
+    b: Bench,
+    case: str,
+    fmt: str,
+    calls: list[Callable[[], object]],
+    out0: torch.Tensor,
+    ref: torch.Tensor,
+    per_call: float,
+    flops: float,
+) -> None:
     """The same calls captured as CUDA graphs (one per input set), checked again after capture."""
     try:
         replays = graph_calls(calls)
     except Exception as exc:  # noqa: BLE001 -- a capture failure is a finding, not a crash
-        b.rep.add(Record("moe", case, f"{fmt} graph", None, per_call, flops, err=math.nan, ok=False,
-                         note=f"capture failed: {exc}"[:90]))
+        b.rep.add(
+            Record(
+                "moe",
+                case,
+                f"{fmt} graph",
+                None,
+                per_call,
+                flops,
+                err=math.nan,
+                ok=False,
+                note=f"capture failed: {exc}"[:90],
+            )
+        )
         return
     b.run("moe", case, f"{fmt} graph", replays, poisoned_check(replays[0], out0, ref), per_call, flops)
 
@@ -426,14 +586,26 @@ def moe_graph(b: Bench, case: str, fmt: str, calls: list[Callable[[], object]], 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-                   help="sections to run (the ceilings are always measured)")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="sections to run (the ceilings are always measured)",
+    )
     p.add_argument("--quick", action="store_true", help="fewer M values, contexts and MoE sizes")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny shapes; on a machine without CUDA it runs the Triton interpreter on CPU")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes; on a machine without CUDA it runs the Triton interpreter on CPU",
+    )
     p.add_argument("--out", help="folder for kernels.json and kernels.md (rewritten after each section)")
-    p.add_argument("--budget-s", type=float, default=540.0,
-                   help="skip remaining cases after this many seconds, so the tables print inside a 10-minute call")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="skip remaining cases after this many seconds, so the tables print inside a 10-minute call",
+    )
     return p.parse_args(argv)
 
 

@@ -19,6 +19,7 @@ Tables:
 3. with ``--gptq``: perplexity of a 4-bit GPTQ checkpoint written by `cadence quantize`'s
    code, against round-to-nearest at the same single group size, and dense.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,21 @@ from common.timer import time_call
 MiB = 1 << 20
 # (quantization, model dtype, int8 LM head): each body with a dense head, then the
 # int8-head rows (--quantize-lm-head; the gguf default when the file's head is Q8_0).
-ROWS = [(None, "float32", False), (None, "bfloat16", False), ("int8", "float32", False), ("int4", "float32", False),
-        ("int8", "bfloat16", False), ("int4", "bfloat16", False), ("fp8", "float32", False),
-        ("fp8", "bfloat16", False), ("gguf", "float32", False),
-        (None, "float32", True), ("int8", "float32", True), ("int4", "bfloat16", True), ("gguf", "float32", True)]
+ROWS = [
+    (None, "float32", False),
+    (None, "bfloat16", False),
+    ("int8", "float32", False),
+    ("int4", "float32", False),
+    ("int8", "bfloat16", False),
+    ("int4", "bfloat16", False),
+    ("fp8", "float32", False),
+    ("fp8", "bfloat16", False),
+    ("gguf", "float32", False),
+    (None, "float32", True),
+    ("int8", "float32", True),
+    ("int4", "bfloat16", True),
+    ("gguf", "float32", True),
+]
 QUICK_ROWS = [(None, "float32", False), ("int8", "float32", False), ("gguf", "float32", True)]
 
 
@@ -56,46 +68,57 @@ def module_bytes(module: nn.Module) -> int:
 
 def footprint(model: nn.Module) -> tuple[int, int]:
     """(bytes in the swappable projections, bytes in the whole model)."""
-    linear = sum(
-        module_bytes(m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in TARGET_LAYERS
-    )
+    linear = sum(module_bytes(m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in TARGET_LAYERS)
     total = sum(module_bytes(m) for m in model.modules())
     return linear, total
 
 
-def format_table(path: str, rows: list[tuple[str | None, str, bool]], new_tokens: int, repeats: int,
-                 prefill_len: int) -> None:
-    print("| weights | LM head | model dtype | linear MiB | model MiB | perplexity | decode tok/s (batch 1) "
-          f"| step ms | head ms | prefill tok/s (4 x {prefill_len}) | int4 group sizes |")
+def format_table(
+    path: str, rows: list[tuple[str | None, str, bool]], new_tokens: int, repeats: int, prefill_len: int
+) -> None:
+    print(
+        "| weights | LM head | model dtype | linear MiB | model MiB | perplexity | decode tok/s (batch 1) "
+        f"| step ms | head ms | prefill tok/s (4 x {prefill_len}) | int4 group sizes |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     # "gguf" serves the file's own blocks; it needs a model converted from a GGUF.
     has_gguf = os.path.isfile(os.path.join(path, "gguf_source.json"))
     for method, dtype, int8_head in rows:
         if method == "gguf" and not has_gguf:
             continue
-        llm = LLM(path, dtype=dtype, quantization=method, quantize_lm_head=int8_head, max_model_len=1024,
-                  num_gpu_blocks=128)
+        llm = LLM(
+            path, dtype=dtype, quantization=method, quantize_lm_head=int8_head, max_model_len=1024, num_gpu_blocks=128
+        )
         tokenizer = llm.get_tokenizer()
         assert tokenizer is not None
         text_ids = tokenizer(EVAL_TEXT)["input_ids"]
         prompt = text_ids[:32]
         linear, total = footprint(llm.engine.model)
-        groups = sorted({m.group_size for m in llm.engine.model.modules() if isinstance(getattr(m, "method", None), Int4Method)})
+        groups = sorted(
+            {m.group_size for m in llm.engine.model.modules() if isinstance(getattr(m, "method", None), Int4Method)}
+        )
         ppl = perplexity(llm, text_ids)
         rate = decode_tokens_per_s(llm, prompt, new_tokens, repeats)
         step_ms = median_phases(decode_steps(llm, prompt, new_tokens)).total * 1e3
         head_ms = lm_head_ms(llm)
         prefill = prefill_tokens_per_s(llm, len(tokenizer), prefill_len, 4, repeats)
-        print(f"| {method or 'dense'} | {'int8' if int8_head else 'dense'} | {dtype} | {linear / MiB:.1f} "
-              f"| {total / MiB:.1f} | {ppl:.3f} | {rate:.1f} | {step_ms:.1f} | {head_ms:.2f} | {prefill:.0f} "
-              f"| {', '.join(map(str, groups)) or '-'} |", flush=True)
+        print(
+            f"| {method or 'dense'} | {'int8' if int8_head else 'dense'} | {dtype} | {linear / MiB:.1f} "
+            f"| {total / MiB:.1f} | {ppl:.3f} | {rate:.1f} | {step_ms:.1f} | {head_ms:.2f} | {prefill:.0f} "
+            f"| {', '.join(map(str, groups)) or '-'} |",
+            flush=True,
+        )
         del llm
 
 
 def linear_crossover(ms: list[int]) -> None:
     """Int8Linear's packed vs dequantized CPU path by M on SmolLM2's projection shapes."""
-    shapes = {"qkv 576->960": (960, 576), "o 576->576": (576, 576),
-              "gate_up 576->3072": (3072, 576), "down 1536->576": (576, 1536)}
+    shapes = {
+        "qkv 576->960": (960, 576),
+        "o 576->576": (576, 576),
+        "gate_up 576->3072": (3072, 576),
+        "down 1536->576": (576, 1536),
+    }
     print("\n| int8 CPU path, µs | " + " | ".join(f"M={m}" for m in ms) + " |")
     print("|---|" + "---|" * len(ms))
     for label, (n, k) in shapes.items():
@@ -105,8 +128,9 @@ def linear_crossover(ms: list[int]) -> None:
             x = torch.randn(m, k)
             xb = x.to(torch.bfloat16)
             packed.append(time_call(lambda: torch.ops.aten._weight_int8pack_mm(xb, mod.qweight, mod.scale_bf16)))
-            dequant.append(time_call(
-                lambda: nn.functional.linear(xb, mod.qweight.to(torch.bfloat16) * mod.scale_bf16[:, None])))
+            dequant.append(
+                time_call(lambda: nn.functional.linear(xb, mod.qweight.to(torch.bfloat16) * mod.scale_bf16[:, None]))
+            )
         print(f"| {label} packed | " + " | ".join(f"{t:,.0f}" for t in packed) + " |")
         print(f"| {label} dequant+bf16 | " + " | ".join(f"{t:,.0f}" for t in dequant) + " |")
     print(f"\ncpu_policy(): {cpu_policy()}")
@@ -142,14 +166,23 @@ def gptq_table(path: str, args: argparse.Namespace) -> None:
     del dense
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        done = quantize_checkpoint(path, out, args.gptq_group_size, args.gptq_sym, args.gptq_samples,
-                                   args.gptq_sample_length, args.calibration_file)
+        done = quantize_checkpoint(
+            path,
+            out,
+            args.gptq_group_size,
+            args.gptq_sym,
+            args.gptq_samples,
+            args.gptq_sample_length,
+            args.calibration_file,
+        )
         seconds = time.perf_counter() - start
         gptq_ppl = perplexity(LLM(out, dtype="float32", max_model_len=1024, num_gpu_blocks=128), ids)
     group = int(done["group_size"])  # type: ignore[call-overload]
     rtn_ppl = rtn_perplexity(path, group, args.gptq_sym, ids)
-    print(f"\nGPTQ: group {group}, {'symmetric' if args.gptq_sym else 'zero points'}, calibration "
-          f"{done['source']} {done['samples']} x {done['tokens_per_sample']}; quantizing took {seconds:.0f} s\n")
+    print(
+        f"\nGPTQ: group {group}, {'symmetric' if args.gptq_sym else 'zero points'}, calibration "
+        f"{done['source']} {done['samples']} x {done['tokens_per_sample']}; quantizing took {seconds:.0f} s\n"
+    )
     print("| weights | perplexity | vs dense |")
     print("|---|---:|---:|")
     for label, value in (("dense", dense_ppl), ("int4 round-to-nearest", rtn_ppl), ("int4 GPTQ", gptq_ppl)):

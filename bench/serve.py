@@ -13,6 +13,7 @@ generator (which shares this machine's cores) cost. Greedy outputs are compared 
 The default model is real (not random weights) because the server's detokenization is
 part of what is measured, and that needs the model's own tokenizer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -138,7 +139,9 @@ async def _saturate(base_url: str, work: Workload) -> tuple[float, list[dict[str
     limits = httpx.Limits(max_connections=len(work.prompts) + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as client:
         start = time.perf_counter()
-        results = await asyncio.gather(*(_one_request(client, p, m, start) for p, m in zip(work.prompts, work.max_tokens)))
+        results = await asyncio.gather(
+            *(_one_request(client, p, m, start) for p, m in zip(work.prompts, work.max_tokens))
+        )
         return time.perf_counter() - start, list(results)
 
 

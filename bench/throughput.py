@@ -12,6 +12,7 @@ Without --model, a SmolLM2-135M-shaped Llama with random weights is built from a
 and saved once under bench/out/models/ (git-ignored): throughput does not depend on the
 weight values, and nothing needs downloading.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -6,6 +6,7 @@ while there is work, and sleeps on the input socket when there is none, so an id
 engine costs nothing and the HTTP event loop in the other process is never blocked by a
 forward pass.
 """
+
 from __future__ import annotations
 
 import os

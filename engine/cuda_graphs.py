@@ -19,16 +19,16 @@ A graph replays fixed addresses and a fixed grid, so:
 
 Prefill, chunked and mixed steps, and batches above the largest size, run eagerly.
 """
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
-from torch import nn
 
 from cadence.engine.attention.backend import AttentionBackend, AttentionContext, DecodeGraphInputs, KVCache
 from cadence.engine.input_batch import StepInputs
@@ -120,7 +120,9 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s",
-            len(self._captured), self.max_batch, time.perf_counter() - start,
+            len(self._captured),
+            self.max_batch,
+            time.perf_counter() - start,
         )
 
     def _capture_one(self, batch: int, variant: int) -> _Captured:

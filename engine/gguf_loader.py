@@ -7,6 +7,7 @@ llama.cpp row permutation of the Q/K projections undone. The folder is cached un
 edited or replaced file converts again, and published with one atomic rename so a crash
 never leaves a folder that a later start would trust.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -182,7 +183,9 @@ def write_hf_folder(gguf_path: str, folder: str) -> None:
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": _generation_eos(metadata)}
     _write_json(os.path.join(folder, "generation_config.json"), {k: v for k, v in generation.items() if v is not None})
     save_tokenizer(metadata, folder)
-    _write_json(os.path.join(folder, SOURCE_FILE), {"gguf_path": os.path.abspath(gguf_path), "tensors": tensor_index(reader)})
+    _write_json(
+        os.path.join(folder, SOURCE_FILE), {"gguf_path": os.path.abspath(gguf_path), "tensors": tensor_index(reader)}
+    )
 
 
 def tensor_index(reader: GGUFReader) -> dict[str, dict[str, Any]]:
@@ -208,6 +211,7 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def hf_config(metadata: dict[str, Any], reader: GGUFReader) -> dict[str, Any]:
     """An HF LlamaForCausalLM config.json built from the GGUF's `llama.*` metadata."""
+
     def get(key: str, default: Any = None) -> Any:
         value = metadata.get(f"llama.{key}", default)
         if value is None:

@@ -7,6 +7,7 @@ rather than through transformers' GGUF helpers: their module path and signatures
 between transformers 4.x and 5.x (we support both), and they quietly fall back to GPT-2's
 split for a `tokenizer.ggml.pre` they do not know, where llama.cpp refuses the file.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,9 +35,7 @@ def _gpt2_split() -> pre_tokenizers.PreTokenizer:
 def _digits_then_gpt2_split() -> pre_tokenizers.PreTokenizer:
     # llama.cpp splits every digit off on its own before GPT-2's regex for these
     # vocabularies (StarCoder's lineage, which SmolLM2 follows).
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), _gpt2_split()]
-    )
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split()])
 
 
 def _llama3_split() -> pre_tokenizers.PreTokenizer:
@@ -98,11 +97,7 @@ def _sentencepiece_merges(
     SentencePiece BPE merges the adjacent pair whose joined piece scores highest, so every
     split of a normal piece into two known normal pieces is a merge ranked by that score.
     """
-    mergeable = {
-        token: index
-        for index, (token, kind) in enumerate(zip(tokens, types))
-        if kind == TokenType.NORMAL
-    }
+    mergeable = {token: index for index, (token, kind) in enumerate(zip(tokens, types)) if kind == TokenType.NORMAL}
     ranked: list[tuple[float, int, int, str, str]] = []
     for token, index in mergeable.items():
         for cut in range(1, len(token)):
@@ -125,9 +120,7 @@ def _sentencepiece_model(metadata: Mapping[str, Any], tokens: Sequence[str], typ
     # (Metaspace would not add a second space.)
     add_space = bool(metadata.get(f"{_KEY}add_space_prefix", True))
     to_meta = normalizers.Replace(" ", "\u2581")
-    tokenizer.normalizer = (
-        normalizers.Sequence([normalizers.Prepend("\u2581"), to_meta]) if add_space else to_meta
-    )
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), to_meta]) if add_space else to_meta
     steps: list[decoders.Decoder] = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space:
         steps.append(decoders.Strip(content=" ", left=1, right=0))

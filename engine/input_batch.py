@@ -8,6 +8,7 @@ Each step's flat batch is then gathered out of the rows with numpy indexing, in 
 runner's order: decodes first, shortest context first (the attention backends batch
 decodes of similar length together). Eager steps and the decode graphs both read it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -92,8 +93,14 @@ class InputBatch:
         self.token_ids[row, :num_tokens] = new.token_ids
         self.block_table[row, :num_blocks] = new.block_ids
         self.requests[new.request_id] = RequestState(
-            new.request_id, row, new.num_prompt_tokens, num_tokens, num_blocks, new.num_computed_tokens,
-            new.sampling_params, frozenset(new.stop_token_ids),
+            new.request_id,
+            row,
+            new.num_prompt_tokens,
+            num_tokens,
+            num_blocks,
+            new.num_computed_tokens,
+            new.sampling_params,
+            frozenset(new.stop_token_ids),
         )
 
     def update(self, cached: CachedRequestData) -> None:

@@ -1,4 +1,5 @@
 """The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
 from __future__ import annotations
 
 import itertools
@@ -111,9 +112,7 @@ class LLM:
         return prompt_list
 
     @staticmethod
-    def _per_prompt(
-        params: SamplingParams | Sequence[SamplingParams], count: int
-    ) -> list[SamplingParams]:
+    def _per_prompt(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
         if isinstance(params, SamplingParams):
             return [params] * count
         params = list(params)

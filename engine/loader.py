@@ -1,4 +1,5 @@
 """Build a model from a Hugging Face folder and stream its safetensors weights into it."""
+
 from __future__ import annotations
 
 import glob
@@ -31,9 +32,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def resolve_dtype(
-    name: str | torch.dtype, config: ModelConfig, device: torch.device | str
-) -> torch.dtype:
+def resolve_dtype(name: str | torch.dtype, config: ModelConfig, device: torch.device | str) -> torch.dtype:
     """Turn a user dtype choice into a torch dtype.
 
     "auto" means the checkpoint's dtype, except for half precision on CPU: bfloat16
@@ -102,8 +101,10 @@ def quant_config_for(
             )
         quant = CheckpointConfig(prequantized, device)
         if quantize_lm_head and quant.lm_head is not None:
-            raise ValueError("the LM head is already quantized (the checkpoint's int4 head); "
-                             "--quantize-lm-head applies to a dense head")
+            raise ValueError(
+                "the LM head is already quantized (the checkpoint's int4 head); "
+                "--quantize-lm-head applies to a dense head"
+            )
     elif quantization == GGUF_NATIVE:
         quant = GgufNativeConfig(path, config.num_attention_heads, config.num_key_value_heads, device)
     elif quantization is not None:
@@ -112,7 +113,9 @@ def quant_config_for(
         quant = DenseConfig()
     if quant.lm_head is None:
         tied = config.tie_word_embeddings
-        file_head = quant.source if isinstance(quant, GgufNativeConfig) and quant.source.head_is_quantized(tied) else None
+        file_head = (
+            quant.source if isinstance(quant, GgufNativeConfig) and quant.source.head_is_quantized(tied) else None
+        )
         if quantize_lm_head or (quantize_lm_head is None and file_head is not None):
             quant.lm_head = Int8HeadMethod(None if file_head is None else partial(file_head.head_values, tied))
     return quant

@@ -4,6 +4,7 @@ We parse the raw JSON rather than going through `AutoConfig` so that loading doe
 depend on which transformers version wrote (or reads) the file; both the v4 layout
 (`rope_theta` + `rope_scaling`) and the v5 layout (`rope_parameters`) are accepted.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,9 +74,7 @@ def _parse_sliding_window(raw: dict[str, Any], arch: str, num_layers: int) -> in
         layer_types = raw.get("layer_types")
         if layer_types is None:
             first = raw.get("max_window_layers", num_layers)
-            layer_types = [
-                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
-            ]
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         kinds = set(layer_types)
         if kinds == {"full_attention"}:
             return None
@@ -130,8 +129,7 @@ class ModelConfig:
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
-                f"unsupported architecture {archs or '(none given)'}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {archs or '(none given)'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])

@@ -5,13 +5,13 @@ generators and its own copy of the requests it runs (`engine/input_batch.py`), k
 to date from each step's changes. It never reads the scheduler's `Request` objects, so
 everything it needs arrives in the `SchedulerOutput`, which may come from another process.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch import nn
 
 from cadence.engine.attention.backend import (
     AttentionBackend,
@@ -42,16 +42,14 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
-def _rows_to_logprobs(ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+def _rows_to_logprobs(
+    ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor, num_top: int
+) -> list[TokenLogprobs]:
     ids_list, values_list, ranks_list = ids.tolist(), values.tolist(), ranks.tolist()
-    return [
-        (ids_list[r][: 1 + num_top], values_list[r][: 1 + num_top], ranks_list[r]) for r in range(len(ids_list))
-    ]
+    return [(ids_list[r][: 1 + num_top], values_list[r][: 1 + num_top], ranks_list[r]) for r in range(len(ids_list))]
 
 
-def allocate_kv_cache(
-    shape: tuple[int, ...], dtype: torch.dtype, kv_cache_dtype: str, device: torch.device
-) -> KVCache:
+def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, kv_cache_dtype: str, device: torch.device) -> KVCache:
     """One layer's cache: in the model's dtype ("auto"), or int8 / fp8 with row scales."""
     if kv_cache_dtype == "auto":
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -93,8 +91,13 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if not enforce_eager and self._graphs_supported(kv_cache_dtype):
             self.decode_graphs = DecodeGraphs(
-                model, self.backend, self.kv_caches, max_batch=max_num_seqs, max_model_len=max_model_len,
-                block_size=block_size, device=device,
+                model,
+                self.backend,
+                self.kv_caches,
+                max_batch=max_num_seqs,
+                max_model_len=max_model_len,
+                block_size=block_size,
+                device=device,
             )
             self.decode_graphs.capture()
         self.sampler = Sampler()

@@ -3,6 +3,7 @@
 It detokenizes, applies stop strings (telling the caller which sequences to abort in the
 engine), and turns raw logprob rows into vLLM's {token_id: Logprob} dicts.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,9 +16,7 @@ from cadence.engine.protocol import EngineCoreOutput, TokenLogprobs
 from cadence.engine.sampling_params import SamplingParams
 
 
-def to_position_logprobs(
-    row: TokenLogprobs, tokenizer: PreTrainedTokenizerBase | None
-) -> PositionLogprobs:
+def to_position_logprobs(row: TokenLogprobs, tokenizer: PreTrainedTokenizerBase | None) -> PositionLogprobs:
     """One position's (ids, logprobs, rank) row as {token_id: Logprob}, chosen token first."""
     ids, values, chosen_rank = row
     result: PositionLogprobs = {}

@@ -1,4 +1,5 @@
 """What the offline API returns, with vLLM's names and shapes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -4,6 +4,7 @@ The offline `LLM` calls the core in-process with these dataclasses; the server s
 same dataclasses over ZMQ, packed with msgpack by `encode` / `decode` below. Nothing else
 crosses the boundary.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -104,7 +105,12 @@ class EngineDead:
 
 
 Message = (
-    EngineCoreRequest | AbortRequests | Shutdown | EngineReady | EngineCoreOutputs | EngineDead
+    EngineCoreRequest
+    | AbortRequests
+    | Shutdown
+    | EngineReady
+    | EngineCoreOutputs
+    | EngineDead
     | SchedulerOutput  # a scheduler step for a runner in another process
 )
 

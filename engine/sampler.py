@@ -4,6 +4,7 @@ Processing order (vLLM's): min_tokens suppression -> penalties -> greedy argmax 
 -> min_p -> top_k / top_p -> exponential-race sampling. Logprobs come from the raw logits.
 Every stage is skipped when no row of the batch needs it, because this runs once per step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,4 +1,5 @@
 """Per-request sampling settings, with vLLM's names and meanings."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -104,8 +105,4 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

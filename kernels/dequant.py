@@ -11,6 +11,7 @@ stands; the pass reads the packed weight once and writes two bytes per weight.
 Rounding matches ``quant_formats``: the value is formed in fp32, where it is exact, and
 rounded once to the activation dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,9 +32,19 @@ NUM_WARPS = 8  # int8: 32 weights a thread (4 warps held 64 in 176-192 registers
 
 
 @triton.jit
-def _int4_to_dense_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, K_WORDS, N,
-                          GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr,
-                          BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr):
+def _int4_to_dense_kernel(
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    K_WORDS,
+    N,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    SYM_ZERO: tl.constexpr,
+    BLOCK_KW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """qweight int32 [K // 8, N] (nibble s of word w is row 8w + s) -> out [K, N]."""
     offs_w = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,8 +64,9 @@ def _int4_to_dense_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, K_WORDS, N,
 
 
 @triton.jit
-def _int8_to_dense_kernel(q_ptr, s_ptr, out_ptr, N, K, stride_qn, stride_qk,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int8_to_dense_kernel(
+    q_ptr, s_ptr, out_ptr, N, K, stride_qn, stride_qk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """qweight int8 [N, K] times scale [N] -> out [N, K] (contiguous)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -72,9 +84,19 @@ def int4_to_dense(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     zeros = weight.zeros.contiguous() if weight.zeros is not None else scales  # dummy pointer, never read
     out = torch.empty(k, n, device=qweight.device, dtype=dtype)
     grid = (triton.cdiv(k // 8, BLOCK_K_WORDS), triton.cdiv(n, BLOCK_N))
-    _int4_to_dense_kernel[grid](qweight, scales, zeros, out, k // 8, n,
-                                GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None,
-                                SYM_ZERO=SYMMETRIC_ZERO, BLOCK_KW=BLOCK_K_WORDS, BLOCK_N=BLOCK_N)
+    _int4_to_dense_kernel[grid](
+        qweight,
+        scales,
+        zeros,
+        out,
+        k // 8,
+        n,
+        GROUP=weight.group_size,
+        HAS_ZEROS=weight.zeros is not None,
+        SYM_ZERO=SYMMETRIC_ZERO,
+        BLOCK_KW=BLOCK_K_WORDS,
+        BLOCK_N=BLOCK_N,
+    )
     return out
 
 
@@ -83,8 +105,18 @@ def int8_to_dense(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     n, k = qweight.shape
     out = torch.empty(n, k, device=qweight.device, dtype=dtype)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
-    _int8_to_dense_kernel[grid](qweight, scale.contiguous(), out, n, k, qweight.stride(0), qweight.stride(1),
-                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    _int8_to_dense_kernel[grid](
+        qweight,
+        scale.contiguous(),
+        out,
+        n,
+        k,
+        qweight.stride(0),
+        qweight.stride(1),
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS,
+    )
     return out
 
 

@@ -7,6 +7,7 @@ the bits themselves: the code's sign and its 7 exponent+mantissa bits, moved int
 bit pattern, are exactly the value divided by ``FP16_DECODE_DIVISOR`` (e4m3's exponent
 bias is 7, fp16's 15), subnormals included. Callers fold the divisor into a scale.
 """
+
 from __future__ import annotations
 
 import triton

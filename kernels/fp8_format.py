@@ -16,6 +16,7 @@ Triton fallback and the CPU path read fp8.
 
 No triton here: a CPU install quantizes with this module and never imports the kernels.
 """
+
 from __future__ import annotations
 
 import torch

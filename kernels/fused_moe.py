@@ -27,6 +27,7 @@ rounded to x's dtype once; the activation and each pair's weighted output are ro
 x's dtype; the top_k sum is fp32 and rounded once. Expert offloading maps global expert
 ids to cache slots before calling (``slot_of[topk_ids]``); the kernels only see indices.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -85,18 +86,29 @@ class Int4Experts:
         """Stack per-expert weights (e.g. from ``from_gptq``); all symmetric or none."""
         zeros: torch.Tensor | None = None
         if any(e.zeros is not None for e in experts):
-            zeros = torch.stack([torch.full(e.scales.shape, SYMMETRIC_ZERO, dtype=torch.uint8, device=e.scales.device)
-                                 if e.zeros is None else e.zeros for e in experts])
-        return cls(torch.stack([e.qweight for e in experts]), torch.stack([e.scales for e in experts]), zeros,
-                   experts[0].group_size)
+            zeros = torch.stack(
+                [
+                    torch.full(e.scales.shape, SYMMETRIC_ZERO, dtype=torch.uint8, device=e.scales.device)
+                    if e.zeros is None
+                    else e.zeros
+                    for e in experts
+                ]
+            )
+        return cls(
+            torch.stack([e.qweight for e in experts]),
+            torch.stack([e.scales for e in experts]),
+            zeros,
+            experts[0].group_size,
+        )
 
     @classmethod
     def quantize(cls, w: torch.Tensor, group_size: int = 128, symmetric: bool = True) -> Int4Experts:
         return cls.stack([quantize_int4(we, group_size, symmetric) for we in w])
 
     def expert(self, e: int) -> Int4Weight:
-        return Int4Weight(self.qweight[e], self.scales[e], None if self.zeros is None else self.zeros[e],
-                          self.group_size)
+        return Int4Weight(
+            self.qweight[e], self.scales[e], None if self.zeros is None else self.zeros[e], self.group_size
+        )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.stack([dequantize_int4(self.expert(e), dtype) for e in range(self.qweight.shape[0])])
@@ -129,8 +141,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids.to(torch.int32)
 
 
-def reference(x: torch.Tensor, w1: ExpertWeights, w2: ExpertWeights,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def reference(
+    x: torch.Tensor, w1: ExpertWeights, w2: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
     """Plain-torch MoE FFN (the module docstring's formula and rounding points)."""
     w1d, w2d = _dense(w1, x.dtype), _dense(w2, x.dtype)
     m, top_k = topk_ids.shape
@@ -145,16 +158,44 @@ def reference(x: torch.Tensor, w1: ExpertWeights, w2: ExpertWeights,
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, offs_k, offs_n, mask_n, K, N_ROW,
-                 stride_we, stride_wn, stride_wk, dtype,
-                 QUANT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr):
+def _weight_tile(
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    expert,
+    k0,
+    offs_k,
+    offs_n,
+    mask_n,
+    K,
+    N_ROW,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    dtype,
+    QUANT: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    SYM_ZERO: tl.constexpr,
+):
     """Expert ``expert``'s weight rows k0 + offs_k x columns offs_n as ``[BLOCK_K, BLOCK_N]``."""
     e = expert.to(tl.int64)  # E * N * K can pass 2**31 elements
     if QUANT == 2:
         # int4 per expert: qweight [K // 8, N_ROW], scales/zeros [K // GROUP, N_ROW], contiguous.
         groups = K // GROUP
-        w = _dequant_tile(w_ptr + e * (K // 8) * N_ROW, s_ptr + e * groups * N_ROW, z_ptr + e * groups * N_ROW,
-                          k0, offs_k, offs_n, mask_n, N_ROW, GROUP, HAS_ZEROS, SYM_ZERO)
+        w = _dequant_tile(
+            w_ptr + e * (K // 8) * N_ROW,
+            s_ptr + e * groups * N_ROW,
+            z_ptr + e * groups * N_ROW,
+            k0,
+            offs_k,
+            offs_n,
+            mask_n,
+            N_ROW,
+            GROUP,
+            HAS_ZEROS,
+            SYM_ZERO,
+        )
     else:
         kk = k0 + offs_k
         ptrs = w_ptr + e * stride_we + kk[:, None] * stride_wk + offs_n[None, :] * stride_wn
@@ -164,12 +205,37 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, offs_k, offs_n, mask_n, K, N_R
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
-    num_pairs, N, K, N_ROW,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_om, stride_on,
-    A_ROW_DIV: tl.constexpr, SWIGLU: tl.constexpr, MUL_ROUTING: tl.constexpr,
-    QUANT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_IEEE: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_pairs,
+    N,
+    K,
+    N_ROW,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_om,
+    stride_on,
+    A_ROW_DIV: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    MUL_ROUTING: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    SYM_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N output tile of one expert's rows.
 
@@ -193,17 +259,56 @@ def _moe_gemm_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + kk[None, :] * stride_ak,
-                    mask=mask_m[:, None] & (kk < K)[None, :], other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, offs_k, offs_n, mask_n, K, N_ROW,
-                         stride_we, stride_wn, stride_wk, a.dtype, QUANT, GROUP, HAS_ZEROS, SYM_ZERO)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + kk[None, :] * stride_ak,
+            mask=mask_m[:, None] & (kk < K)[None, :],
+            other=0.0,
+        )
+        w = _weight_tile(
+            w_ptr,
+            s_ptr,
+            z_ptr,
+            expert,
+            k0,
+            offs_k,
+            offs_n,
+            mask_n,
+            K,
+            N_ROW,
+            stride_we,
+            stride_wn,
+            stride_wk,
+            a.dtype,
+            QUANT,
+            GROUP,
+            HAS_ZEROS,
+            SYM_ZERO,
+        )
         if FP32_IEEE:  # fp32 activations ask for fp32 accuracy, not TF32
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
         if SWIGLU:
-            w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, offs_k, offs_n + N, mask_n, K, N_ROW,
-                             stride_we, stride_wn, stride_wk, a.dtype, QUANT, GROUP, HAS_ZEROS, SYM_ZERO)
+            w = _weight_tile(
+                w_ptr,
+                s_ptr,
+                z_ptr,
+                expert,
+                k0,
+                offs_k,
+                offs_n + N,
+                mask_n,
+                K,
+                N_ROW,
+                stride_we,
+                stride_wn,
+                stride_wk,
+                a.dtype,
+                QUANT,
+                GROUP,
+                HAS_ZEROS,
+                SYM_ZERO,
+            )
             if FP32_IEEE:
                 acc_up = tl.dot(a, w, acc_up, input_precision="ieee")
             else:
@@ -230,9 +335,20 @@ def _shape(w: ExpertWeights) -> tuple[int, int, int]:
     return e, n, k
 
 
-def _launch(a: torch.Tensor, w: ExpertWeights, out: torch.Tensor, topk_weights: torch.Tensor,
-            align: MoEAlignment, n_out: int, *, a_row_div: int, swiglu: bool, mul_routing: bool,
-            block_n: int | None, block_k: int | None) -> None:
+def _launch(
+    a: torch.Tensor,
+    w: ExpertWeights,
+    out: torch.Tensor,
+    topk_weights: torch.Tensor,
+    align: MoEAlignment,
+    n_out: int,
+    *,
+    a_row_div: int,
+    swiglu: bool,
+    mul_routing: bool,
+    block_n: int | None,
+    block_k: int | None,
+) -> None:
     _, n_row, k = _shape(w)
     common = dict(GROUP=1, HAS_ZEROS=False, SYM_ZERO=SYMMETRIC_ZERO)
     if isinstance(w, Int4Experts):
@@ -254,13 +370,34 @@ def _launch(a: torch.Tensor, w: ExpertWeights, out: torch.Tensor, topk_weights: 
     bn = block_n or max(16, min(64, triton.next_power_of_2(n_out)))
     grid = (align.num_blocks, triton.cdiv(n_out, bn))
     _moe_gemm_kernel[grid](
-        a, ptr, scale, zeros, out, topk_weights, align.sorted_ids, align.expert_ids,
-        align.num_pairs, n_out, k, n_row,
-        a.stride(0), a.stride(1), *strides, scale.stride(0), out.stride(0), out.stride(1),
-        A_ROW_DIV=a_row_div, SWIGLU=swiglu, MUL_ROUTING=mul_routing, QUANT=quant,
-        BLOCK_M=align.block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_IEEE=a.dtype == torch.float32, **common,
+        a,
+        ptr,
+        scale,
+        zeros,
+        out,
+        topk_weights,
+        align.sorted_ids,
+        align.expert_ids,
+        align.num_pairs,
+        n_out,
+        k,
+        n_row,
+        a.stride(0),
+        a.stride(1),
+        *strides,
+        scale.stride(0),
+        out.stride(0),
+        out.stride(1),
+        A_ROW_DIV=a_row_div,
+        SWIGLU=swiglu,
+        MUL_ROUTING=mul_routing,
+        QUANT=quant,
+        BLOCK_M=align.block_m,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        FP32_IEEE=a.dtype == torch.float32,
+        **common,
     )
-
 
 
 def _block_m_for(num_pairs: int, num_experts: int) -> int:
@@ -269,9 +406,18 @@ def _block_m_for(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64  # tl.dot needs >= 16
 
 
-def fused_moe(x: torch.Tensor, w1: ExpertWeights, w2: ExpertWeights,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor | None = None, *,
-              block_m: int | None = None, block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor,
+    w1: ExpertWeights,
+    w2: ExpertWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+) -> torch.Tensor:
     """MoE FFN of ``x [M, K]`` (fp16/bf16/fp32) -> ``[M, K]`` in x's dtype.
 
     ``w1``: ``[E, 2I, K]`` (gate rows, then up), ``w2``: ``[E, K, I]``, each a dense tensor,
@@ -283,10 +429,11 @@ def fused_moe(x: torch.Tensor, w1: ExpertWeights, w2: ExpertWeights,
     e1, n1, k1 = _shape(w1)
     e2, n2, k2 = _shape(w2)
     m, k = x.shape
-    if k1 != k or n2 != k or e1 != e2 or n1 != 2 * k2 or topk_ids.shape != topk_weights.shape \
-            or topk_ids.shape[0] != m:
-        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w1 {(e1, n1, k1)}, w2 {(e2, n2, k2)}, "
-                         f"topk {tuple(topk_ids.shape)}/{tuple(topk_weights.shape)}")
+    if k1 != k or n2 != k or e1 != e2 or n1 != 2 * k2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != m:
+        raise ValueError(
+            f"shape mismatch: x {tuple(x.shape)}, w1 {(e1, n1, k1)}, w2 {(e2, n2, k2)}, "
+            f"topk {tuple(topk_ids.shape)}/{tuple(topk_weights.shape)}"
+        )
     if x.dtype not in (torch.float16, torch.float32, torch.bfloat16):
         raise TypeError(f"activations must be fp16/bf16/fp32, got {x.dtype}")
     if out is None:
@@ -300,10 +447,32 @@ def fused_moe(x: torch.Tensor, w1: ExpertWeights, w2: ExpertWeights,
     align = moe_align(topk_ids, e1, block_m or _block_m_for(m * top_k, e1))
     weights = topk_weights.contiguous()
     act = torch.empty((m * top_k, inter), dtype=x.dtype, device=x.device)
-    _launch(x, w1, act, weights, align, inter, a_row_div=top_k, swiglu=True, mul_routing=False,
-            block_n=block_n, block_k=block_k)
+    _launch(
+        x,
+        w1,
+        act,
+        weights,
+        align,
+        inter,
+        a_row_div=top_k,
+        swiglu=True,
+        mul_routing=False,
+        block_n=block_n,
+        block_k=block_k,
+    )
     pair_out = torch.empty((m, top_k, k), dtype=x.dtype, device=x.device)
-    _launch(act, w2, pair_out.view(m * top_k, k), weights, align, k, a_row_div=1, swiglu=False,
-            mul_routing=True, block_n=block_n, block_k=block_k)
+    _launch(
+        act,
+        w2,
+        pair_out.view(m * top_k, k),
+        weights,
+        align,
+        k,
+        a_row_div=1,
+        swiglu=False,
+        mul_routing=True,
+        block_n=block_n,
+        block_k=block_k,
+    )
     out.copy_(pair_out.sum(dim=1, dtype=torch.float32))
     return out

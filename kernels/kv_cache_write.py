@@ -7,6 +7,7 @@ a slot of -1 (padding) is skipped. One program writes one token, all heads.
 Quantized caches (int8 or fp8) carry a scale per token and KV head in `kv_scales`; the
 format is defined in kernels/kv_quant.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,13 +44,33 @@ def reference(
 
 @triton.jit
 def _write_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
-    k_scale_ptr, v_scale_ptr, stride_sb, stride_ss,
-    num_kv_heads, quant_max,
-    HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, ROUND: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_ss,
+    num_kv_heads,
+    quant_max,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -120,15 +141,33 @@ def write_kv_cache(
         assert kv_scales.shape == kv_cache.shape[:4] and kv_scales.dtype == torch.float32 and kv_scales.is_contiguous()
     scales = kv_scales if kv_scales is not None else torch.empty(2, 1, 1, 1, device=k.device)
     _write_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        scales[0], scales[1], scales.stride(1), scales.stride(2),
-        num_kv_heads, quantized_max(kv_cache.dtype) if quant else 1.0,
-        HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        QUANT=quant, ROUND=kv_cache.dtype == torch.int8,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        scales[0],
+        scales[1],
+        scales.stride(1),
+        scales.stride(2),
+        num_kv_heads,
+        quantized_max(kv_cache.dtype) if quant else 1.0,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        QUANT=quant,
+        ROUND=kv_cache.dtype == torch.int8,
     )
 
 

@@ -6,6 +6,7 @@ largest magnitude lands on the format's largest value, with the float32 scale ke
 back. A scale per row keeps every row's relative error the same whatever the magnitudes
 of other tokens. No triton here: the CPU backend uses this module directly.
 """
+
 from __future__ import annotations
 
 import torch

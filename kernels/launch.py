@@ -1,5 +1,6 @@
 """What the matmul kernels' entry points share: where Triton can run, [..., K] inputs, and
 how a GEMV splits K to fill the GPU."""
+
 from __future__ import annotations
 
 import functools
@@ -49,14 +50,20 @@ def split_k_to_fill(n_blocks: int, k_tiles: int, num_sms: int, programs_per_sm: 
     for ``programs_per_sm`` on every SM, a power of two dividing the K tiles so every
     slice is whole tiles, at least two of them."""
     split = 1
-    while (n_blocks * split < programs_per_sm * num_sms and k_tiles % (2 * split) == 0
-           and k_tiles // (2 * split) >= 2):
+    while n_blocks * split < programs_per_sm * num_sms and k_tiles % (2 * split) == 0 and k_tiles // (2 * split) >= 2:
         split *= 2
     return split
 
 
-def tiled_split_k(m: int, m_blocks: int, n_blocks: int, k_tiles: int, weight_bytes_per_column: int,
-                  out: torch.Tensor, requested: int | None) -> int:
+def tiled_split_k(
+    m: int,
+    m_blocks: int,
+    n_blocks: int,
+    k_tiles: int,
+    weight_bytes_per_column: int,
+    out: torch.Tensor,
+    requested: int | None,
+) -> int:
     """K slices for a tiled GEMM launch: ``requested``, or by default enough to fill the
     GPU (``split_k_to_fill``), fewer where the partials' traffic would pass
     ``SPLIT_TRAFFIC_SHARE`` of the weight bytes. Only a launch whose rows fit one M block
@@ -65,8 +72,10 @@ def tiled_split_k(m: int, m_blocks: int, n_blocks: int, k_tiles: int, weight_byt
     splittable = m_blocks == 1 and out.stride(1) == 1
     if requested is not None:
         if requested < 1 or (requested > 1 and not splittable):
-            raise ValueError(f"k_splits={requested}: a split needs one M block (got {m_blocks}) and an output "
-                             f"with unit column stride (got {out.stride(1)}); 1 turns it off")
+            raise ValueError(
+                f"k_splits={requested}: a split needs one M block (got {m_blocks}) and an output "
+                f"with unit column stride (got {out.stride(1)}); 1 turns it off"
+            )
         return requested
     if not splittable:
         return 1

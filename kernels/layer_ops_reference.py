@@ -5,6 +5,7 @@ They live apart from the kernels because they are also the CPU path, and a CPU i
 has no triton to import. Their rounding is transformers': every elementwise op rounds to
 the activation dtype, reductions run in float32.
 """
+
 from __future__ import annotations
 
 from typing import overload

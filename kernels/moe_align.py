@@ -17,6 +17,7 @@ would need ``.item()``, which stalls the GPU stream and breaks CUDA-graph captur
 that receive no tokens get no blocks, hence no work. Within an expert the order is the
 pair order (a stable sort), so results are deterministic.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

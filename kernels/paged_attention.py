@@ -16,6 +16,7 @@ each program is cut into `num_splits` pieces run by separate programs; each writ
 unnormalized partial output with its running max and sum, and `_merge_kernel` combines
 them with log-sum-exp weights.
 """
+
 from __future__ import annotations
 
 import torch
@@ -100,16 +101,49 @@ def choose_num_splits(
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    k_scale_ptr, v_scale_ptr, stride_sb, stride_ss,
-    qk_scale, window, num_seqs, num_splits, num_tokens, num_heads,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, QUANT_KV: tl.constexpr, KV_FP8_BITS: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_ss,
+    qk_scale,
+    window,
+    num_seqs,
+    num_splits,
+    num_tokens,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    QUANT_KV: tl.constexpr,
+    KV_FP8_BITS: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -144,7 +178,8 @@ def _attention_kernel(
     token = (q_start + q_tok).to(tl.int64)
     q = tl.load(
         q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=row_valid[:, None] & dim_valid[None, :], other=0.0,
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
     )
 
     # KV positions this tile can see, in whole TILE_N tiles, then this split's share.
@@ -207,15 +242,25 @@ def _attention_kernel(
         out = acc / tl.where(row_valid, l_i, 1.0)[:, None]  # padding rows have l = 0
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=store_mask,
+            out.to(out_ptr.dtype.element_ty),
+            mask=store_mask,
         )
 
 
 @triton.jit
 def _merge_kernel(
-    part_out_ptr, part_m_ptr, part_l_ptr, out_ptr,
-    num_splits, num_tokens, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    num_splits,
+    num_tokens,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     """One program per (token, head): weight each split by 2^(m_split - m_max)."""
     token = tl.program_id(0).to(tl.int64)
@@ -230,12 +275,14 @@ def _merge_kernel(
     dims = tl.arange(0, HEAD_PAD)
     part = tl.load(
         part_out_ptr + row[:, None] * HEAD_PAD + dims[None, :],
-        mask=split_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0,
+        mask=split_valid[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
     )
     out = tl.sum(part * weight[:, None], 0) / tl.sum(sums * weight, 0)
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + dims,
-        out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
     )
 
 
@@ -287,9 +334,7 @@ def paged_attention(
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         busy = min(num_q_programs, num_seqs * -(-max_query_len // block_q))
-        num_splits = choose_num_splits(
-            busy, num_kv_heads, max_seq_len, num_sms or gpu_sm_count(q.device)
-        )
+        num_splits = choose_num_splits(busy, num_kv_heads, max_seq_len, num_sms or gpu_sm_count(q.device))
     split = num_splits > 1
     if split:
         part_out = torch.empty(num_splits, num_tokens, num_heads, head_pad, dtype=torch.float32, device=q.device)
@@ -308,25 +353,67 @@ def paged_attention(
         assert kv_scales.shape == kv_cache.shape[:4] and kv_scales.dtype == torch.float32 and kv_scales.is_contiguous()
     scales = kv_scales if kv_scales is not None else seq_lens.new_empty(2, 1, 1, 1, dtype=torch.float32)
     _attention_kernel[(num_q_programs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_m, part_l,
-        block_tables, seq_lens, query_start_loc,
-        scales[0], scales[1], scales.stride(1), scales.stride(2),
-        scale * _LOG2E, window or 0, num_seqs, num_splits, num_tokens, num_heads,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size, TILE_N=tile_n, USE_WINDOW=window is not None, SPLIT=split,
-        PRECISION=precision, QUANT_KV=quant_kv, KV_FP8_BITS=fp8_bits,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_m,
+        part_l,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scales[0],
+        scales[1],
+        scales.stride(1),
+        scales.stride(2),
+        scale * _LOG2E,
+        window or 0,
+        num_seqs,
+        num_splits,
+        num_tokens,
+        num_heads,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size,
+        TILE_N=tile_n,
+        USE_WINDOW=window is not None,
+        SPLIT=split,
+        PRECISION=precision,
+        QUANT_KV=quant_kv,
+        KV_FP8_BITS=fp8_bits,
         # A 64-row prefill tile of 128-wide heads needs 255+ registers a thread at 4 warps
         # and spills (ptxas, sm_80/sm_90: tests/test_kernels_compile.py); 8 warps halve it.
         num_warps=8 if block_m * head_pad >= 64 * 128 else 4,
     )
     if split:
         _merge_kernel[(num_tokens, num_heads)](
-            part_out, part_m, part_l, out, num_splits, num_tokens, num_heads,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            part_out,
+            part_m,
+            part_l,
+            out,
+            num_splits,
+            num_tokens,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
         )
     return out
 

@@ -25,6 +25,7 @@ uint8 because they are 1/group of the weight and unpacking them in-kernel buys n
 Codes are always unsigned 0..15; symmetric quantization is "zero point 8", so one kernel
 path serves both.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -198,8 +199,10 @@ def from_gptq(
         group_size = k
     _check_g_idx(g_idx, k, group_size)
     if qzeros.shape != (k // group_size, n // 8) or scales.shape != (k // group_size, n):
-        raise ValueError(f"GPTQ shapes disagree: qweight {tuple(qweight.shape)}, qzeros "
-                         f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group {group_size}")
+        raise ValueError(
+            f"GPTQ shapes disagree: qweight {tuple(qweight.shape)}, qzeros "
+            f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group {group_size}"
+        )
     zeros = unpack_nibbles(qzeros, dim=1).to(torch.int16)
     if zero_minus_one:
         # v1 stores z - 1 in 4 bits, so a zero of 0 was written as 15. Wrapping it back
@@ -207,8 +210,7 @@ def from_gptq(
         # kernels and vLLM's read 16 instead, which is why `cadence quantize` never
         # writes a zero of 0 (gptq._group_grid).
         zeros = (zeros + 1) & 0xF
-    return Int4Weight(qweight.to(torch.int32).contiguous(), scales.contiguous(),
-                      _zeros_or_symmetric(zeros), group_size)
+    return Int4Weight(qweight.to(torch.int32).contiguous(), scales.contiguous(), _zeros_or_symmetric(zeros), group_size)
 
 
 def to_gptq(weight: Int4Weight, zero_minus_one: bool = True) -> dict[str, torch.Tensor]:
@@ -243,8 +245,10 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
     """
     k, n = qweight.shape[0], qweight.shape[1] * 8
     if k % group_size or qzeros.shape != (k // group_size, n // 8) or scales.shape != (k // group_size, n):
-        raise ValueError(f"AWQ shapes disagree: qweight {tuple(qweight.shape)}, qzeros "
-                         f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group {group_size}")
+        raise ValueError(
+            f"AWQ shapes disagree: qweight {tuple(qweight.shape)}, qzeros "
+            f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group {group_size}"
+        )
     codes = unpack_nibbles(qweight, dim=1, order=AWQ_ORDER)  # [K, N]
     zeros = unpack_nibbles(qzeros, dim=1, order=AWQ_ORDER)
     return Int4Weight(pack_nibbles(codes, dim=0), scales.contiguous(), _zeros_or_symmetric(zeros), group_size)

@@ -9,6 +9,7 @@ Rounding follows the torch code exactly (transformers' order): the residual sum 
 rounded to the activation dtype, normalized in float32, rounded, then multiplied by the
 weight and rounded again.
 """
+
 from __future__ import annotations
 
 from typing import overload
@@ -22,9 +23,19 @@ from cadence.kernels.layer_ops_reference import rms_norm as reference
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, dim, eps,
-    stride_x, stride_r, stride_o, stride_s,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    dim,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -51,12 +62,20 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-    *, out: torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What ``reference`` computes, for ``x [..., dim]`` (and ``residual`` of its shape)
     in the weight's dtype, as one launch. Other dtype mixes go to ``reference``.
@@ -75,9 +94,20 @@ def rms_norm(
     if rows.shape[0]:
         block = triton.next_power_of_2(dim)
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, res, weight, out, total, dim, eps,
-            rows.stride(0), res.stride(0), out.stride(0), total.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            rows,
+            res,
+            weight,
+            out,
+            total,
+            dim,
+            eps,
+            rows.stride(0),
+            res.stride(0),
+            out.stride(0),
+            total.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
         )
     normed = out.view(x.shape)
     return normed if residual is None else (normed, total.view(x.shape))

@@ -11,6 +11,7 @@ cos/sin are rounded to the activation dtype as in the torch code, but each rotat
 is computed in float32 and rounded once, where torch rounds every product and sum (the
 compiler would fuse them into multiply-adds anyway): within a unit in the last place.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,7 @@ from cadence.kernels.layer_ops_reference import rotary as reference
 
 
 @triton.jit
-def _rotate_heads(ptr, stride_t, stride_h, token, num_heads, cos, sin, half,
-                  HEADS: tl.constexpr, HALF: tl.constexpr):
+def _rotate_heads(ptr, stride_t, stride_h, token, num_heads, cos, sin, half, HEADS: tl.constexpr, HALF: tl.constexpr):
     heads = tl.arange(0, HEADS)
     dims = tl.arange(0, HALF)
     mask = (heads < num_heads)[:, None] & (dims < half)[None, :]
@@ -37,9 +37,22 @@ def _rotate_heads(ptr, stride_t, stride_h, token, num_heads, cos, sin, half,
 
 @triton.jit
 def _rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
-    num_heads, num_kv_heads, half, stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
-    Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_heads,
+    num_kv_heads,
+    half,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_table,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(pos_ptr + token).to(tl.int64)
@@ -64,10 +77,23 @@ def apply_rotary(
     if num_tokens:
         half = head_dim // 2
         _rotary_kernel[(num_tokens,)](
-            positions, q, k, cos, sin, num_heads, k.shape[1], half,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            Q_HEADS=triton.next_power_of_2(num_heads), K_HEADS=triton.next_power_of_2(k.shape[1]),
-            HALF=triton.next_power_of_2(half), num_warps=4,
+            positions,
+            q,
+            k,
+            cos,
+            sin,
+            num_heads,
+            k.shape[1],
+            half,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos.stride(0),
+            Q_HEADS=triton.next_power_of_2(num_heads),
+            K_HEADS=triton.next_power_of_2(k.shape[1]),
+            HALF=triton.next_power_of_2(half),
+            num_warps=4,
         )
     return q, k
 

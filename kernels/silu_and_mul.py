@@ -4,6 +4,7 @@ torch runs it as a silu, a multiply and (for the split halves) strided reads: tw
 and an intermediate tensor per layer. Rounding follows torch: silu is computed in float32
 and rounded to the activation dtype before the multiply, which rounds again.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,7 +37,13 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> t
     if rows.shape[0]:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-            rows, out, inter, rows.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+            rows,
+            out,
+            inter,
+            rows.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            num_warps=4,
         )
     return out.view(*gate_up.shape[:-1], inter)
 

@@ -8,6 +8,7 @@ the last one to arrive sums the partials in split order and writes the output. T
 live in one per-device buffer of counters that the last program re-arms to zero, so
 launches on one stream (the engine's) can share it, CUDA graphs included.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,8 +44,20 @@ def _last_to_arrive(counter_ptr, pid_n, num_splits):
 
 
 @triton.jit
-def finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N, num_splits,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def finish(
+    ws_ptr,
+    counter_ptr,
+    out_ptr,
+    stride_om,
+    pid_n,
+    offs_n,
+    mask_n,
+    M,
+    N,
+    num_splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """For the GEMVs (M <= BLOCK_M <= 4, any M): after storing its rows
     ``ws[pid_k, m, offs_n]``, the last program of column block ``pid_n`` writes
     ``out[m, offs_n]`` for the M rows, one row at a time."""
@@ -53,15 +66,32 @@ def finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N,
             if m < M:
                 total = tl.zeros([BLOCK_N], tl.float32)
                 for j in range(num_splits):
-                    total += tl.load(ws_ptr + (j * M + m) * N + offs_n, mask=mask_n, other=0.0,
-                                     cache_modifier=".cg")
+                    total += tl.load(ws_ptr + (j * M + m) * N + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
                 tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
         tl.atomic_xchg(counter_ptr + pid_n, 0)
 
 
 @triton.jit
-def store_tile(acc, ws_ptr, counter_ptr, out_ptr, stride_om, stride_on, pid_k, pid_n, offs_m, offs_n, mask_m, mask_n,
-               M, N, num_splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+def store_tile(
+    acc,
+    ws_ptr,
+    counter_ptr,
+    out_ptr,
+    stride_om,
+    stride_on,
+    pid_k,
+    pid_n,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    M,
+    N,
+    num_splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """The tiled GEMMs' epilogue: the fp32 ``[BLOCK_M, BLOCK_N]`` tile ``acc`` straight to
     ``out``, or, with SPLIT (one M block only), as K slice ``pid_k``'s partial. The last
     program of the column block then reads each split's whole tile at once, so its wait is
@@ -74,8 +104,9 @@ def store_tile(acc, ws_ptr, counter_ptr, out_ptr, stride_om, stride_on, pid_k, p
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for j in range(num_splits):
                 total += tl.load(ws_ptr + j * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
-                     mask=mask)
+            tl.store(
+                out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask
+            )
             tl.atomic_xchg(counter_ptr + pid_n, 0)
     else:
         out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on

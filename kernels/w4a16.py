@@ -15,6 +15,7 @@ along K):
 * from ``DEQUANT_MIN_M`` rows (prefill): the whole weight dequantized for the call and
   a dense torch.matmul (``dequant.py``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,19 @@ def reference(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N,
-                  GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr):
+def _dequant_tile(
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    k0,
+    offs_k,
+    offs_n,
+    mask_n,
+    N,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    SYM_ZERO: tl.constexpr,
+):
     """Dequantize rows ``k0 + offs_k`` x columns ``offs_n`` (fp32 [BLOCK_K, BLOCK_N]).
 
     qweight, scales and zeros are contiguous (row stride N), checked by the wrapper.
@@ -64,12 +76,30 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N,
 
 @triton.jit
 def _w4a16_gemm_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, counter_ptr,
-    M, N, K, k_per_split, num_splits,
-    stride_xm, stride_xk, stride_om, stride_on,
-    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32_IEEE: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    ws_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    num_splits,
+    stride_xm,
+    stride_xk,
+    stride_om,
+    stride_on,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    SYM_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Program (m, n, s) multiplies K slice s (whole BLOCK_K tiles) of a [BLOCK_M, BLOCK_N]
     output tile; with SPLIT (one M block only) the slices meet in ``split_k.store_tile``."""
@@ -85,16 +115,35 @@ def _w4a16_gemm_kernel(
     k_stop = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):  # K % BLOCK_K == 0: no K mask needed
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
-                    mask=mask_m[:, None], other=0.0)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0
+        )
         w = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N, GROUP, HAS_ZEROS, SYM_ZERO)
         w = w.to(x.dtype)
         if FP32_IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")  # not TF32 for fp32 inputs
         else:
             acc = tl.dot(x, w, acc)
-    split_k.store_tile(acc, ws_ptr, counter_ptr, out_ptr, stride_om, stride_on, pid_k, pid_n, offs_m, offs_n,
-                       mask_m, mask_n, M, N, num_splits, BLOCK_M, BLOCK_N, SPLIT)
+    split_k.store_tile(
+        acc,
+        ws_ptr,
+        counter_ptr,
+        out_ptr,
+        stride_om,
+        stride_on,
+        pid_k,
+        pid_n,
+        offs_m,
+        offs_n,
+        mask_m,
+        mask_n,
+        M,
+        N,
+        num_splits,
+        BLOCK_M,
+        BLOCK_N,
+        SPLIT,
+    )
 
 
 def _block_k_for(group_size: int, cap: int = 64) -> int:
@@ -103,7 +152,6 @@ def _block_k_for(group_size: int, cap: int = 64) -> int:
     while group_size % b:
         b //= 2
     return b
-
 
 
 def w4a16_matmul(
@@ -159,10 +207,27 @@ def w4a16_matmul(
         m_blocks, n_blocks = triton.cdiv(m, bm), triton.cdiv(n, bn)
         splits = tiled_split_k(m, m_blocks, n_blocks, k // bk, k // 2, out, k_splits)
         _w4a16_gemm_kernel[(m_blocks, n_blocks, splits)](
-            x2, qweight, scales, scales if zeros is None else zeros,  # scales: a dummy pointer, never read
-            out, split_k.workspace(splits, m, n, n_blocks, out),
-            split_k.counters(x2.device), m, n, k, triton.cdiv(k // bk, splits) * bk, splits,
-            x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_IEEE=x.dtype == torch.float32, SPLIT=splits > 1, **common,
+            x2,
+            qweight,
+            scales,
+            scales if zeros is None else zeros,  # scales: a dummy pointer, never read
+            out,
+            split_k.workspace(splits, m, n, n_blocks, out),
+            split_k.counters(x2.device),
+            m,
+            n,
+            k,
+            triton.cdiv(k // bk, splits) * bk,
+            splits,
+            x2.stride(0),
+            x2.stride(1),
+            out.stride(0),
+            out.stride(1),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            FP32_IEEE=x.dtype == torch.float32,
+            SPLIT=splits > 1,
+            **common,
         )
     return out.reshape(*lead, n)

@@ -22,6 +22,7 @@ keep HBM busy. What that took on an H100 (bench/RESULTS.md has the sweep):
 Zero points (uint8, or GGUF Q4_1's float ones) fold out of the inner loop:
 ``sum((c - z) x) = sum((c - 8) x) - (z - 8) sum(x)``.
 """
+
 from __future__ import annotations
 
 import os
@@ -72,11 +73,13 @@ def _pair(a, b, HIGH: tl.constexpr, ASM: tl.constexpr):
     """int32 holding (a.lo, b.lo) as fp16 halves, or (a.hi, b.hi) when HIGH."""
     if ASM:
         if HIGH:
-            r = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [a, b],
-                                          dtype=tl.int32, is_pure=True, pack=1)
+            r = tl.inline_asm_elementwise(
+                "prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1
+            )
         else:
-            r = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [a, b],
-                                          dtype=tl.int32, is_pure=True, pack=1)
+            r = tl.inline_asm_elementwise(
+                "prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1
+            )
     elif HIGH:
         r = ((a >> 16) & 0xFFFF) | ((b >> 16) << 16)
     else:
@@ -132,22 +135,28 @@ def _dot8_fp16(words, x0, x1, x2, x3, ASM: tl.constexpr):
             mul.f32 $0, flo, 0f41800000;
             }
             """,
-            "=f,r,r,r,r,r", [words, x0, x1, x2, x3], dtype=tl.float32, is_pure=True, pack=1)
+            "=f,r,r,r,r,r",
+            [words, x0, x1, x2, x3],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
     else:
-        r = ((((words >> 0) & 0xF) - 8).to(tl.float32) * _f16_lo(x0)
-             + (((words >> 4) & 0xF) - 8).to(tl.float32) * _f16_lo(x1)
-             + (((words >> 8) & 0xF) - 8).to(tl.float32) * _f16_lo(x2)
-             + (((words >> 12) & 0xF) - 8).to(tl.float32) * _f16_lo(x3)
-             + (((words >> 16) & 0xF) - 8).to(tl.float32) * _f16_hi(x0)
-             + (((words >> 20) & 0xF) - 8).to(tl.float32) * _f16_hi(x1)
-             + (((words >> 24) & 0xF) - 8).to(tl.float32) * _f16_hi(x2)
-             + (((words >> 28) & 0xF) - 8).to(tl.float32) * _f16_hi(x3))
+        r = (
+            (((words >> 0) & 0xF) - 8).to(tl.float32) * _f16_lo(x0)
+            + (((words >> 4) & 0xF) - 8).to(tl.float32) * _f16_lo(x1)
+            + (((words >> 8) & 0xF) - 8).to(tl.float32) * _f16_lo(x2)
+            + (((words >> 12) & 0xF) - 8).to(tl.float32) * _f16_lo(x3)
+            + (((words >> 16) & 0xF) - 8).to(tl.float32) * _f16_hi(x0)
+            + (((words >> 20) & 0xF) - 8).to(tl.float32) * _f16_hi(x1)
+            + (((words >> 24) & 0xF) - 8).to(tl.float32) * _f16_hi(x2)
+            + (((words >> 28) & 0xF) - 8).to(tl.float32) * _f16_hi(x3)
+        )
     return r
 
 
 @triton.jit
-def _row_partial(words, xp, scale, zero_m8, HAS_ZEROS: tl.constexpr, X_MODE: tl.constexpr,
-                 ASM: tl.constexpr):
+def _row_partial(words, xp, scale, zero_m8, HAS_ZEROS: tl.constexpr, X_MODE: tl.constexpr, ASM: tl.constexpr):
     """sum_s x_s * (code_s - zero) * scale per word, for one row of x ([NG, GW, BLOCK_N]).
 
     ``xp [NG, GW]`` points at the x of each word's nibble 0: as int32 fp16 pairs
@@ -166,8 +175,12 @@ def _row_partial(words, xp, scale, zero_m8, HAS_ZEROS: tl.constexpr, X_MODE: tl.
         x3 = _pair(a1, a3, True, ASM)
         p = _dot8_fp16(words, x0, x1, x2, x3, ASM)
         if HAS_ZEROS:
-            xsum = (_f16_lo(x0) + _f16_hi(x0)) + (_f16_lo(x1) + _f16_hi(x1)) \
-                + (_f16_lo(x2) + _f16_hi(x2)) + (_f16_lo(x3) + _f16_hi(x3))
+            xsum = (
+                (_f16_lo(x0) + _f16_hi(x0))
+                + (_f16_lo(x1) + _f16_hi(x1))
+                + (_f16_lo(x2) + _f16_hi(x2))
+                + (_f16_lo(x3) + _f16_hi(x3))
+            )
             p = p - zero_m8 * xsum
     else:
         # Nibbles j and j + 4 land in the two halves of one int32 as bf16 128 + code (the
@@ -214,8 +227,7 @@ def _load_scales(s_ptr, z_ptr, offs, mask, HAS_ZEROS: tl.constexpr):
 
 
 @triton.jit
-def _store_row(out_ptr, ws_ptr, row, acc, offs_n, mask_n, pid_k, N,
-               BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
+def _store_row(out_ptr, ws_ptr, row, acc, offs_n, mask_n, pid_k, N, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
     res = tl.sum(tl.sum(acc, axis=1), axis=0)
     if SPLIT:
         tl.store(ws_ptr + (pid_k * BLOCK_M + row) * N + offs_n, res, mask=mask_n)
@@ -225,11 +237,30 @@ def _store_row(out_ptr, ws_ptr, row, acc, offs_n, mask_n, pid_k, N,
 
 @triton.jit
 def _w4a16_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, counter_ptr,
-    N, k_per_split, num_splits, stride_xm, stride_om,
-    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, NUM_STAGES: tl.constexpr,
-    X_MODE: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    ws_ptr,
+    counter_ptr,
+    N,
+    k_per_split,
+    num_splits,
+    stride_xm,
+    stride_om,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NG: tl.constexpr,
+    GW: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    X_MODE: tl.constexpr,
+    ASM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     """Program (n, s): output columns [n BN, (n+1) BN) of every row over K slice s.
 
@@ -249,16 +280,18 @@ def _w4a16_gemv_kernel(
     k_lo = pid_k * k_per_split
     k_last = k_lo + k_per_split - BLOCK_K
     scale_mask = mask_n[None, :]
-    next_scale, next_zero = _load_scales(s_ptr, z_ptr, (k_lo // GROUP + groups)[:, None] * N + offs_n[None, :],
-                                         scale_mask, HAS_ZEROS)
+    next_scale, next_zero = _load_scales(
+        s_ptr, z_ptr, (k_lo // GROUP + groups)[:, None] * N + offs_n[None, :], scale_mask, HAS_ZEROS
+    )
     for k0 in tl.range(k_lo, k_lo + k_per_split, BLOCK_K, num_stages=NUM_STAGES):
         scale = tl.expand_dims(next_scale, 1)
         zero_m8 = tl.expand_dims(next_zero, 1)
         # The next tile's scales now, so their latency overlaps this tile's math (the last
         # iteration re-reads its own: clamped, harmless).
         k_next = tl.minimum(k0 + BLOCK_K, k_last)
-        next_scale, next_zero = _load_scales(s_ptr, z_ptr, (k_next // GROUP + groups)[:, None] * N + offs_n[None, :],
-                                             scale_mask, HAS_ZEROS)
+        next_scale, next_zero = _load_scales(
+            s_ptr, z_ptr, (k_next // GROUP + groups)[:, None] * N + offs_n[None, :], scale_mask, HAS_ZEROS
+        )
         word_ptrs = qw_ptr + (k0 // 8 + word_rows)[:, :, None] * N + offs_n[None, None, :]
         if EVEN_N:  # no mask: keeps the 16-byte vector loads
             words = tl.load(word_ptrs)
@@ -283,8 +316,9 @@ def _w4a16_gemv_kernel(
     if BLOCK_M > 3:
         _store_row(out_ptr + 3 * stride_om, ws_ptr, 3, acc3, offs_n, mask_n, pid_k, N, BLOCK_M, SPLIT)
     if SPLIT:
-        split_k.finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, BLOCK_M, N, num_splits,
-                       BLOCK_M, BLOCK_N)
+        split_k.finish(
+            ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, BLOCK_M, N, num_splits, BLOCK_M, BLOCK_N
+        )
 
 
 def tile_groups(block_k: int, group: int) -> tuple[int, int] | None:
@@ -324,9 +358,30 @@ def w4a16_gemv(x2: torch.Tensor, weight: Int4Weight, out: torch.Tensor, num_sms:
     has_zeros = weight.zeros is not None
     partials = split_k.workspace(splits, m, n, n_blocks, out)
     _w4a16_gemv_kernel[(n_blocks, splits)](
-        x_arg, weight.qweight, weight.scales, weight.zeros if has_zeros else weight.scales, out, partials,
-        split_k.counters(x2.device), n, k // splits, splits, x_arg.stride(0), out.stride(0),
-        GROUP=group, HAS_ZEROS=has_zeros, BLOCK_M=m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NG=ng, GW=gw,
-        NUM_STAGES=3, X_MODE=x_mode, ASM=_ASM, SPLIT=splits > 1, EVEN_N=n % BLOCK_N == 0,
-        num_warps=4, num_stages=3,
+        x_arg,
+        weight.qweight,
+        weight.scales,
+        weight.zeros if has_zeros else weight.scales,
+        out,
+        partials,
+        split_k.counters(x2.device),
+        n,
+        k // splits,
+        splits,
+        x_arg.stride(0),
+        out.stride(0),
+        GROUP=group,
+        HAS_ZEROS=has_zeros,
+        BLOCK_M=m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        NG=ng,
+        GW=gw,
+        NUM_STAGES=3,
+        X_MODE=x_mode,
+        ASM=_ASM,
+        SPLIT=splits > 1,
+        EVEN_N=n % BLOCK_N == 0,
+        num_warps=4,
+        num_stages=3,
     )

@@ -19,6 +19,7 @@ kernels:
 Both widen int8 to float exactly (|q| <= 127) and accumulate in fp32. The per-channel
 scale is constant along K, so it multiplies the accumulator once at the end.
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,13 +52,28 @@ def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> to
 
 @triton.jit
 def _w8a16_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, counter_ptr,
-    M, N, K, k_per_split, num_splits,
-    stride_xm, stride_xk,
-    stride_wn, stride_wk,
-    stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32_IEEE: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    ws_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    num_splits,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Program (m, n, s) multiplies K slice s of a [BLOCK_M, BLOCK_N] output tile; with
     SPLIT (one M block only) the slices meet in ``split_k.store_tile``."""
@@ -91,16 +107,49 @@ def _w8a16_kernel(
 
     scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     acc = acc * scale[None, :]
-    split_k.store_tile(acc, ws_ptr, counter_ptr, out_ptr, stride_om, stride_on, pid_k, pid_n, offs_m, offs_n,
-                       mask_m, mask_n, M, N, num_splits, BLOCK_M, BLOCK_N, SPLIT)
+    split_k.store_tile(
+        acc,
+        ws_ptr,
+        counter_ptr,
+        out_ptr,
+        stride_om,
+        stride_on,
+        pid_k,
+        pid_n,
+        offs_m,
+        offs_n,
+        mask_m,
+        mask_n,
+        M,
+        N,
+        num_splits,
+        BLOCK_M,
+        BLOCK_N,
+        SPLIT,
+    )
 
 
 @triton.jit
 def _w8a16_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, counter_ptr,
-    M, N, K, k_per_split, num_splits,
-    stride_xm, stride_xk, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    ws_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    num_splits,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Program (n, s) sums K slice s of BLOCK_N output channels for every row (M <= BLOCK_M)."""
     pid_n = tl.program_id(0)
@@ -117,18 +166,23 @@ def _w8a16_gemv_kernel(
         kk = k0 + offs_k
         mask_k = kk < k_stop
         # Row n's bytes are contiguous along K: wide, coalesced loads.
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0).to(tl.float32)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0
+        ).to(tl.float32)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        ).to(tl.float32)
         acc += x[:, None, :] * w[None, :, :]
     scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     result = tl.sum(acc, axis=2) * scale[None, :]
     out_mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:
         tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], result, mask=out_mask)
-        split_k.finish(ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N, num_splits,
-                       BLOCK_M, BLOCK_N)
+        split_k.finish(
+            ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N, num_splits, BLOCK_M, BLOCK_N
+        )
     else:
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -160,7 +214,9 @@ def w8a16_matmul(
     """
     n, k = qweight.shape
     if x.shape[-1] != k or scale.shape != (n,):
-        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scale {tuple(scale.shape)}")
+        raise ValueError(
+            f"shape mismatch: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scale {tuple(scale.shape)}"
+        )
     check_activations(x)
     x2, out, lead = as_rows(x, n, out)
     m = x2.shape[0]
@@ -180,19 +236,35 @@ def w8a16_matmul(
     m_blocks, n_blocks, k_tiles = triton.cdiv(m, bm), triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     splits = tiled_split_k(m, m_blocks, n_blocks, k_tiles, k, out, k_splits)
     _w8a16_kernel[(m_blocks, n_blocks, splits)](
-        x2, qweight, scale, out, split_k.workspace(splits, m, n, n_blocks, out), split_k.counters(x2.device),
-        m, n, k, triton.cdiv(k_tiles, splits) * block_k, splits,
-        x2.stride(0), x2.stride(1),
-        qweight.stride(0), qweight.stride(1),
-        out.stride(0), out.stride(1),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-        FP32_IEEE=x.dtype == torch.float32, SPLIT=splits > 1,
+        x2,
+        qweight,
+        scale,
+        out,
+        split_k.workspace(splits, m, n, n_blocks, out),
+        split_k.counters(x2.device),
+        m,
+        n,
+        k,
+        triton.cdiv(k_tiles, splits) * block_k,
+        splits,
+        x2.stride(0),
+        x2.stride(1),
+        qweight.stride(0),
+        qweight.stride(1),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=bm,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        FP32_IEEE=x.dtype == torch.float32,
+        SPLIT=splits > 1,
     )
     return out.reshape(*lead, n)
 
 
-def _gemv(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-          block_n: int, block_k: int) -> None:
+def _gemv(
+    x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int
+) -> None:
     m, k = x2.shape
     n = qweight.shape[0]
     block_k = min(block_k, triton.next_power_of_2(k))
@@ -202,8 +274,23 @@ def _gemv(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out: tor
     k_per_split = triton.cdiv(k_tiles, splits) * block_k
     assert out.stride(1) == 1
     _w8a16_gemv_kernel[(n_blocks, splits)](
-        x2, qweight, scale, out, split_k.workspace(splits, m, n, n_blocks, out), split_k.counters(x2.device),
-        m, n, k, k_per_split, splits,
-        x2.stride(0), x2.stride(1), qweight.stride(0), out.stride(0),
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1,
+        x2,
+        qweight,
+        scale,
+        out,
+        split_k.workspace(splits, m, n, n_blocks, out),
+        split_k.counters(x2.device),
+        m,
+        n,
+        k,
+        k_per_split,
+        splits,
+        x2.stride(0),
+        x2.stride(1),
+        qweight.stride(0),
+        out.stride(0),
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT=splits > 1,
     )

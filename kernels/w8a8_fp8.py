@@ -21,6 +21,7 @@
 * :func:`reference` on CPU tensors outside the interpreter (Triton cannot run there;
   ``Fp8Linear`` has its own CPU path and never comes here).
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,13 +50,24 @@ def reference(
 
 @triton.jit
 def _w8a8_fp8_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_xk,
-    stride_wn, stride_wk,
-    stride_om, stride_on,
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
     DECODE_UNDO: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -100,8 +112,12 @@ def _scaled_mm_rowwise(
 ) -> torch.Tensor:
     """``torch._scaled_mm`` with row-wise scales; bf16 out (see the module docstring)."""
     return torch._scaled_mm(
-        xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :],
-        out_dtype=torch.bfloat16, use_fast_accum=False,  # fp32 accumulation throughout
+        xq,
+        wq.t(),
+        scale_a=x_scale[:, None],
+        scale_b=w_scale[None, :],
+        out_dtype=torch.bfloat16,
+        use_fast_accum=False,  # fp32 accumulation throughout
     )
 
 
@@ -147,12 +163,23 @@ def fp8_matmul(
     bm = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, block_n))
     _w8a8_fp8_kernel[grid](
-        x_bits, x_scale, w_bits, w_scale, out,
-        m, n, k,
-        x_bits.stride(0), x_bits.stride(1),
-        w_bits.stride(0), w_bits.stride(1),
-        out.stride(0), out.stride(1),
+        x_bits,
+        x_scale,
+        w_bits,
+        w_scale,
+        out,
+        m,
+        n,
+        k,
+        x_bits.stride(0),
+        x_bits.stride(1),
+        w_bits.stride(0),
+        w_bits.stride(1),
+        out.stride(0),
+        out.stride(1),
         DECODE_UNDO=_DECODE_UNDO,
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=bm,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
     return out.reshape(*lead, n)

@@ -1,4 +1,5 @@
 """Ref-counted KV blocks, a free queue in eviction order, and the prefix-cache map."""
+
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,5 @@
 """Block tables for requests: slot allocation, prefix caching, forking and copy-on-write."""
+
 from __future__ import annotations
 
 from cadence.scheduler.block_pool import BlockKey, BlockPool
@@ -142,9 +143,7 @@ class KVCacheManager:
         """Assert refcounts, the free queue and every block table agree."""
         expected: dict[int, int] = {}
         for request in requests:
-            assert len(set(request.block_ids)) == len(request.block_ids), (
-                f"{request.request_id} holds a block twice"
-            )
+            assert len(set(request.block_ids)) == len(request.block_ids), f"{request.request_id} holds a block twice"
             assert len(request.block_ids) * self.block_size >= request.num_computed_tokens, (
                 f"{request.request_id}: {request.num_computed_tokens} computed tokens "
                 f"in {len(request.block_ids)} blocks"

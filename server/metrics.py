@@ -3,6 +3,7 @@
 Values are read from the engine client when Prometheus scrapes, so serving code never
 touches a metrics object on its hot path.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -36,14 +37,22 @@ class EngineCollector(Collector):
         counters = self.client.counters
         yield self._gauge("cadence:num_requests_running", "Sequences in the engine's running batch.", stats.num_running)
         yield self._gauge("cadence:num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting)
-        yield self._gauge("cadence:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", stats.kv_cache_usage)
-        yield self._gauge("cadence:engine_healthy", "1 while the engine process serves, else 0.", float(self.client.is_healthy))
-        yield self._counter("cadence:num_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions)
+        yield self._gauge(
+            "cadence:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", stats.kv_cache_usage
+        )
+        yield self._gauge(
+            "cadence:engine_healthy", "1 while the engine process serves, else 0.", float(self.client.is_healthy)
+        )
+        yield self._counter(
+            "cadence:num_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions
+        )
         yield self._counter("cadence:engine_steps", "Engine steps (one forward pass each) run.", stats.num_steps)
         yield self._counter("cadence:prompt_tokens", "Prompt tokens of admitted requests.", counters.prompt_tokens)
         yield self._counter("cadence:generation_tokens", "Tokens generated.", counters.generation_tokens)
         success = CounterMetricFamily(
-            "cadence:request_success", "Sequences that ended, by finish reason (abort included).", labels=["model_name", "finished_reason"]
+            "cadence:request_success",
+            "Sequences that ended, by finish reason (abort included).",
+            labels=["model_name", "finished_reason"],
         )
         for reason, count in sorted(counters.finished.items()):
             success.add_metric([self.model_name, reason], count)

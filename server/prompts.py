@@ -3,6 +3,7 @@
 Everything here raises `APIError` (400) for input the engine could not serve, so a bad
 request is refused before it reaches the engine and nothing is queued for it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

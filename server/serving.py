@@ -5,6 +5,7 @@ per engine step in which any of them changed. Whether the answer is streamed or 
 group ends by aborting whatever did not finish, so a disconnect, a cancelled task or an
 error frees the engine's KV blocks.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,5 @@
 """POST /v1/chat/completions: messages through the chat template, n, logprobs, streaming."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,5 @@
 """POST /v1/completions: prompts as text or token ids, echo, logprobs, n, streaming."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -64,7 +65,9 @@ class CompletionHandler:
             }
         )
 
-    def _choices(self, body: CompletionRequest, prompt_index: int, prompt: Prompt, output: RequestOutput) -> list[dict[str, Any]]:
+    def _choices(
+        self, body: CompletionRequest, prompt_index: int, prompt: Prompt, output: RequestOutput
+    ) -> list[dict[str, Any]]:
         choices = []
         for completion in output.outputs:
             text = completion.text
@@ -93,7 +96,9 @@ class CompletionHandler:
 class _CompletionStream:
     """Builds the SSE frames of one streamed completions call."""
 
-    def __init__(self, handler: CompletionHandler, body: CompletionRequest, group: RequestGroup, prompts: list[Prompt]) -> None:
+    def __init__(
+        self, handler: CompletionHandler, body: CompletionRequest, group: RequestGroup, prompts: list[Prompt]
+    ) -> None:
         self.handler = handler
         self.body = body
         self.group = group

@@ -1,5 +1,6 @@
 """Shared fixtures (tiny random checkpoints saved once per test session) and the `gpu`
 marker's skip on machines without CUDA. Shared helpers live in helpers.py."""
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
-from tiny_tokenizer import save_tiny_tokenizer  # noqa: E402
+import pytest
+
+from tiny_models import make_tiny_model
+from tiny_tokenizer import save_tiny_tokenizer
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

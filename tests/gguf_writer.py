@@ -3,6 +3,7 @@
 Q and K rows are permuted into llama.cpp's RoPE layout and the tokenizer goes into the
 metadata, so converting the file back must give the original transformers weights.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,17 +32,29 @@ def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def gguf_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The model's weights under GGUF names, Q and K permuted as llama.cpp does."""
     config = model.config
-    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+    parts = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            out[{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}[name]] = value
+            out[
+                {
+                    "model.embed_tokens.weight": "token_embd.weight",
+                    "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight",
+                }[name]
+            ] = value
             continue
         _, _, layer, rest = name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
@@ -78,8 +91,12 @@ def mixed_q8_0(name: str) -> gguf.GGMLQuantizationType:
     return gguf.GGMLQuantizationType.F32
 
 
-def write_tiny_gguf(model: PreTrainedModel, tokenizer_dir: str, path: str,
-                    matrix_type: Callable[[str], gguf.GGMLQuantizationType] = mixed_q8_0) -> None:
+def write_tiny_gguf(
+    model: PreTrainedModel,
+    tokenizer_dir: str,
+    path: str,
+    matrix_type: Callable[[str], gguf.GGMLQuantizationType] = mixed_q8_0,
+) -> None:
     """The model as llama.cpp would write it; ``matrix_type`` picks each 2-D tensor's type."""
     config = model.config
     writer = gguf.GGUFWriter(path, "llama")
@@ -117,8 +134,12 @@ def write_tiny_gguf(model: PreTrainedModel, tokenizer_dir: str, path: str,
     writer.close()
 
 
-def write_tiny_gguf_in(root: Path, model: PreTrainedModel, filename: str,
-                       matrix_type: Callable[[str], gguf.GGMLQuantizationType] = mixed_q8_0) -> str:
+def write_tiny_gguf_in(
+    root: Path,
+    model: PreTrainedModel,
+    filename: str,
+    matrix_type: Callable[[str], gguf.GGMLQuantizationType] = mixed_q8_0,
+) -> str:
     """The tiny tokenizer saved to ``root / "tokenizer"`` and the model written with it to
     ``root / filename``, as the GGUF tests each need; returns the file's path."""
     save_tiny_tokenizer(root / "tokenizer")

@@ -4,6 +4,7 @@ reference, and the default model.
 
 Test modules import it as `helpers`: pytest puts tests/ on sys.path for them.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -7,6 +7,7 @@ rounded to nearest even once per instruction (computed in float64, exact for the
 products and sums these kernels form), fp32 ops in float32. An instruction it does not
 know raises, so a kernel edit that needs a new one cannot pass unnoticed.
 """
+
 from __future__ import annotations
 
 import inspect

@@ -1,5 +1,6 @@
 """Shared by tests/test_quantization.py and bench/quant.py: a fixed English text and
 perplexity / greedy-agreement measurements through the engine's own API."""
+
 from __future__ import annotations
 
 import math

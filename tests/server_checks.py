@@ -1,4 +1,5 @@
 """Shared checks for the server's error and load tests: OpenAI error bodies, idleness."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -6,6 +7,7 @@ from typing import Any
 
 import httpx
 from openai.types.chat import ChatCompletionMessageParam
+
 from server_harness import ServerProcess
 
 MODEL = "tiny"

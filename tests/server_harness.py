@@ -1,4 +1,5 @@
 """Start `cadence serve` as a real subprocess on a free port, and stop it for sure."""
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ through msgpack, as to another process). The real scheduler under random traffic
 its steps split between eager tables and the decode graphs' static rows, checks every
 table, slot and input token against the requests themselves.
 """
+
 from __future__ import annotations
 
 import random
@@ -30,30 +31,36 @@ def new_request(request_id: str, tokens: list[int], blocks: list[int], computed:
     return NewRequestData(request_id, tokens, len(tokens), None, [0], blocks, computed)
 
 
-def delta(request_id: str, tokens: list[int], blocks: list[int], computed: int,
-          replaced: list[tuple[int, int]] | None = None) -> CachedRequestData:
+def delta(
+    request_id: str, tokens: list[int], blocks: list[int], computed: int, replaced: list[tuple[int, int]] | None = None
+) -> CachedRequestData:
     return CachedRequestData(request_id, tokens, blocks, replaced or [], computed)
 
 
 def test_rows_follow_appends_swaps_and_reuse() -> None:
     batch = InputBatch(max_num_seqs=2, max_model_len=32, block_size=BLOCK_SIZE)
-    batch.apply(SchedulerOutput(new_requests=[new_request("a", list(range(1, 11)), [5, 6, 7])],
-                                num_scheduled_tokens={"a": 10}))
+    batch.apply(
+        SchedulerOutput(new_requests=[new_request("a", list(range(1, 11)), [5, 6, 7])], num_scheduled_tokens={"a": 10})
+    )
     step = batch.prepare({"a": 10})
     assert batch.step_block_table(step).tolist() == [[5, 6, 7]]
     assert step.input_ids.tolist() == list(range(1, 11)) and step.positions.tolist() == list(range(10))
     assert step.slot_mapping.tolist() == [5 * 4, 21, 22, 23, 24, 25, 26, 27, 28, 29]
     # A forked sibling shares block 7; the parent's copy-on-write swaps it for 9 in place.
-    batch.apply(SchedulerOutput(cached_requests=[delta("a", [50], [], 10, [(2, 9)])],
-                                num_scheduled_tokens={"a": 1}))
+    batch.apply(SchedulerOutput(cached_requests=[delta("a", [50], [], 10, [(2, 9)])], num_scheduled_tokens={"a": 1}))
     step = batch.prepare({"a": 1})
     assert batch.step_block_table(step).tolist() == [[5, 6, 9]]
     assert step.input_ids.tolist() == [50] and step.slot_mapping.tolist() == [9 * 4 + 2]
     # "b" takes the other row; when "a" goes, its row is cleared before "c" reuses it.
     batch.apply(SchedulerOutput(new_requests=[new_request("b", [3], [1])], num_scheduled_tokens={"b": 1}))
-    batch.apply(SchedulerOutput(new_requests=[new_request("c", [4, 4], [2])],
-                                cached_requests=[delta("b", [8], [], 1)],
-                                num_scheduled_tokens={"c": 2, "b": 1}, finished_request_ids=["a"]))
+    batch.apply(
+        SchedulerOutput(
+            new_requests=[new_request("c", [4, 4], [2])],
+            cached_requests=[delta("b", [8], [], 1)],
+            num_scheduled_tokens={"c": 2, "b": 1},
+            finished_request_ids=["a"],
+        )
+    )
     step = batch.prepare({"c": 2, "b": 1})
     assert [s.request_id for s in step.requests] == ["b", "c"]  # the decode first
     assert batch.step_block_table(step).tolist() == [[1], [2]]
@@ -86,14 +93,20 @@ class _Walk:
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
-        config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=self.rng.choice([3, 8, 20]),
-                                 max_model_len=160)
+        config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=self.rng.choice([3, 8, 20]), max_model_len=160)
         self.scheduler = Scheduler(config, CacheConfig(num_blocks=60, block_size=BLOCK_SIZE))
         self.prefixes = [[self.rng.randrange(1, 50) for _ in range(self.rng.randrange(1, 30))] for _ in range(3)]
         self.batch = InputBatch(max_num_seqs=6, max_model_len=160, block_size=BLOCK_SIZE)
-        self.graphs = DecodeGraphs(nn.Identity(), _GraphHooks(AttentionSpec(2, 1, 8, 0.5), BLOCK_SIZE), [],
-                                   max_batch=8, max_model_len=160, block_size=BLOCK_SIZE,
-                                   device=torch.device("cpu"), use_graphs=False)
+        self.graphs = DecodeGraphs(
+            nn.Identity(),
+            _GraphHooks(AttentionSpec(2, 1, 8, 0.5), BLOCK_SIZE),
+            [],
+            max_batch=8,
+            max_model_len=160,
+            block_size=BLOCK_SIZE,
+            device=torch.device("cpu"),
+            use_graphs=False,
+        )
         self.graphs.host_tables.fill(-1)  # nothing a step needs may be left from here
         self.arrivals = 0
         self.steps = {"eager": 0, "graph": 0}
@@ -101,8 +114,11 @@ class _Walk:
     def _add(self, request_id: str, prompt: list[int], parent: str | None) -> None:
         self.arrivals += 1
         stop = StopConditions(max_tokens=self.rng.randrange(1, 60), stop_token_ids=frozenset({0}))
-        self.scheduler.add_request(Request(request_id, list(prompt), stop, self.arrivals,
-                                           priority=self.rng.randrange(2), fork_parent_id=parent))
+        self.scheduler.add_request(
+            Request(
+                request_id, list(prompt), stop, self.arrivals, priority=self.rng.randrange(2), fork_parent_id=parent
+            )
+        )
 
     def _arrive(self) -> None:
         rng, requests = self.rng, self.scheduler.requests
@@ -159,9 +175,12 @@ class _Walk:
                 for i, held in enumerate(held_lists):
                     assert table[i, : len(held)].tolist() == held and not table[i, len(held) :].any()
                 self.steps["eager"] += 1
-        sampled = {rid: rng.randrange(50) for rid in output.num_scheduled_tokens
-                   if scheduler.requests[rid].num_computed_tokens + output.num_scheduled_tokens[rid]
-                   == scheduler.requests[rid].num_tokens}
+        sampled = {
+            rid: rng.randrange(50)
+            for rid in output.num_scheduled_tokens
+            if scheduler.requests[rid].num_computed_tokens + output.num_scheduled_tokens[rid]
+            == scheduler.requests[rid].num_tokens
+        }
         scheduler.update(output, sampled)
 
 

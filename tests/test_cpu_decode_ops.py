@@ -6,6 +6,7 @@ engine/models/rotary.py) against the per-half formula they replaced. Decode atte
 a mask, and that changes no output; groups that need a mask keep it; each KV head's query
 heads go in as its query rows, checked head by head against fp64.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,9 +30,7 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _per_half_rotary(
-    positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
+def _per_half_rotary(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The formula the rotation had before: each half's products and sum rounded to x's dtype."""
     c = cos[positions].unsqueeze(1).to(x.dtype)
     s = sin[positions].unsqueeze(1).to(x.dtype)
@@ -166,8 +165,9 @@ def test_cpu_attention_skips_the_cuda_backend_context(monkeypatch: pytest.Monkey
     assert backend.forward(query, key, value, cache, metadata).shape == query.shape
 
 
-def _decode_by_heads(cache: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     context_lens: list[int]) -> torch.Tensor:
+def _decode_by_heads(
+    cache: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context_lens: list[int]
+) -> torch.Tensor:
     """Each row, each query head on its own against its KV head (h // group), in fp64."""
     cache = cache.clone()
     batch = _decode_batch(context_lens)
@@ -175,8 +175,9 @@ def _decode_by_heads(cache: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     flat[0, batch.slot_mapping], flat[1, batch.slot_mapping] = key, value
     out = torch.empty(query.shape, dtype=torch.float64)
     for row, n in enumerate(context_lens):
-        slots = (batch.block_tables[row, torch.arange(n + 1) // BLOCK_SIZE] * BLOCK_SIZE
-                 + torch.arange(n + 1) % BLOCK_SIZE)
+        slots = (
+            batch.block_tables[row, torch.arange(n + 1) // BLOCK_SIZE] * BLOCK_SIZE + torch.arange(n + 1) % BLOCK_SIZE
+        )
         for head in range(HEADS):
             k = flat[0, slots, head // (HEADS // KV_HEADS)].double()
             v = flat[1, slots, head // (HEADS // KV_HEADS)].double()

@@ -1,4 +1,5 @@
 """A CPU install has no triton: serving, quantized or not, must never import it."""
+
 from __future__ import annotations
 
 import subprocess

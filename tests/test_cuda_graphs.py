@@ -5,6 +5,7 @@ the very buffers a replay would read: padded batch sizes, the KV slot -1 of padd
 one upload per step and a fixed split count. The Triton attention kernel runs in the
 interpreter. On a GPU the same checks run with real graph capture and replay.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,12 +13,12 @@ import shutil
 
 import pytest
 import torch
-from helpers import hf_greedy
 
 from cadence import LLM, SamplingParams
 from cadence.engine.attention.backend import AttentionSpec
 from cadence.engine.attention.triton_backend import TritonAttentionBackend, split_ladder
 from cadence.engine.cuda_graphs import CAPTURE_BATCH_SIZES, DecodeGraphs
+from helpers import hf_greedy
 
 # Three sequences pad to a batch of 4; the lengths differ so the rows' contexts differ.
 PROMPTS = [[5, 9, 13], [20 + i for i in range(9)], [7, 7, 7, 7, 8]]
@@ -44,13 +45,26 @@ def count_runs(graphs: DecodeGraphs) -> list[int]:
 def test_padded_static_inputs_give_the_eager_tokens(tiny_model_dir) -> None:
     path = tiny_model_dir("llama")
     expected = hf_greedy(path, PROMPTS, MAX_TOKENS)
-    llm = LLM(path, dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks=64, attention_backend="triton",
-              enforce_eager=True)
+    llm = LLM(
+        path,
+        dtype="float32",
+        block_size=4,
+        max_model_len=64,
+        num_gpu_blocks=64,
+        attention_backend="triton",
+        enforce_eager=True,
+    )
     runner = llm.engine.runner
     assert runner.decode_graphs is None
     runner.decode_graphs = DecodeGraphs(
-        runner.model, runner.backend, runner.kv_caches, max_batch=4, max_model_len=64, block_size=4,
-        device=runner.device, use_graphs=False,
+        runner.model,
+        runner.backend,
+        runner.kv_caches,
+        max_batch=4,
+        max_model_len=64,
+        block_size=4,
+        device=runner.device,
+        use_graphs=False,
     )
     sizes = count_runs(runner.decode_graphs)
     # Block 0, the first one handed out, holds the first prompt's position 0: a padding
@@ -88,7 +102,9 @@ def test_replayed_graphs_match_eager_on_gpu(tiny_model_dir, tmp_path, kv_cache_d
     shutil.copytree(tiny_model_dir("llama"), path)
     config = json.loads((tmp_path / "llama" / "config.json").read_text())
     (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-    options = dict(dtype="float32", block_size=16, max_model_len=2048, num_gpu_blocks=512, kv_cache_dtype=kv_cache_dtype)
+    options = dict(
+        dtype="float32", block_size=16, max_model_len=2048, num_gpu_blocks=512, kv_cache_dtype=kv_cache_dtype
+    )
     # A long prompt makes the one-sequence step choose split-KV (2048 // 256 splits).
     prompts = PROMPTS + [[(11 * i) % 300 + 3 for i in range(1500)]]
     eager = LLM(path, enforce_eager=True, **options)
@@ -135,13 +151,24 @@ def test_quantized_model_replays_match_eager_on_gpu(tmp_path, quantization: str)
 
 def write_wide_llama(path) -> str:
     """A seeded random Llama with hidden 128 and intermediate 256, plus the tiny tokenizer."""
-    from tiny_tokenizer import save_tiny_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tiny_tokenizer import save_tiny_tokenizer
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.3, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     LlamaForCausalLM(config).save_pretrained(str(path), safe_serialization=True)
     save_tiny_tokenizer(str(path))
     return str(path)

@@ -1,14 +1,15 @@
 """`cadence serve` with no arguments: the real SmolLM2-135M-Instruct, as a user starts it."""
+
 from __future__ import annotations
 
 import openai
 import pytest
-from helpers import needs_smollm2
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
-from server_harness import ServerProcess
 
 from cadence import LLM, SamplingParams
 from cadence.engine.quantization.lm_head import Int8HeadMethod
+from helpers import needs_smollm2
+from server_harness import ServerProcess
 
 pytestmark = [needs_smollm2, pytest.mark.slow]
 
@@ -46,7 +47,9 @@ def test_default_model_streams_the_same_answer(server) -> None:
     # default model (served in its Q4_1 blocks) gave a different 40-token answer here.
     # Streaming is compared under the same cache state.
     client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=40, temperature=0)
-    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=40, temperature=0)
+    whole = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=40, temperature=0
+    )
     pieces = [
         chunk.choices[0].delta.content or ""
         for chunk in client.chat.completions.create(

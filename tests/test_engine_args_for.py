@@ -1,5 +1,6 @@
 """`engine_args_for`, the one front door: `cadence serve [MODEL]` and `LLM(model)` resolve the
 model and options through it, so a .gguf file gives the same greedy tokens either way."""
+
 from __future__ import annotations
 
 import os
@@ -7,15 +8,15 @@ import os
 import httpx
 import openai
 import pytest
-from gguf_writer import write_tiny_gguf_in
-from server_harness import ServerProcess
-from tiny_models import build_tiny_model
 
 from cadence import LLM, SamplingParams
 from cadence.engine import default_model
 from cadence.engine.engine_args import EngineArgs, engine_args_for
 from cadence.engine.quantization.linear import Int8Method
 from cadence.server.cli import build_parser, engine_args_from
+from gguf_writer import write_tiny_gguf_in
+from server_harness import ServerProcess
+from tiny_models import build_tiny_model
 
 TEXTS = ["The quick brown fox", "Paris is the capital of"]
 SHARED_FLAGS = {"dtype": "float32", "max_model_len": 64, "num_gpu_blocks": 64}
@@ -75,10 +76,14 @@ def test_default_quantization_follows_the_model(tiny_model_dir, tiny_gguf, cache
     ("flags", "options"),
     [
         ([], {}),
-        (["--dtype", "float32", "--max-num-seqs", "4", "--kv-cache-memory", "1MiB"],
-         {"dtype": "float32", "max_num_seqs": 4, "kv_cache_memory": 1 << 20}),
-        (["--no-enable-prefix-caching", "--enforce-eager", "--quantization", "none", "--no-quantize-lm-head"],
-         {"enable_prefix_caching": False, "enforce_eager": True, "quantization": "none", "quantize_lm_head": False}),
+        (
+            ["--dtype", "float32", "--max-num-seqs", "4", "--kv-cache-memory", "1MiB"],
+            {"dtype": "float32", "max_num_seqs": 4, "kv_cache_memory": 1 << 20},
+        ),
+        (
+            ["--no-enable-prefix-caching", "--enforce-eager", "--quantization", "none", "--no-quantize-lm-head"],
+            {"enable_prefix_caching": False, "enforce_eager": True, "quantization": "none", "quantize_lm_head": False},
+        ),
     ],
 )
 def test_serve_flags_and_llm_options_give_the_same_engine_args(tiny_model_dir, flags, options) -> None:

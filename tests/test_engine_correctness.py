@@ -4,17 +4,18 @@ Greedy tokens must match exactly, whatever the batching: continuous arrival, chu
 prefill, prefix-cache hits, preemption and n>1 forking are all scheduling choices that
 must not change a single token. Logprobs must match HF's log_softmax in fp32.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import greedy, hf_greedy, make_llm
 from transformers import AutoModelForCausalLM
 
-from cadence import LLM, SamplingParams
+from cadence import SamplingParams
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.engine_core import EngineCore
 from cadence.engine.protocol import EngineCoreRequest
+from helpers import greedy, hf_greedy, make_llm
 
 KINDS = ["llama", "qwen2", "qwen3", "mistral"]  # mistral: sliding window of 8
 MAX_TOKENS = 12
@@ -126,7 +127,9 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(tiny_model_dir) -> N
     noise = SamplingParams(max_tokens=6, temperature=8.0, ignore_eos=True)
     mixed = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[4]], [noise, seeded, noise])
     assert mixed[1].outputs[0].token_ids == alone
-    other_seed = llm.generate(PROMPTS[2], SamplingParams(max_tokens=10, temperature=8.0, top_p=0.9, seed=99, ignore_eos=True))
+    other_seed = llm.generate(
+        PROMPTS[2], SamplingParams(max_tokens=10, temperature=8.0, top_p=0.9, seed=99, ignore_eos=True)
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 

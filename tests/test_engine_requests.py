@@ -1,15 +1,16 @@
 """Request lifecycle through the engine: aborts, stop rules, penalties, cache sizing."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY_ENGINE, greedy
 from transformers import AutoModelForCausalLM
 
 from cadence import LLM, SamplingParams
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.engine_core import EngineCore
 from cadence.engine.protocol import EngineCoreRequest
+from helpers import TINY_ENGINE, greedy
 
 PROMPT = [11, 42, 7, 99, 23, 5, 64]
 MAX_TOKENS = 10
@@ -37,7 +38,9 @@ def test_abort_mid_flight_frees_blocks_and_spares_the_rest(tiny_model_dir) -> No
         if not engine.has_unfinished_requests():
             break
     assert engine.scheduler.kv_cache.usage == 0.0
-    reference = LLM(path, dtype="float32", max_model_len=64).generate(PROMPT, greedy(MAX_TOKENS))[0].outputs[0].token_ids
+    reference = (
+        LLM(path, dtype="float32", max_model_len=64).generate(PROMPT, greedy(MAX_TOKENS))[0].outputs[0].token_ids
+    )
     assert produced["keep/0"] == reference
     assert len(produced["drop/0"]) < 30 and len(produced["pair/0"]) < 30
     assert engine.stats().num_running == engine.stats().num_waiting == 0
@@ -167,7 +170,13 @@ def test_extreme_sampling_values_never_crash_the_engine(tiny_model_dir) -> None:
     while engine.has_unfinished_requests():
         for out in engine.step():
             counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
-    assert counts == {"tiny_top_p": 4, "tiny_temperature": 4, "huge_top_k": 4, "huge_seed": 8, "stop_id_with_min_tokens": 4}
+    assert counts == {
+        "tiny_top_p": 4,
+        "tiny_temperature": 4,
+        "huge_top_k": 4,
+        "huge_seed": 8,
+        "stop_id_with_min_tokens": 4,
+    }
     engine.scheduler.check_integrity()
     # A temperature too small to divide by is greedy, not NaN sampling.
     (out,) = LLM(tiny_model_dir("llama")).generate([PROMPT], SamplingParams(temperature=1e-9, max_tokens=6))

@@ -15,14 +15,13 @@ Tolerances (relative Frobenius error ||out - ref|| / ||ref||), all measured:
   kernel tests' tiny shapes, where fewer products average out (measured up to 0.047).
 * the quantized weight alone: < 0.035 (measured 0.026).
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from helpers import gen, poisoned, rel_err
-from quant_eval import TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
 from torch import nn
 
 from cadence.engine.engine_args import EngineArgs
@@ -38,14 +37,16 @@ from cadence.engine.quantization import fp8_linear as fp8_linear_module
 from cadence.engine.quantization.cpu_policy import CpuQuantPolicy
 from cadence.kernels import w8a8_fp8
 from cadence.kernels.fp8_format import (
-    FP16_DECODE_DIVISOR,
     FP8_DTYPE,
     FP8_MAX,
+    FP16_DECODE_DIVISOR,
     dequantize_fp8,
     fp8_as_fp16_divided,
     quantize_fp8_per_token,
     quantize_fp8_weight,
 )
+from helpers import gen, poisoned, rel_err
+from quant_eval import TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
 
 KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 CPU_PATH_TOL = {torch.float32: 1e-3, torch.float16: 1e-3, torch.bfloat16: 5e-3}
@@ -191,8 +192,11 @@ def test_quantize_model_fp8_swaps_only_the_projections(tiny_model_dir) -> None:
     from cadence.engine.loader import load_model
 
     model, _ = load_model(tiny_model_dir("llama"), torch.float32, "cpu", quantization="fp8")
-    kinds = {name.rsplit(".", 1)[-1]: type(mod.method).__name__
-             for name, mod in model.named_modules() if isinstance(mod, LinearLayer)}
+    kinds = {
+        name.rsplit(".", 1)[-1]: type(mod.method).__name__
+        for name, mod in model.named_modules()
+        if isinstance(mod, LinearLayer)
+    }
     for layer in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert kinds[layer] == "Fp8Method"
     assert type(model.lm_head.method) is DenseMethod and isinstance(model.model.embed_tokens, nn.Embedding)
@@ -207,8 +211,10 @@ def test_fp8_option_is_accepted_everywhere() -> None:
     assert build_parser().parse_args(["serve", "some/model", "--quantization", "fp8"]).quantization == "fp8"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks Fp8Method's CPU path; CUDA runs fp8_matmul, "
-                    "compared with its reference in the gpu tests above")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="checks Fp8Method's CPU path; CUDA runs fp8_matmul, compared with its reference in the gpu tests above",
+)
 def test_tiny_model_end_to_end_fp8(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tiny_model_dir("llama")
     dense = tiny_llm(path, None)
@@ -231,9 +237,11 @@ def test_tiny_model_end_to_end_fp8(tiny_model_dir, monkeypatch: pytest.MonkeyPat
     llm = tiny_llm(path, "fp8")
     agreement = prefix_agreement(ref_tokens, greedy_tokens(llm, TINY_PROMPTS, max_tokens=8))
     ppl = perplexity(llm, text)
-    print(f"tiny llama fp8: greedy agreement {agreement:.2f}, perplexity {ppl:.3f} vs dense {ref_ppl:.3f} "
-          f"({100 * (ppl / ref_ppl - 1):+.1f}%); worst layer error vs reference {max(layer_errors):.1e} "
-          f"over {len(layer_errors)} calls")
+    print(
+        f"tiny llama fp8: greedy agreement {agreement:.2f}, perplexity {ppl:.3f} vs dense {ref_ppl:.3f} "
+        f"({100 * (ppl / ref_ppl - 1):+.1f}%); worst layer error vs reference {max(layer_errors):.1e} "
+        f"over {len(layer_errors)} calls"
+    )
     assert layer_errors and max(layer_errors) < CPU_PATH_TOL[torch.float32]  # measured 2.2e-4
     # Measured: agreement 0.09 and perplexity 9.7x dense (1.83 -> 17.7). This model
     # (initializer_range 0.3) turns fp8's ~3% per-operand error into that (int8

@@ -4,6 +4,7 @@ The tiny GGUF is written the way llama.cpp's converter writes one (Q/K rows perm
 its RoPE layout, tokenizer as metadata), so converting it back must give the original
 transformers weights: bit-exact for F32 tensors, within Q8_0's rounding for the others.
 """
+
 from __future__ import annotations
 
 import json
@@ -82,9 +83,19 @@ def test_converted_config(tiny_gguf, converted) -> None:
         config = json.load(f)
     original = model.config
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
-                "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert config[key] == getattr(original, key), key
     assert config["rope_theta"] == 10000.0 and config["torch_dtype"] == "float32"
 
@@ -93,9 +104,10 @@ def test_cadence_greedy_matches_transformers_on_converted(converted) -> None:
     reference = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
     expected = []
     for prompt in PROMPTS:
-        out = reference.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        expected.append(out[0, len(prompt):].tolist())
+        out = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        expected.append(out[0, len(prompt) :].tolist())
     llm = LLM(converted, dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks=64)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -110,8 +122,9 @@ def test_tokenizer_round_trips(tiny_gguf, converted) -> None:
         assert tokenizer.decode(ids) == text
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.unk_token) == ("<s>", "</s>", "<unk>")
     assert tokenizer.pad_token == "</s>"
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                         add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<s>user\nhi</s>\n<s>assistant\n"
     ids = tokenizer.encode(chat)
     assert ids.count(1) == 2 and ids.count(2) == 1  # control tokens stay whole
@@ -119,18 +132,45 @@ def test_tokenizer_round_trips(tiny_gguf, converted) -> None:
 
 def test_sentencepiece_vocabulary() -> None:
     """A llama-type (SentencePiece) vocabulary: merges from scores, byte fallback, BOS."""
-    pieces = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "ll", "\u2581h", "\u2581w", "or", "\u2581he",
-              "\u2581hell", "\u2581hello", "\u2581wor", "\u2581worl", "\u2581world"]
+    pieces = [
+        "\u2581",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "ll",
+        "\u2581h",
+        "\u2581w",
+        "or",
+        "\u2581he",
+        "\u2581hell",
+        "\u2581hello",
+        "\u2581wor",
+        "\u2581worl",
+        "\u2581world",
+    ]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + \
-        [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * len(pieces)
+    types = (
+        [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+        + [gguf.TokenType.BYTE] * 256
+        + [gguf.TokenType.NORMAL] * len(pieces)
+    )
     scores = [0.0] * 259 + [0.0] * 8 + [-float(i) for i in range(1, len(pieces) - 7)]
-    tokenizer = build_tokenizer({
-        "general.architecture": "llama", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": [int(t) for t in types],
-        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.unknown_token_id": 0,
-    })
+    tokenizer = build_tokenizer(
+        {
+            "general.architecture": "llama",
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.token_type": [int(t) for t in types],
+            "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0,
+        }
+    )
     ids = tokenizer.encode("hello world")
     assert tokenizer.convert_ids_to_tokens(ids) == ["<s>", "\u2581hello", "\u2581world"]
     # As in llama.cpp: one space before each text run, even one that starts with a space.
@@ -211,6 +251,7 @@ def test_resolve_model_path(tiny_gguf, tmp_path, monkeypatch) -> None:
 
 # --- the real default model ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> str:
     return resolve_model_path(None, str(tmp_path_factory.mktemp("smollm2-cache")))
@@ -221,15 +262,21 @@ def smollm2(tmp_path_factory) -> str:
 def test_smollm2_config_and_chat_template(smollm2) -> None:
     with open(os.path.join(smollm2, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["vocab_size"]) == (30, 576, 9, 3, 49152)
+    assert (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["vocab_size"],
+    ) == (30, 576, 9, 3, 49152)
     assert config["tie_word_embeddings"] is True
     with safe_open(os.path.join(smollm2, "model.safetensors"), "pt") as weights:
         names = set(weights.keys())
     assert "lm_head.weight" not in names and len(names) == 2 + 30 * 9
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                         add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert isinstance(chat, str)
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert tokenizer.eos_token == "<|im_end|>"
@@ -241,14 +288,16 @@ def test_smollm2_answers_paris_like_transformers(smollm2) -> None:
     llm = LLM(smollm2, dtype="float32", max_model_len=256, num_gpu_blocks=64)
     tokenizer = llm.get_tokenizer()
     assert tokenizer is not None
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                           tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
     answer = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0].text
     assert "Paris" in answer
 
     prompt_ids = tokenizer.encode(prompt)
     ours = llm.generate([prompt_ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     reference = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    expected = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False,
-                                  eos_token_id=None, pad_token_id=2)[0, len(prompt_ids):].tolist()
+    expected = reference.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=2
+    )[0, len(prompt_ids) :].tolist()
     assert ours[0].outputs[0].token_ids == expected

@@ -5,6 +5,7 @@ tiny llama written with a different type per layer (and mixed types inside fused
 against the dense folder converted from the same file, which holds the file's exact
 values; and the real SmolLM2 Q4_1 file for perplexity.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,6 @@ from gguf_writer import write_tiny_gguf_in
 from helpers import gen, rel_err
 from quant_eval import EVAL_TEXT, greedy_tokens, perplexity, prefix_agreement
 from tiny_models import build_tiny_model
-
 
 CONSTANT = 0.0123  # small: a bf16 zero term of 8 + min would round it away
 
@@ -114,20 +114,32 @@ def test_loader_builds_each_layer_from_the_file_blocks(tiny_mixed_gguf, monkeypa
             else:
                 assert type(module.method) is DenseMethod and torch.equal(module.weight, reference), name
     assert kinds == {
-        "0.self_attn.qkv_proj": "GgufInt4Method", "0.self_attn.o_proj": "GgufInt4Method",
-        "0.mlp.gate_up_proj": "GgufInt4Method", "0.mlp.down_proj": "GgufInt4Method",
-        "1.self_attn.qkv_proj": "GgufInt4Method", "1.self_attn.o_proj": "GgufInt4Method",
-        "1.mlp.gate_up_proj": "GgufInt4Method", "1.mlp.down_proj": "GgufInt4Method",
-        "2.self_attn.qkv_proj": "GgufInt8Method", "2.self_attn.o_proj": "GgufInt8Method",
-        "2.mlp.gate_up_proj": "DenseMethod", "2.mlp.down_proj": "GgufInt8Method",
+        "0.self_attn.qkv_proj": "GgufInt4Method",
+        "0.self_attn.o_proj": "GgufInt4Method",
+        "0.mlp.gate_up_proj": "GgufInt4Method",
+        "0.mlp.down_proj": "GgufInt4Method",
+        "1.self_attn.qkv_proj": "GgufInt4Method",
+        "1.self_attn.o_proj": "GgufInt4Method",
+        "1.mlp.gate_up_proj": "GgufInt4Method",
+        "1.mlp.down_proj": "GgufInt4Method",
+        "2.self_attn.qkv_proj": "GgufInt8Method",
+        "2.self_attn.o_proj": "GgufInt8Method",
+        "2.mlp.gate_up_proj": "DenseMethod",
+        "2.mlp.down_proj": "GgufInt8Method",
     }
     assert native.get_submodule("model.layers.1.self_attn.qkv_proj").zeros.dtype == torch.float32
 
 
 def test_served_with_cpu_kernels_agrees_with_dense(tiny_mixed_gguf) -> None:
     def llm(quantization: str | None) -> LLM:
-        return LLM(tiny_mixed_gguf, dtype="float32", quantization=quantization, block_size=4,
-                   max_model_len=128, num_gpu_blocks=64)
+        return LLM(
+            tiny_mixed_gguf,
+            dtype="float32",
+            quantization=quantization,
+            block_size=4,
+            max_model_len=128,
+            num_gpu_blocks=64,
+        )
 
     prompts = [[1, 5, 9, 33, 100, 7], [1, 250, 251, 3], [1, 42] * 5]
     dense = greedy_tokens(llm(None), prompts, max_tokens=6)

@@ -8,6 +8,7 @@ rows (bounds: 0.7x and 0.8x). End to end, a tiny model's GPTQ
 checkpoint must load through the ordinary GPTQ loader into exactly the codes and scales
 GPTQ chose.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,9 @@ import torch
 from cadence import LLM
 from cadence.engine.loader import iterate_weights, load_model
 from cadence.engine.quantization.linear import Int4Method
+from cadence.kernels.quant_formats import dequantize_int4, quantize_int4
 from cadence.tools import gptq_model
 from cadence.tools.gptq import HessianAccumulator, gptq_quantize
-from cadence.kernels.quant_formats import dequantize_int4, quantize_int4
 from helpers import gen
 from quant_eval import TINY_PROMPTS, greedy_tokens
 
@@ -106,8 +107,21 @@ def test_cadence_quantize_writes_a_servable_checkpoint(tiny_model_dir, tmp_path)
     from cadence.server.cli import main
 
     out = str(tmp_path / "gptq-cli")
-    main(["quantize", tiny_model_dir("tied"), out, "--samples", "3", "--sample-length", "24", "--group-size", "64",
-          "--log-level", "warning"])
+    main(
+        [
+            "quantize",
+            tiny_model_dir("tied"),
+            out,
+            "--samples",
+            "3",
+            "--sample-length",
+            "24",
+            "--group-size",
+            "64",
+            "--log-level",
+            "warning",
+        ]
+    )
     with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
         qconfig = json.load(f)["quantization_config"]
     assert qconfig["quant_method"] == "gptq" and qconfig["group_size"] == 64 and qconfig["sym"] is True

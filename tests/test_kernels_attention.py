@@ -6,6 +6,7 @@ Frobenius errors ||out - ref|| / ||ref||: fp32 1e-5, fp16 2e-3. Outputs are pois
 with NaN first, and cache slots that hold no context are NaN too, so an unwritten output
 or a read past a sequence's end fails.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,18 +15,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import DEVICE, KERNEL_TOL, rel_err
-
 from cadence.kernels import kv_cache_write, kv_quant
 from cadence.kernels import paged_attention as pa
-
+from helpers import DEVICE, KERNEL_TOL, rel_err
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def make_batch(
-    q_lens: list[int], ctx_lens: list[int], num_kv_heads: int, group: int, head_dim: int, block_size: int,
-    dtype: torch.dtype, seed: int,
+    q_lens: list[int],
+    ctx_lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
 ) -> Batch:
     """Random q and a paged cache whose blocks are scattered; unused slots hold NaN.
 
@@ -59,13 +64,30 @@ def make_batch(
 
 
 def run_kernel(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    starts: torch.Tensor, max_q: int, scale: float, window: int | None, num_splits: int | None, **kw: Any,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    starts: torch.Tensor,
+    max_q: int,
+    scale: float,
+    window: int | None,
+    num_splits: int | None,
+    **kw: Any,
 ) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))
     return pa.paged_attention(
-        q, kv_cache, block_tables, seq_lens, starts, max_q, scale,
-        window=window, num_splits=num_splits, out=out, **kw,
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        starts,
+        max_q,
+        scale,
+        window=window,
+        num_splits=num_splits,
+        out=out,
+        **kw,
     )
 
 
@@ -141,8 +163,12 @@ def test_reference_matches_sdpa_on_gathered_dense_kv() -> None:
         if w is not None:
             mask &= pos[None, :] > q_pos - w
         expected = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=mask, scale=0.3, enable_gqa=True,
+            q.transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            scale=0.3,
+            enable_gqa=True,
         )[0].transpose(0, 1)
         ref = pa.reference(q, kv_cache, block_tables, seq_lens, starts, 0.3, window=w)
         assert rel_err(ref, expected) < 1e-5
@@ -176,9 +202,7 @@ def test_write_kv_cache(dtype: torch.dtype) -> None:
 def test_write_then_attend_roundtrip() -> None:
     """The two kernels together, as a backend would call them for one step."""
     q_lens, ctx_lens, block_size = [1, 5], [6, 3], 4
-    q, kv_cache, block_tables, seq_lens, starts = make_batch(
-        q_lens, ctx_lens, 2, 2, 16, block_size, torch.float32, 5
-    )
+    q, kv_cache, block_tables, seq_lens, starts = make_batch(q_lens, ctx_lens, 2, 2, 16, block_size, torch.float32, 5)
     truth = kv_cache.clone()
     slot_ids = []
     for s, (c, n) in enumerate(zip(ctx_lens, q_lens)):
@@ -226,7 +250,9 @@ def test_int8_kv_cache_matches_reference_and_dense(dtype: torch.dtype, group: in
     scale = 16**-0.5
     ref = pa.reference(q, stored, block_tables, seq_lens, starts, scale, window=window, kv_scales=scales)
     for num_splits in (1, 3):
-        out = run_kernel(q, stored, block_tables, seq_lens, starts, max(q_lens), scale, window, num_splits, kv_scales=scales)
+        out = run_kernel(
+            q, stored, block_tables, seq_lens, starts, max(q_lens), scale, window, num_splits, kv_scales=scales
+        )
         assert rel_err(out, ref) < KERNEL_TOL[dtype]
     # Against the unquantized cache: int8 with a scale per row keeps attention within ~1%.
     dense = pa.reference(q, kv_cache, block_tables, seq_lens, starts, scale, window=window)

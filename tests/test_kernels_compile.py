@@ -6,6 +6,7 @@ catches what the interpreter cannot: bf16 and fp8 paths, ``tl.dot`` layout rules
 anything else only the real compiler rejects. Register spills are reported, not failed:
 they cost speed, which is for bench/ to judge on a GPU.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,10 @@ from triton_aot import Launch, dump_launches, record_launches
 # The launches are recorded by running the wrappers on CPU tensors in the interpreter. A
 # machine with a GPU does not turn the interpreter on (conftest.py); there the kernel
 # tests compile and run every kernel for real, so this check is for machines without one.
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real"),
+]
 
 pytest.importorskip("triton.backends.nvidia.compiler")
 
@@ -56,8 +60,9 @@ def quant_cases() -> dict[str, Callable[[], object]]:
     float_zeros = Int4Weight(asym.qweight, asym.scales.half(), asym.zeros.float(), 32)  # GGUF Q4_1
     cases: dict[str, Callable[[], object]] = {}
     long_q8, long_s8 = quantize_int8(torch.randn(n, 4096))  # a K long enough to split
-    cases["w8a16 split-K float16 M=1"] = lambda: w8a16.w8a16_matmul(torch.randn(1, 4096, dtype=torch.float16),
-                                                                      long_q8, long_s8.half())
+    cases["w8a16 split-K float16 M=1"] = lambda: w8a16.w8a16_matmul(
+        torch.randn(1, 4096, dtype=torch.float16), long_q8, long_s8.half()
+    )
     long_asym = quantize_int4(torch.randn(n, 4096), 32, symmetric=False)
     x16 = torch.randn(16, 4096, dtype=torch.float16)  # the tiled kernels' split-K variant
     cases["w8a16 tiled split-K float16 M=16"] = lambda: w8a16.w8a16_matmul(x16, long_q8, long_s8.half(), k_splits=4)
@@ -93,21 +98,40 @@ def attention_cases() -> dict[str, Callable[[], object]]:
             scales = torch.ones(2, num_blocks, block, kv_heads) if quantized else None
             tag = f"{heads}/{kv_heads}x{head_dim} {str(cache_dtype)[6:]}"
 
-            def run(query_lens: list[int], splits: int | None, window: int | None,
-                    dtype: torch.dtype = dtype, cache: torch.Tensor = cache, scales: torch.Tensor | None = scales,
-                    heads: int = heads, head_dim: int = head_dim) -> object:
+            def run(
+                query_lens: list[int],
+                splits: int | None,
+                window: int | None,
+                dtype: torch.dtype = dtype,
+                cache: torch.Tensor = cache,
+                scales: torch.Tensor | None = scales,
+                heads: int = heads,
+                head_dim: int = head_dim,
+            ) -> object:
                 starts = torch.tensor([0, query_lens[0], sum(query_lens)], dtype=torch.int32)
                 q = torch.randn(sum(query_lens), heads, head_dim, dtype=dtype)
                 return paged_attention.paged_attention(
-                    q, cache, tables, seq_lens, starts, max(query_lens), head_dim**-0.5, window, splits,
-                    max_seq_len=128, num_sms=132, kv_scales=scales)
+                    q,
+                    cache,
+                    tables,
+                    seq_lens,
+                    starts,
+                    max(query_lens),
+                    head_dim**-0.5,
+                    window,
+                    splits,
+                    max_seq_len=128,
+                    num_sms=132,
+                    kv_scales=scales,
+                )
 
             cases[f"attention decode {tag}"] = partial(run, [1, 1], 1, None)
             cases[f"attention decode split {tag}"] = partial(run, [1, 1], 4, None)
             cases[f"attention prefill+decode window {tag}"] = partial(run, [37, 1], None, 64)
             k = torch.randn(5, kv_heads, head_dim, dtype=dtype)
             cases[f"kv write {tag}"] = partial(
-                kv_cache_write.write_kv_cache, k, k, cache, torch.tensor([0, 1, 2, 17, 40]), scales)
+                kv_cache_write.write_kv_cache, k, k, cache, torch.tensor([0, 1, 2, 17, 40]), scales
+            )
     return cases
 
 
@@ -124,7 +148,9 @@ def moe_cases() -> dict[str, Callable[[], object]]:
             x = torch.randn(m, hidden, dtype=dtype)
             weights, ids = fused_moe.route(torch.randn(m, experts), top_k, renormalize=True)
             all_formats: dict[str, tuple[fused_moe.ExpertWeights, fused_moe.ExpertWeights]] = {
-                "dense": (dense_w1.to(dtype), dense_w2.to(dtype)), **formats}
+                "dense": (dense_w1.to(dtype), dense_w2.to(dtype)),
+                **formats,
+            }
             for fmt, (w1, w2) in all_formats.items():
                 cases[f"moe {fmt} {str(dtype)[6:]} M={m}"] = partial(fused_moe.fused_moe, x, w1, w2, weights, ids)
     return cases
@@ -141,7 +167,9 @@ def layer_op_cases() -> dict[str, Callable[[], object]]:
         name = str(dtype)[6:]
         cases[f"rms_norm {name}"] = partial(rms_norm.rms_norm, x, weight, 1e-5)
         cases[f"rms_norm residual {name}"] = partial(rms_norm.rms_norm, x, weight, 1e-5, x)
-        cases[f"rotary {name}"] = partial(rotary.apply_rotary, torch.tensor([0, 5, 9]), q, k, angles.cos(), angles.sin())
+        cases[f"rotary {name}"] = partial(
+            rotary.apply_rotary, torch.tensor([0, 5, 9]), q, k, angles.cos(), angles.sin()
+        )
         cases[f"silu_and_mul {name}"] = partial(silu_and_mul.silu_and_mul, torch.randn(3, 2 * 14336, dtype=dtype))
     return cases
 
@@ -156,8 +184,13 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Launch], li
     dump_launches(launches, path)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, os.path.join(here, "triton_aot.py"), path, "--arch", *map(str, ARCHS)],
-                          capture_output=True, text=True, env=env, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(here, "triton_aot.py"), path, "--arch", *map(str, ARCHS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return launches, json.loads(proc.stdout)
 
@@ -165,18 +198,33 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Launch], li
 def test_every_wrapper_launch_was_recorded(compiled) -> None:
     launches, _ = compiled
     kernels = {launch.kernel for launch in launches}
-    assert kernels == {"_w8a16_kernel", "_w8a16_gemv_kernel", "_w4a16_gemv_kernel", "_w4a16_gemm_kernel", "_w8a8_fp8_kernel",
-                       "_attention_kernel", "_merge_kernel", "_write_kernel", "_moe_gemm_kernel",
-                       "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_int4_to_dense_kernel",
-                       "_int8_to_dense_kernel"}
+    assert kernels == {
+        "_w8a16_kernel",
+        "_w8a16_gemv_kernel",
+        "_w4a16_gemv_kernel",
+        "_w4a16_gemm_kernel",
+        "_w8a8_fp8_kernel",
+        "_attention_kernel",
+        "_merge_kernel",
+        "_write_kernel",
+        "_moe_gemm_kernel",
+        "_rms_norm_kernel",
+        "_rotary_kernel",
+        "_silu_and_mul_kernel",
+        "_int4_to_dense_kernel",
+        "_int8_to_dense_kernel",
+    }
 
 
 def test_every_launch_compiles_for_a100_and_h100(compiled) -> None:
     _, results = compiled
     print(f"\n{'launch':58} {'kernel':22} arch  regs  spill  smem")
     for r in results:
-        status = (r.get("error", "")[:60] or r.get("skipped")
-                  or f"{r['registers']:4d} {r['spill_stores']:6d} {r['shared_bytes']:6d}")
+        status = (
+            r.get("error", "")[:60]
+            or r.get("skipped")
+            or f"{r['registers']:4d} {r['spill_stores']:6d} {r['shared_bytes']:6d}"
+        )
         print(f"{r['label'][:58]:58} {r['kernel'][:22]:22} {r['arch']:4d} {status}")
     failures = [f"{r['label']} on sm_{r['arch']}: {r['error']}" for r in results if "error" in r]
     assert not failures, "\n".join(failures)

@@ -5,6 +5,7 @@ block, K words not a multiple of the block). The dense weights must equal the to
 definitions bit for bit: both form the value exactly in fp32 and round once. The
 matmuls then compare with the kernels' references at the quant tests' tolerances.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -12,11 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import DEVICE, KERNEL_TOL, gen, poisoned, rel_err
 
 from cadence.kernels import dequant, w4a16, w8a16
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int8, quantize_int4, quantize_int8
-
+from helpers import DEVICE, KERNEL_TOL, gen, poisoned, rel_err
 
 
 def int4_weights(k: int, n: int, group: int) -> dict[str, Int4Weight]:

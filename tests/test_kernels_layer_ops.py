@@ -6,16 +6,17 @@ checks are tight: within float32 reduction-order, multiply-add or exp difference
 are ragged (dims that are not powers of two, odd head counts), inputs fresh per case,
 outputs poisoned with NaN. Without CUDA they run in Triton's interpreter.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, gen, rel_err
 
 from cadence.kernels import layer_ops_reference as reference
 from cadence.kernels.rms_norm import rms_norm
 from cadence.kernels.rotary import apply_rotary
 from cadence.kernels.silu_and_mul import silu_and_mul
+from helpers import DEVICE, gen, rel_err
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-6}
@@ -50,8 +51,9 @@ def test_rms_norm_of_mixed_dtypes_takes_the_reference() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (5, 1, 24)])
-def test_rotary_in_place_on_views_of_the_fused_qkv(dtype: torch.dtype, heads: int, kv_heads: int,
-                                                   head_dim: int) -> None:
+def test_rotary_in_place_on_views_of_the_fused_qkv(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
     tokens, max_positions = 6, 50
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=6)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)

@@ -14,22 +14,24 @@ Tolerances (relative Frobenius error ||out - ref|| / ||ref||):
   a single int4 GEMM's; over 180 random draws of these shapes the mean (max) was
   int8 0.010 (0.016), int4 symmetric 0.17 (0.31), int4 zero-point 0.14 (0.22).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import KERNEL_TOL, gen, poisoned, rel_err
 
 from cadence.kernels import fused_moe as fm
 from cadence.kernels.moe_align import max_padded_pairs, moe_align
 from cadence.kernels.quant_formats import quantize_int4
+from helpers import KERNEL_TOL, gen, poisoned, rel_err
 
 QUANT_TOL = {"int8": 3e-2, "int4_sym": 0.35, "int4_zp": 0.35}
 FORMATS = ["dense", "int8", "int4_sym", "int4_zp"]
 
 
-def make_weights(e: int, k: int, inter: int, dtype: torch.dtype, g: torch.Generator,
-                 device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def make_weights(
+    e: int, k: int, inter: int, dtype: torch.dtype, g: torch.Generator, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     # Scaled so activations stay O(1) and fp16 neither overflows nor underflows.
     w1 = torch.randn(e, 2 * inter, k, generator=g) / k**0.5
     w2 = torch.randn(e, k, inter, generator=g) / inter**0.5
@@ -44,8 +46,9 @@ def quantize(w: torch.Tensor, fmt: str, group: int = 32) -> fm.ExpertWeights:
     return fm.Int4Experts.quantize(w, group, symmetric=fmt == "int4_sym")
 
 
-def routed(m: int, e: int, top_k: int, g: torch.Generator,
-           dead: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+def routed(
+    m: int, e: int, top_k: int, g: torch.Generator, dead: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random routing in which the ``dead`` experts receive no tokens."""
     logits = torch.randn(m, e, generator=g)
     logits[:, list(dead)] = float("-inf")
@@ -71,8 +74,9 @@ def test_route_is_softmax_then_topk(renormalize: bool) -> None:
 # ---------------------------------------------------------------- alignment
 
 
-@pytest.mark.parametrize("m,e,top_k,block_m",
-                         [(1, 4, 2, 16), (13, 8, 2, 16), (40, 4, 3, 16), (5, 8, 1, 32), (0, 4, 2, 16)])
+@pytest.mark.parametrize(
+    "m,e,top_k,block_m", [(1, 4, 2, 16), (13, 8, 2, 16), (40, 4, 3, 16), (5, 8, 1, 32), (0, 4, 2, 16)]
+)
 def test_moe_align_invariants(m: int, e: int, top_k: int, block_m: int) -> None:
     _, ids = routed(m, e, top_k, gen(m + e), dead=(1,))
     al = moe_align(ids, e, block_m)
@@ -86,11 +90,11 @@ def test_moe_align_invariants(m: int, e: int, top_k: int, block_m: int) -> None:
     counts = torch.bincount(flat, minlength=e)
     used = int(((counts + block_m - 1) // block_m).sum())
     assert int(al.num_tokens_post_padded) == used * block_m
-    assert (expert_ids[used:] == -1).all() and (sorted_ids[used * block_m:] == n).all()
+    assert (expert_ids[used:] == -1).all() and (sorted_ids[used * block_m :] == n).all()
     assert torch.equal(expert_ids[:used], expert_ids[:used].sort().values)  # grouped by expert
     assert 1 not in expert_ids.tolist()  # an empty expert gets no block
     for b in range(used):
-        rows = sorted_ids[b * block_m:(b + 1) * block_m]
+        rows = sorted_ids[b * block_m : (b + 1) * block_m]
         rows = rows[rows < n]
         assert rows.numel() > 0 and (flat[rows] == expert_ids[b]).all()
         assert torch.equal(rows, rows.sort().values)  # stable: pair order within an expert
@@ -144,7 +148,7 @@ def test_fused_moe_ragged_tiles_and_odd_routing(fmt: str) -> None:
     w1, w2 = make_weights(5, k, inter, dtype, g)
     q1, q2 = quantize(w1, fmt), quantize(w2, fmt)
     x_wide = torch.randn(13, k + 8, generator=g).to(dtype)
-    x = x_wide[:, 4:k + 4]  # a strided view: row stride k + 8
+    x = x_wide[:, 4 : k + 4]  # a strided view: row stride k + 8
     for top_k, dead in ((1, (0, 1, 2, 4)), (3, (2,))):  # top_k 1: every token on expert 3
         weights, ids = routed(13, 5, top_k, g, dead)
         for tiles in (dict(block_m=16, block_n=16, block_k=16), dict(block_m=32)):

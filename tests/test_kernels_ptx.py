@@ -5,14 +5,14 @@ PTX, which the interpreter cannot run: the other CPU tests exercise its plain-Tr
 Here the asm text itself runs through a model of each instruction and is compared with
 float64 sums. Tolerance: relative 2e-3, for fp16 accumulation of four products per half.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
+from cadence.kernels import w4a16_gemv
 from helpers import rel_err
 from ptx_emulator import inline_asm_texts, run_ptx
-
-from cadence.kernels import w4a16_gemv
 
 DOT8_TOL = 2e-3
 

@@ -11,12 +11,12 @@ Tolerances (relative Frobenius error ||out - ref|| / ||ref||):
 * quantized vs dense matmul: int8 < 2e-2 on outputs (< 1e-2 on the weight itself),
   int4 weight error < 0.12 at group 32 and < 0.16 at group 128, outputs < 0.2.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from helpers import DEVICE, KERNEL_TOL, gen, poisoned, rel_err
 
 from cadence.kernels import launch, split_k, w4a16, w4a16_gemv, w8a16
 from cadence.kernels.launch import GEMV_PROGRAMS_PER_SM, TILED_PROGRAMS_PER_SM, split_k_to_fill
@@ -32,6 +32,7 @@ from cadence.kernels.quant_formats import (
     to_gptq,
     unpack_int4,
 )
+from helpers import DEVICE, KERNEL_TOL, gen, poisoned, rel_err
 
 # bf16: the reference rounds each dequantized weight to bf16, the GEMV keeps it in fp32.
 # (K, group) pairs the shapes allow.
@@ -231,21 +232,24 @@ def test_w8a16_tiled_split_k_matches_reference(dtype: torch.dtype, m: int, launc
     results = [default]
     for k_splits in (4, 5, 1):
         launched_splits.clear()
-        results.append(w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=0,
-                                          k_splits=k_splits))
+        results.append(
+            w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=0, k_splits=k_splits)
+        )
         assert launched_splits == [k_splits]
     for out in results:
         assert rel_err(out, ref) < KERNEL_TOL[dtype]
     assert not split_k.counters(x.device).any()  # the tickets re-arm for the next call
-    assert torch.equal(w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=0,
-                                          k_splits=4), results[1])  # the sum's order is fixed
+    assert torch.equal(
+        w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=0, k_splits=4), results[1]
+    )  # the sum's order is fixed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m", [5, 33])
 @pytest.mark.parametrize("group,symmetric", [(32, False), (128, True)])
-def test_w4a16_tiled_split_k_matches_reference(dtype: torch.dtype, m: int, group: int, symmetric: bool,
-                                               launched_splits: list[int]) -> None:
+def test_w4a16_tiled_split_k_matches_reference(
+    dtype: torch.dtype, m: int, group: int, symmetric: bool, launched_splits: list[int]
+) -> None:
     """Above the GEMV's rows the tiled GEMM splits K in whole tiles, groups intact; 5
     slices of 16 or 32 tiles leave the last one short or empty."""
     n, k = 72, 2048

@@ -5,14 +5,15 @@ Triton one runs in the interpreter here. A quantized cache may flip a greedy tok
 tiny random model, so what must hold exactly is that the two backends agree with each
 other on int8, and that int8 stays close to the unquantized cache in logprobs.
 """
+
 from __future__ import annotations
 
 import pytest
-from helpers import make_llm, needs_smollm2, smollm2_path
-from quant_eval import EVAL_TEXT, perplexity
 
 from cadence import LLM, SamplingParams
 from cadence.engine.attention.backend import QuantizedKVCache
+from helpers import make_llm, needs_smollm2, smollm2_path
+from quant_eval import EVAL_TEXT, perplexity
 
 PROMPTS = [[11, 42, 7, 99, 23, 5, 64], [3, 4, 5], [9] * 13]
 

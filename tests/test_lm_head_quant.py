@@ -7,6 +7,7 @@ Tolerances, relative Frobenius error of the logits:
   untied head and 1.0-2.1e-2 tied, where the embedding's error also runs through every
   layer of this random model.
 """
+
 from __future__ import annotations
 
 import gguf
@@ -17,18 +18,18 @@ from torch import nn
 
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.gguf_loader import convert_gguf
-from cadence.engine.quantization.gguf_native import open_source_gguf
 from cadence.engine.loader import load_model
 from cadence.engine.quantization import lm_head
-from cadence.engine.quantization.lm_head import Int8Embedding
+from cadence.engine.quantization.gguf_native import open_source_gguf
 from cadence.engine.quantization.linear import Int4Method, Int8Method
+from cadence.engine.quantization.lm_head import Int8Embedding
 from cadence.engine.quantization.method import LinearLayer
-from cadence.tools import gptq_model
 from cadence.kernels.quant_formats import dequantize_int8, quantize_int8
+from cadence.tools import gptq_model
 from gguf_writer import write_tiny_gguf_in
 from helpers import CPU_PATH_TOL, rel_err
-from sdpa_contexts import VarlenSdpaContext
 from quant_eval import TINY_PROMPTS, greedy_tokens, prefix_agreement, tiny_llm
+from sdpa_contexts import VarlenSdpaContext
 from tiny_models import build_tiny_model
 
 QUANT_TOL = 5e-2
@@ -72,8 +73,12 @@ def test_a_tied_embedding_reads_the_heads_int8_rows(tiny_model_dir) -> None:
     # The dense table is gone: the only vocabulary-sized tensors are the head's int8 rows.
     vocab = model.config.vocab_size
     big = {name for name, t in model.state_dict().items() if t.shape[0] == vocab}
-    assert big == {"lm_head.qweight", "lm_head.scale", "model.embed_tokens.table.qweight",
-                   "model.embed_tokens.table.scale"}
+    assert big == {
+        "lm_head.qweight",
+        "lm_head.scale",
+        "model.embed_tokens.table.qweight",
+        "model.embed_tokens.table.scale",
+    }
     ids = torch.tensor([[0, 5, vocab - 1], [7, 7, 2]])
     expected = dequantize_int8(model.lm_head.qweight, model.lm_head.scale, torch.float32)[ids]
     got = embedding(ids)
@@ -87,14 +92,23 @@ def test_int8_head_on_a_quantized_body_serves_end_to_end(tiny_model_dir) -> None
     path = tiny_model_dir("tied")
     dense = greedy_tokens(tiny_llm(path, None), TINY_PROMPTS, max_tokens=8)
     llm = tiny_llm(path, "int8")
-    both = type(llm)(path, dtype="float32", quantization="int8", quantize_lm_head=True, block_size=4,
-                     max_model_len=256, num_gpu_blocks=256)
+    both = type(llm)(
+        path,
+        dtype="float32",
+        quantization="int8",
+        quantize_lm_head=True,
+        block_size=4,
+        max_model_len=256,
+        num_gpu_blocks=256,
+    )
     assert is_int8(both.engine.model.lm_head)
     body_only = greedy_tokens(llm, TINY_PROMPTS, max_tokens=8)
     with_head = greedy_tokens(both, TINY_PROMPTS, max_tokens=8)
     agreement = prefix_agreement(dense, with_head)
-    print(f"tiny tied model, int8 body + int8 head: greedy agreement {agreement:.2f} "
-          f"(int8 body only {prefix_agreement(dense, body_only):.2f})")
+    print(
+        f"tiny tied model, int8 body + int8 head: greedy agreement {agreement:.2f} "
+        f"(int8 body only {prefix_agreement(dense, body_only):.2f})"
+    )
     assert agreement >= 0.5
 
 
@@ -206,6 +220,8 @@ def test_gptq_checkpoint_with_a_quantized_head_loads_it(tiny_model_dir, tmp_path
     expected = hidden @ dequantize_int4(int4_head, torch.float32).t()
     assert torch.allclose(model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
     # A config that promises a quantized head the tensors do not hold is refused by name.
-    save_file({k: v for k, v in tensors.items() if not k.startswith("lm_head.")}, os.path.join(out, "model.safetensors"))
+    save_file(
+        {k: v for k, v in tensors.items() if not k.startswith("lm_head.")}, os.path.join(out, "model.safetensors")
+    )
     with pytest.raises(ValueError, match="missing quantized weights: lm_head"):
         load_model(out, torch.float32)

@@ -4,21 +4,22 @@ Attention here is a test-only stand-in for the paged backend: plain causal SDPA 
 sequence (with the sliding window when the spec has one), so these tests check the
 model, config parsing, RoPE and weight loading independently of the real backend.
 """
+
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from cadence.engine.loader import load_model, resolve_dtype
-from cadence.engine.quantization.cpu_policy import has_fast_bf16
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.rotary import _inv_freq
+from cadence.engine.quantization.cpu_policy import has_fast_bf16
 from sdpa_contexts import CachedSdpaContext, VarlenSdpaContext
 from tiny_models import KINDS, make_tiny_model
 
@@ -35,9 +36,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     kind = request.param
     path = make_tiny_model(kind, tmp_path_factory.mktemp(kind))
     ours, _ = load_model(path, torch.float32, "cpu")
-    ref = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     return kind, path, ours, ref
 
 
@@ -109,33 +108,62 @@ def test_attention_spec(tiny) -> None:
     "rope",
     [
         {"rope_type": "linear", "factor": 4.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-         "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
-        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256,
-         "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5},
+        {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        },
     ],
 )
 def test_rope_scaling_matches_transformers(tmp_path, rope: dict) -> None:
-    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32,
-           "hidden_size": 256, "intermediate_size": 64, "num_hidden_layers": 1,
-           "num_attention_heads": 4, "max_position_embeddings": 1024,
-           "rope_theta": 50000.0, "rope_scaling": rope}  # v4-style keys on purpose
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 32,
+        "hidden_size": 256,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 1024,
+        "rope_theta": 50000.0,
+        "rope_scaling": rope,
+    }  # v4-style keys on purpose
     (tmp_path / "config.json").write_text(json.dumps(raw))
     cfg = ModelConfig.from_pretrained(tmp_path)
-    ours, our_scale = _inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling,
-                                cfg.max_position_embeddings)
+    ours, our_scale = _inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling, cfg.max_position_embeddings)
     theirs, their_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](AutoConfig.from_pretrained(tmp_path))
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
     assert our_scale == pytest.approx(their_scale)
 
 
 def _raw_config(**overrides) -> dict:
-    raw = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 32,
-           "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-           "sliding_window": 16, "use_sliding_window": False, "eos_token_id": [3, 4],
-           "torch_dtype": "bfloat16"}
+    raw = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 32,
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "sliding_window": 16,
+        "use_sliding_window": False,
+        "eos_token_id": [3, 4],
+        "torch_dtype": "bfloat16",
+    }
     raw.update(overrides)
     return raw
 
@@ -151,15 +179,14 @@ def test_config_parsing() -> None:
     assert ModelConfig.from_dict(_raw_config(use_sliding_window=True)).sliding_window is None
     with pytest.raises(ValueError, match="mix"):
         ModelConfig.from_dict(_raw_config(use_sliding_window=True, max_window_layers=2))
-    v5 = ModelConfig.from_dict(_raw_config(rope_parameters={"rope_type": "default",
-                                                            "rope_theta": 1e6}))
+    v5 = ModelConfig.from_dict(_raw_config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
     assert v5.rope_theta == 1e6 and v5.rope_scaling is None
     with pytest.raises(ValueError, match="unsupported architecture"):
         ModelConfig.from_dict(_raw_config(architectures=["GPT2LMHeadModel"]))
     with pytest.raises(ValueError, match="rope type"):
         from cadence.engine.models.llama import LlamaForCausalLM
-        LlamaForCausalLM(ModelConfig.from_dict(_raw_config(
-            rope_scaling={"rope_type": "longrope", "factor": 2.0})))
+
+        LlamaForCausalLM(ModelConfig.from_dict(_raw_config(rope_scaling={"rope_type": "longrope", "factor": 2.0})))
 
 
 def test_resolve_dtype() -> None:
@@ -195,7 +222,7 @@ def test_load_rejects_unknown_and_missing_weights(tiny, tmp_path) -> None:
         save_file({k: full[k] for k in keys}, str(tmp_path / file))
     index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    (tmp_path / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    shutil.copy(os.path.join(path, "config.json"), tmp_path / "config.json")
     sharded, _ = load_model(tmp_path, torch.float32, "cpu")
     ids = _prompt(9, seed=3)
     assert torch.equal(_ours_logits(sharded, ids), _ours_logits(ours, ids))

@@ -9,6 +9,7 @@ Tolerances (relative Frobenius error ||out - ref|| / ||ref||):
 
 End-to-end numbers (greedy agreement, perplexity) are printed; run with ``-s`` to see them.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,9 @@ from cadence.engine.quantization import (
     validate_quantization,
 )
 from cadence.engine.quantization import linear as linear_module
+from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_transposed, unpack_cpu_int4
 from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.kernels import w4a16
-from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_transposed, unpack_cpu_int4
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
 from helpers import CPU_PATH_TOL, rel_err
 from quant_eval import EVAL_TEXT, TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
@@ -133,7 +134,9 @@ def test_cpu_int4_dequantize_rounds_as_the_packed_ops_formula(zeros: str, group:
     w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, k)
     weight = quantize_int4(w, group, zeros == "symmetric")
     if zeros == "float":  # GGUF Q4_1's real-valued zero points
-        weight = Int4Weight(weight.qweight, weight.scales, weight.zeros.float() + torch.rand(weight.zeros.shape, generator=g), group)
+        weight = Int4Weight(
+            weight.qweight, weight.scales, weight.zeros.float() + torch.rand(weight.zeros.shape, generator=g), group
+        )
     mod = Int4Linear(weight)
     if mod.cpu_block_n is None:
         pytest.skip("this torch/CPU packs int4 in a layout cpu_int4_layout does not recognise")
@@ -198,16 +201,22 @@ def test_quantize_model_swaps_only_the_projections(tiny_model_dir, method: str) 
     from cadence.engine.loader import load_model
 
     model, config = load_model(tiny_model_dir("llama"), torch.float32, "cpu", quantization=method)
-    kinds = {name.rsplit(".", 1)[-1]: type(mod.method).__name__
-             for name, mod in model.named_modules() if isinstance(mod, LinearLayer)}
+    kinds = {
+        name.rsplit(".", 1)[-1]: type(mod.method).__name__
+        for name, mod in model.named_modules()
+        if isinstance(mod, LinearLayer)
+    }
     expected = "Int8Method" if method == "int8" else "Int4Method"
     for layer in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert kinds[layer] == expected
     assert isinstance(model.model.embed_tokens, nn.Embedding)
     assert type(model.lm_head.method) is DenseMethod  # the head stays dense
-    assert not any(type(m.method) is DenseMethod for n, m in model.named_modules()
-                   if isinstance(m, LinearLayer) and n != "lm_head")
-    assert not any(hasattr(m, "weight") for m in model.modules() if isinstance(m, LinearLayer) and m is not model.lm_head)
+    assert not any(
+        type(m.method) is DenseMethod for n, m in model.named_modules() if isinstance(m, LinearLayer) and n != "lm_head"
+    )
+    assert not any(
+        hasattr(m, "weight") for m in model.modules() if isinstance(m, LinearLayer) and m is not model.lm_head
+    )
 
 
 def test_quantization_option_is_validated() -> None:
@@ -243,6 +252,7 @@ def test_cli_serves_gguf_models_in_their_own_blocks_unless_told() -> None:
 
 # ---------------------------------------------------------------- end to end, tiny model
 
+
 def test_tiny_model_end_to_end(tiny_model_dir) -> None:
     path = tiny_model_dir("llama")
     dense = tiny_llm(path, None)
@@ -255,8 +265,10 @@ def test_tiny_model_end_to_end(tiny_model_dir) -> None:
         agreement = prefix_agreement(ref_tokens, greedy_tokens(llm, TINY_PROMPTS, max_tokens=8))
         ppl = perplexity(llm, text)
         results[method] = (agreement, ppl / ref_ppl - 1)
-        print(f"tiny llama {method}: greedy agreement {agreement:.2f}, perplexity {ppl:.3f} "
-              f"vs dense {ref_ppl:.3f} ({100 * (ppl / ref_ppl - 1):+.2f}%)")
+        print(
+            f"tiny llama {method}: greedy agreement {agreement:.2f}, perplexity {ppl:.3f} "
+            f"vs dense {ref_ppl:.3f} ({100 * (ppl / ref_ppl - 1):+.2f}%)"
+        )
     # Measured: int8 agreement 0.44, +5.7% (of which bf16 activations are most: with fp32
     # activations it is 0.69, +1.3%); int4 (g64, the tiny K) agreement 0.09 and a
     # perplexity ~1.8e4 times dense. This model (initializer_range 0.3, built so greedy
@@ -294,8 +306,10 @@ def smollm2_results() -> dict[str, tuple[float, float]]:
         del llm
     dense = results["dense"][0]
     for name, (ppl, agreement) in results.items():
-        print(f"SmolLM2-135M {name}: perplexity {ppl:.3f} ({100 * (ppl / dense - 1):+.2f}% vs dense), "
-              f"greedy agreement {agreement:.2f} ({len(ids)} tokens)")
+        print(
+            f"SmolLM2-135M {name}: perplexity {ppl:.3f} ({100 * (ppl / dense - 1):+.2f}% vs dense), "
+            f"greedy agreement {agreement:.2f} ({len(ids)} tokens)"
+        )
     return results
 
 

@@ -20,6 +20,7 @@ How exactly they agree depends on the CPU path:
   model must give identical greedy tokens and logprobs to 1e-4 -- the exact end-to-end
   check of the conversion, concatenation and fusion.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,17 @@ TEXT = [1, 17, 300, 42, 99, 5, 250, 7, 480, 33, 64, 128, 11, 200, 3, 77]
 
 FORMATS = {
     # name: (quantization_config, symmetric)
-    "gptq_sym": ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True,
-                  "checkpoint_format": "gptq"}, True),
+    "gptq_sym": (
+        {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": GROUP,
+            "desc_act": False,
+            "sym": True,
+            "checkpoint_format": "gptq",
+        },
+        True,
+    ),
     "gptq_asym": ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False}, False),
     "awq": ({"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}, False),
 }
@@ -81,12 +91,14 @@ def checkpoints(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("prequantized")
     out: dict[str, str] = {}
     for symmetric in (True, False):
-        int4 = {n: quantize_int4(w, GROUP, symmetric, scale_dtype=torch.float16)
-                for n, w in dense.items() if _is_projection(n)}
+        int4 = {
+            n: quantize_int4(w, GROUP, symmetric, scale_dtype=torch.float16)
+            for n, w in dense.items()
+            if _is_projection(n)
+        }
         folder = str(root / f"dense_{'sym' if symmetric else 'asym'}")
         _copy_folder(src, folder)
-        _write(folder, {n: dequantize_int4(int4[n], torch.float32) if n in int4 else w
-                        for n, w in dense.items()}, None)
+        _write(folder, {n: dequantize_int4(int4[n], torch.float32) if n in int4 else w for n, w in dense.items()}, None)
         out[os.path.basename(folder)] = folder
         for fmt, (qconfig, sym) in FORMATS.items():
             if sym != symmetric:
@@ -170,8 +182,10 @@ def test_prequantized_exact_against_dequantized_dense(checkpoints, monkeypatch) 
     monkeypatch.setattr(Int4Method, "convert_for_cpu", lambda self, layer: None)
     for fmt in FORMATS:
         quant = _llm(checkpoints[fmt])
-        assert all(isinstance(quant.engine.model.get_submodule(f"model.layers.0.{n}").method, Int4Method)
-                   for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+        assert all(
+            isinstance(quant.engine.model.get_submodule(f"model.layers.0.{n}").method, Int4Method)
+            for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+        )
         dense = _llm(checkpoints[_dense_ref(fmt)])
         assert greedy_tokens(quant, PROMPTS, 8) == greedy_tokens(dense, PROMPTS, 8), fmt
         diff = max(abs(a - b) for a, b in zip(prompt_logprobs(quant, TEXT), prompt_logprobs(dense, TEXT)))
@@ -186,8 +200,10 @@ def test_prequantized_cpu_packed_path_end_to_end(checkpoints) -> None:
         diffs = sorted(abs(a - b) for a, b in zip(q_lp, d_lp))
         q_tok, d_tok = greedy_tokens(quant, PROMPTS, 8), greedy_tokens(dense, PROMPTS, 8)
         first = sum(q[0] == d[0] for q, d in zip(q_tok, d_tok)) / len(PROMPTS)
-        print(f"{fmt}: prompt logprob |diff| median {diffs[len(diffs) // 2]:.3f} max {diffs[-1]:.3f}, "
-              f"first-token agreement {first:.2f}")
+        print(
+            f"{fmt}: prompt logprob |diff| median {diffs[len(diffs) // 2]:.3f} max {diffs[-1]:.3f}, "
+            f"first-token agreement {first:.2f}"
+        )
         # Bounds from measurement (below; bf16 noise amplified by this model).
         assert diffs[len(diffs) // 2] < MEDIAN_LOGPROB_TOL and diffs[-1] < MAX_LOGPROB_TOL, (fmt, diffs)
         assert first >= MIN_FIRST_TOKEN_AGREEMENT, fmt

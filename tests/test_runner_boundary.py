@@ -8,6 +8,7 @@ ModelRunner on the same weights with its own KV cache, which never sees a `Reque
 sampled tokens and logprobs must equal the engine's own, step by step, and its copy of
 each scheduled request must equal the scheduler's.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -36,15 +37,25 @@ def random_params(rng: random.Random) -> SamplingParams:
     if rng.random() < 0.5:
         options.update(temperature=0.0)
     else:
-        options.update(temperature=rng.choice([0.7, 1.0, 1.5]), seed=rng.randrange(1000),
-                       top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.9]))
+        options.update(
+            temperature=rng.choice([0.7, 1.0, 1.5]),
+            seed=rng.randrange(1000),
+            top_k=rng.choice([0, 5]),
+            top_p=rng.choice([1.0, 0.9]),
+        )
     if rng.random() < 0.3:
-        options.update(repetition_penalty=rng.choice([0.7, 1.3]), frequency_penalty=rng.choice([0.0, 0.5]),
-                       presence_penalty=rng.choice([0.0, 0.4]))
+        options.update(
+            repetition_penalty=rng.choice([0.7, 1.3]),
+            frequency_penalty=rng.choice([0.0, 0.5]),
+            presence_penalty=rng.choice([0.0, 0.4]),
+        )
     if rng.random() < 0.3:
         min_tokens = rng.randrange(1, 4)
-        options.update(min_tokens=min_tokens, max_tokens=max(min_tokens, options["max_tokens"]),
-                       stop_token_ids=[rng.randrange(3, 500)])
+        options.update(
+            min_tokens=min_tokens,
+            max_tokens=max(min_tokens, options["max_tokens"]),
+            stop_token_ids=[rng.randrange(3, 500)],
+        )
     if rng.random() < 0.3:
         options.update(logprobs=rng.randrange(0, 3))
     if rng.random() < 0.2:
@@ -61,8 +72,15 @@ class WireRunner:
     def __init__(self, engine: EngineCore, seen: Counter) -> None:
         self.engine_execute = engine.runner.execute
         self.remote = ModelRunner(
-            engine.model, engine.num_kv_blocks, BLOCK_SIZE, engine.dtype, engine.device, attention_backend="torch",
-            enforce_eager=True, max_num_seqs=MAX_NUM_SEQS, max_model_len=engine.max_model_len,
+            engine.model,
+            engine.num_kv_blocks,
+            BLOCK_SIZE,
+            engine.dtype,
+            engine.device,
+            attention_backend="torch",
+            enforce_eager=True,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_model_len=engine.max_model_len,
         )
         assert all(a is not b for a, b in zip(self.remote.kv_caches, engine.runner.kv_caches))
         self.scheduler = engine.scheduler
@@ -103,14 +121,26 @@ def test_a_runner_fed_only_msgpacked_outputs_samples_the_same(tiny_model_dir) ->
 
     # Shrinking would rerun whole engines for minutes; the failing example is printed anyway.
     @settings(max_examples=5, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate))
-    @given(seed=st.integers(0, 2**16), budget=st.sampled_from([3, 8, 24]), num_blocks=st.integers(16, 22),
-           prefix_caching=st.booleans())
+    @given(
+        seed=st.integers(0, 2**16),
+        budget=st.sampled_from([3, 8, 24]),
+        num_blocks=st.integers(16, 22),
+        prefix_caching=st.booleans(),
+    )
     def workload(seed: int, budget: int, num_blocks: int, prefix_caching: bool) -> None:
         rng = random.Random(seed)
-        engine = EngineCore(EngineArgs(
-            path, dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, num_gpu_blocks=num_blocks,
-            max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching,
-        ))
+        engine = EngineCore(
+            EngineArgs(
+                path,
+                dtype="float32",
+                block_size=BLOCK_SIZE,
+                max_model_len=MAX_MODEL_LEN,
+                num_gpu_blocks=num_blocks,
+                max_num_seqs=MAX_NUM_SEQS,
+                max_num_batched_tokens=budget,
+                enable_prefix_caching=prefix_caching,
+            )
+        )
         engine.runner.execute = WireRunner(engine, seen).execute  # type: ignore[method-assign]
         prefixes = [[rng.randrange(3, 500) for _ in range(rng.randrange(4, 20))] for _ in range(2)]
         live: list[str] = []

@@ -1,4 +1,5 @@
 """Tests for cadence.engine.sampler: each stage against hand-computed values, plus sampling statistics."""
+
 from __future__ import annotations
 
 import pytest
@@ -263,8 +264,9 @@ def test_all_penalties_together() -> None:
     torch.testing.assert_close(got, torch.tensor([1.0, -2.0, 0.5, 0.25, -4.75, 1.0]))
 
 
-def dense_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
-                    outputs: list[list[int]]) -> torch.Tensor:
+def dense_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]
+) -> torch.Tensor:
     out = logits.clone()
     for i, sp in enumerate(params):
         ids = torch.tensor(outputs[i], dtype=torch.int64)
@@ -362,8 +364,13 @@ def test_seeded_row_independent_of_batch() -> None:
     a = _seeded_run(0, [SamplingParams(), SamplingParams(temperature=0.0)], seed=42)
     b = _seeded_run(
         3,
-        [SamplingParams(top_k=2), SamplingParams(temperature=0.0), SamplingParams(seed=5, top_p=0.5),
-         SamplingParams(temperature=2.0), SamplingParams(min_p=0.3)],
+        [
+            SamplingParams(top_k=2),
+            SamplingParams(temperature=0.0),
+            SamplingParams(seed=5, top_p=0.5),
+            SamplingParams(temperature=2.0),
+            SamplingParams(min_p=0.3),
+        ],
         seed=42,
     )
     alone = _seeded_run(0, [], seed=42)

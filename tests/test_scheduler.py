@@ -7,6 +7,7 @@ did not happen. The fake model knows the requests only from the pickled
 `SchedulerOutput`s, as a runner in another process would, and checks its copy of each
 against the scheduler's every step.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -180,8 +181,10 @@ def test_a_preempted_request_comes_back_whole_with_its_outputs() -> None:
         output = scheduler.schedule()
         preempted.update(output.preempted_request_ids)
         resumed += [new for new in output.new_requests if new.request_id in preempted]
-        assert all(isinstance(c, CachedRequestData) and c.request_id not in output.preempted_request_ids
-                   for c in output.cached_requests)
+        assert all(
+            isinstance(c, CachedRequestData) and c.request_id not in output.preempted_request_ids
+            for c in output.cached_requests
+        )
         scheduler.update(output, model.execute(output))
         scheduler.check_integrity()
     assert resumed and all(len(new.token_ids) > new.num_prompt_tokens == 10 for new in resumed)
@@ -276,9 +279,11 @@ def test_random_workloads_keep_invariants(
     for _ in range(300):
         action = rng.random()
         if action < 0.25 and next_id < 40:
-            prompt = (shared_prefix[: rng.randrange(0, 12)] + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))])
+            prompt = shared_prefix[: rng.randrange(0, 12)] + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))]
             rid = f"r{next_id}"
-            scheduler.add_request(make_request(rid, prompt, next_id, max_tokens=rng.randrange(1, 20), priority=rng.randrange(3)))
+            scheduler.add_request(
+                make_request(rid, prompt, next_id, max_tokens=rng.randrange(1, 20), priority=rng.randrange(3))
+            )
             live.append(rid)
             if rng.random() < 0.3:  # an n>1 sibling
                 scheduler.add_request(make_request(rid + "-fork", prompt, next_id, max_tokens=5, fork_parent_id=rid))

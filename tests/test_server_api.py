@@ -3,6 +3,7 @@
 Raw JSON is validated strictly with the SDK's own pydantic models; greedy answers are
 compared with the offline `LLM` on the same weights.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -87,7 +88,8 @@ def test_completions_match_offline_greedy(server, client, offline) -> None:
     assert response.usage.completion_tokens == 4 * 12
     assert all(c.finish_reason == "length" for c in response.choices)
     raw = httpx.post(
-        f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": prompts[0], "max_tokens": 12, "temperature": 0}
+        f"{server.base_url}/v1/completions",
+        json={"model": "tiny", "prompt": prompts[0], "max_tokens": 12, "temperature": 0},
     ).json()
     Completion.model_validate(raw, strict=True)
     assert raw["choices"][0]["text"] == expected[0]
@@ -116,7 +118,10 @@ def test_chat_matches_offline_and_validates(server, client, offline) -> None:
     assert parsed.choices[0].message.content == expected
     assert parsed.usage is not None and parsed.usage.completion_tokens == 10
     # Text parts are joined like plain content.
-    parts = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Name a fox."}]}]
+    parts = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a fox."}]},
+    ]
     again = client.chat.completions.create(model="tiny", messages=parts, max_tokens=10, temperature=0)
     assert again.choices[0].message.content == expected
 
@@ -145,7 +150,13 @@ def _collect_chat_stream(server, body: dict) -> tuple[dict[int, str], dict[int, 
 
 
 def test_chat_stream_equals_non_stream(server, client) -> None:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about blocks."}], "max_tokens": 24, "temperature": 0, "n": 2}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Tell me about blocks."}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "n": 2,
+    }
     whole = client.chat.completions.create(**body)
     texts, finishes, chunks = _collect_chat_stream(server, {**body, "stream_options": {"include_usage": True}})
     assert texts == {c.index: c.message.content for c in whole.choices}
@@ -179,7 +190,9 @@ def test_stop_string_is_never_streamed(server, client) -> None:
     expected = full[: full.index(stop)]
     pieces = []
     finish = []
-    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=[stop], stream=True):
+    for chunk in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=[stop], stream=True
+    ):
         for choice in chunk.choices:
             pieces.append(choice.text)
             if choice.finish_reason:
@@ -210,7 +223,9 @@ def test_chat_logprobs_match_offline(server, client, offline) -> None:
     content = response.choices[0].logprobs.content
     assert len(content) == 6
     tokenizer = offline.get_tokenizer()
-    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    ids = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
     (out,) = offline.generate([ids], SamplingParams(max_tokens=6, temperature=0, logprobs=3))
     for entry, token_id, position in zip(content, out.outputs[0].token_ids, out.outputs[0].logprobs):
         assert entry.logprob == pytest.approx(position[token_id].logprob, abs=1e-4)
@@ -264,10 +279,19 @@ def test_metrics_count_tokens(server, client) -> None:
 
 def test_continuous_usage_stats_grow_chunk_by_chunk(server) -> None:
     body = {
-        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
+        "model": "tiny",
+        "prompt": [5, 6, 7],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
-    chunks = [p for p in sse_payloads(httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)) if isinstance(p, dict)]
+    chunks = [
+        p
+        for p in sse_payloads(httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60))
+        if isinstance(p, dict)
+    ]
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert all(c["usage"]["prompt_tokens"] == 3 for c in chunks)
     assert counts == sorted(counts) and counts[-1] == 8

@@ -6,6 +6,7 @@ KV cache empty. The server (`strict`) has a small context, an API key and a smal
 limit, for the 400, 401, 404 and 413 cases. Load, disconnects, engine death and
 shutdown are in test_server_load.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,10 +44,14 @@ def model_dir(tiny_model_dir) -> str:
 def strict(model_dir: str) -> Iterator[ServerProcess]:
     with ServerProcess(
         model_dir,
-        "--served-model-name", MODEL,
-        "--max-model-len", str(STRICT_MAX_MODEL_LEN),
-        "--api-key", API_KEY,
-        "--max-request-body-bytes", "4KiB",
+        "--served-model-name",
+        MODEL,
+        "--max-model-len",
+        str(STRICT_MAX_MODEL_LEN),
+        "--api-key",
+        API_KEY,
+        "--max-request-body-bytes",
+        "4KiB",
     ) as server:
         yield server
 
@@ -89,7 +94,12 @@ BAD_REQUESTS = [
     ("chat-priority-under-int64", CHAT, {"model": MODEL, "messages": MESSAGES, "priority": -(2**63) - 1}, "priority"),
     ("cmpl-top-k-over-int64", CMPL, {"model": MODEL, "prompt": "hi", "top_k": 2**63}, "top_k"),
     ("cmpl-stop-id-over-int64", CMPL, {"model": MODEL, "prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids.0"),
-    ("cmpl-stop-id-outside-vocab", CMPL, {"model": MODEL, "prompt": "hi", "stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids"),
+    (
+        "cmpl-stop-id-outside-vocab",
+        CMPL,
+        {"model": MODEL, "prompt": "hi", "stop_token_ids": [VOCAB_SIZE]},
+        "stop_token_ids",
+    ),
     ("chat-too-many-stops", CHAT, {"model": MODEL, "messages": MESSAGES, "stop": ["x"] * 65}, "stop"),
     ("chat-logit-bias", CHAT, {"model": MODEL, "messages": MESSAGES, "logit_bias": {"5": -100}}, ...),
     (
@@ -232,7 +242,9 @@ def test_unknown_fields_are_ignored(strict: ServerProcess) -> None:
 def test_null_means_unset(strict: ServerProcess) -> None:
     """OpenAI's schema allows null for optional fields, and some clients send it."""
     nulls = {"n": None, "stream": None, "echo": None, "ignore_eos": None, "min_tokens": None, "priority": None}
-    response = post(strict, CMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stop": None, "seed": None, **nulls})
+    response = post(
+        strict, CMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stop": None, "seed": None, **nulls}
+    )
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 1
     chat = post(strict, CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "logprobs": None, **nulls})

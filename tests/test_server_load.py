@@ -5,6 +5,7 @@
   then SIGTERM mid-stream (graceful drain) as its last test;
 - `doomed`: its engine is killed (503s, an error event mid-stream).
 """
+
 from __future__ import annotations
 
 import json
@@ -114,9 +115,10 @@ def test_overload_gives_429_with_retry_after(busy: ServerProcess) -> None:
 def test_429_after_a_finished_request_frees_its_seats(busy: ServerProcess) -> None:
     """Seats held by a request that finishes on its own (not aborted) are given back."""
     finished_before = finished_count(busy)
-    with httpx.Client(timeout=30) as holder, holder.stream(
-        "POST", f"{busy.base_url}{CMPL}", json=_long_stream_body(max_tokens=300)
-    ) as held:
+    with (
+        httpx.Client(timeout=30) as holder,
+        holder.stream("POST", f"{busy.base_url}{CMPL}", json=_long_stream_body(max_tokens=300)) as held,
+    ):
         events = sse_data(held.iter_lines())
         next(events)
         response = httpx.post(
@@ -150,7 +152,9 @@ def test_refusals_leave_no_seat_taken(busy: ServerProcess) -> None:
     """Requests refused at the edge or by the engine must not keep admission slots."""
     for extra in ({"priority": 2**64}, {"top_k": 2**64}, {"stop_token_ids": [2**64]}, {"stop_token_ids": [VOCAB_SIZE]}):
         response = httpx.post(
-            f"{busy.base_url}{CMPL}", json={"model": MODEL, "prompt": "hi", "max_tokens": 3, "n": 2, **extra}, timeout=30
+            f"{busy.base_url}{CMPL}",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 3, "n": 2, **extra},
+            timeout=30,
         )
         assert_error(response, 400)
     # Both seats are free: a request that needs both is served.
@@ -193,9 +197,10 @@ def test_streaming_client_disconnect_aborts(roomy: ServerProcess, path: str) -> 
     for _ in range(4):
         assert_idle(roomy)
         generated_before, finished_before = roomy.metric(GENERATED), finished_count(roomy)
-        with httpx.Client(timeout=30) as client, client.stream(
-            "POST", f"{roomy.base_url}{path}", json=body
-        ) as response:
+        with (
+            httpx.Client(timeout=30) as client,
+            client.stream("POST", f"{roomy.base_url}{path}", json=body) as response,
+        ):
             assert response.status_code == 200
             events = sse_data(response.iter_lines())
             assert json.loads(next(events))["choices"]
@@ -229,9 +234,11 @@ def test_engine_death_fails_requests_with_503(doomed: ServerProcess) -> None:
     engine_pid = doomed.engine_pid
     # 16 sequences each, so that both are still generating when the engine dies.
     body = {"model": MODEL, "n": 16, "max_tokens": LONG, "ignore_eos": True}
-    with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as client, client.stream(
-        "POST", f"{url}{CMPL}", json={**body, "prompt": "The quick brown", "stream": True}
-    ) as streamed:
+    with (
+        ThreadPoolExecutor(1) as pool,
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", f"{url}{CMPL}", json={**body, "prompt": "The quick brown", "stream": True}) as streamed,
+    ):
         events = sse_data(streamed.iter_lines())
         assert json.loads(next(events))["choices"]
         plain = pool.submit(httpx.post, f"{url}{CHAT}", json={**body, "messages": MESSAGES}, timeout=30)

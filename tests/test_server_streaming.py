@@ -1,4 +1,5 @@
 """The streaming loop without a network: engine outputs in, SSE frames out, in any order."""
+
 from __future__ import annotations
 
 import asyncio
@@ -73,10 +74,14 @@ def test_a_slow_consumer_still_gets_the_last_frames(processor) -> None:
         events = stream_events(group, frames_for(group, 2), list)
         got = [await events.__anext__()]
         # The client is slow: before it asks for more, the engine finishes both choices.
-        step(processor, group, [
-            EngineCoreOutput("r", 0, [42], finish_reason="length"),
-            EngineCoreOutput("r", 1, [43], finish_reason="length"),
-        ])
+        step(
+            processor,
+            group,
+            [
+                EngineCoreOutput("r", 0, [42], finish_reason="length"),
+                EngineCoreOutput("r", 1, [43], finish_reason="length"),
+            ],
+        )
         got += [frame async for frame in events]
         return parse(got), group
 

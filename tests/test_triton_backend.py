@@ -5,12 +5,14 @@ the batches are small; the scheduling cases that mix decodes and prefill chunks 
 kernel launch are the point: ragged prompts, chunked prefill, a prefix-cache hit, n>1,
 and a sliding window (the mistral kind).
 """
+
 from __future__ import annotations
 
 import functools
 
 import pytest
 import torch
+
 from helpers import greedy, hf_greedy, make_llm
 
 MAX_TOKENS = 6

@@ -7,10 +7,12 @@ noise on every norm weight and bias so that (a) logits are peaked enough for gre
 outputs to compare robustly across implementations and (b) a mis-mapped norm or bias
 weight actually changes the output instead of hiding behind ones/zeros.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import (

@@ -1,4 +1,5 @@
 """A small byte-level BPE tokenizer trained in-process, so tests never download one."""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,6 @@ def save_tiny_tokenizer(path: str | os.PathLike[str], vocab_size: int = 512) -> 
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(os.fspath(path))

@@ -15,6 +15,7 @@ Two steps, in two processes, because one process cannot hold both kinds of kerne
    each recorded launch to a cubin for each target and report ptxas's resource usage
    (registers, spills, shared memory) as JSON on stdout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,14 @@ from typing import Any
 import torch
 
 _TRITON_TYPES = {
-    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int8: "i8",
-    torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.float8_e4m3fn: "fp8e4nv",
 }
 
 
@@ -80,13 +87,18 @@ def record_launches(cases: dict[str, Callable[[], object]]) -> list[Launch]:
         options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
         hints = self.fn.__annotations__
         constexpr_names = {n for n in self.arg_names if "constexpr" in str(hints.get(n, ""))}
-        launches.append(Launch(
-            label="", module=self.fn.__module__, kernel=self.fn.__name__,  # labelled by the loop below
-            arg_types={n: _arg_type(v) for n, v in bound.items() if n not in constexpr_names},
-            constexprs={n: (v.value if isinstance(v, tl.constexpr) else v)
-                        for n, v in bound.items() if n in constexpr_names},
-            options=options,
-        ))
+        launches.append(
+            Launch(
+                label="",
+                module=self.fn.__module__,
+                kernel=self.fn.__name__,  # labelled by the loop below
+                arg_types={n: _arg_type(v) for n, v in bound.items() if n not in constexpr_names},
+                constexprs={
+                    n: (v.value if isinstance(v, tl.constexpr) else v) for n, v in bound.items() if n in constexpr_names
+                },
+                options=options,
+            )
+        )
 
     original = InterpretedFunction.run
     InterpretedFunction.run = capture
@@ -125,8 +137,9 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
         result["skipped"] = f"needs sm_{launch.min_arch}"
         return result
     try:
-        compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
-                                  options=dict(launch.options))
+        compiled = triton.compile(
+            ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=dict(launch.options)
+        )
     except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is the finding to report
         result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         return result
@@ -137,10 +150,18 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w", encoding="utf-8") as f:
             f.write(compiled.asm["ptx"])
-        report = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", ptx, "-o", os.path.join(tmp, "k.o")],
-                                capture_output=True, text=True, check=True).stderr
-    for key, pattern in (("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
-                         ("spill_loads", r"(\d+) bytes spill loads"), ("stack_bytes", r"(\d+) bytes stack frame")):
+        report = subprocess.run(
+            [get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", ptx, "-o", os.path.join(tmp, "k.o")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    for key, pattern in (
+        ("registers", r"Used (\d+) registers"),
+        ("spill_stores", r"(\d+) bytes spill stores"),
+        ("spill_loads", r"(\d+) bytes spill loads"),
+        ("stack_bytes", r"(\d+) bytes stack frame"),
+    ):
         match = re.search(pattern, report)
         result[key] = int(match.group(1)) if match else 0
     return result

@@ -10,6 +10,7 @@ they stand when the group's first column is reached, so earlier error feedback c
 Columns are processed in their natural order (no act-order), so the result is a plain
 group-wise ``Int4Weight`` that every int4 path here, and any GPTQ loader, reads.
 """
+
 from __future__ import annotations
 
 import torch

@@ -12,6 +12,7 @@ Calibration text: a file of the user's, or, by default, samples the model draws 
 itself at temperature 1 (data-free; nothing to download here). The perplexity the
 result scores is measured on separate text (bench/RESULTS.md).
 """
+
 from __future__ import annotations
 
 import gc
@@ -58,8 +59,9 @@ class CausalContext:
             return t.view(self.samples, self.length, *t.shape[1:]).transpose(1, 2)
 
         mask = None if self.mask is None else self.mask.to(q.device)
-        out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), attn_mask=mask, is_causal=mask is None,
-                                             scale=self.spec.scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            batch(q), batch(k), batch(v), attn_mask=mask, is_causal=mask is None, scale=self.spec.scale, enable_gqa=True
+        )
         return out.transpose(1, 2).reshape(q.shape)
 
 
@@ -119,8 +121,10 @@ def gptq_model(
     for index, layer in enumerate(layers):
         projections = {suffix: _projection(layer, suffix) for suffix in FUSED_SHARDS}
         hessians = {suffix: HessianAccumulator(m.in_features, device) for suffix, m in projections.items()}
-        hooks = [m.register_forward_pre_hook(lambda _m, args, acc=hessians[suffix]: acc.add(args[0]))
-                 for suffix, m in projections.items()]
+        hooks = [
+            m.register_forward_pre_hook(lambda _m, args, acc=hessians[suffix]: acc.add(args[0]))
+            for suffix, m in projections.items()
+        ]
         try:
             run(layer)
         finally:
@@ -130,8 +134,10 @@ def gptq_model(
             try:
                 weight = gptq_quantize(module.weight, hessians[suffix].hessian, group_size, symmetric, damping)
             except torch.linalg.LinAlgError as exc:
-                raise ValueError(f"GPTQ of model.layers.{index}.{suffix}: its Hessian is not positive definite "
-                                 f"even with damping {damping}; raise --damping or calibrate on more text") from exc
+                raise ValueError(
+                    f"GPTQ of model.layers.{index}.{suffix}: its Hessian is not positive definite "
+                    f"even with damping {damping}; raise --damping or calibrate on more text"
+                ) from exc
             module.weight.copy_(dequantize_int4(weight, module.weight.dtype))
             results[f"model.layers.{index}.{suffix}"] = weight
         hidden, residual = run(layer)
@@ -154,9 +160,15 @@ def _layer_prefix(name: str) -> str:
 def shard_sizes(config: ModelConfig) -> dict[str, int]:
     """Each HF projection's N (its share of our fused layers' output features)."""
     heads, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    return {"self_attn.q_proj": heads, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
-            "self_attn.o_proj": config.hidden_size, "mlp.gate_proj": config.intermediate_size,
-            "mlp.up_proj": config.intermediate_size, "mlp.down_proj": config.hidden_size}
+    return {
+        "self_attn.q_proj": heads,
+        "self_attn.k_proj": kv,
+        "self_attn.v_proj": kv,
+        "self_attn.o_proj": config.hidden_size,
+        "mlp.gate_proj": config.intermediate_size,
+        "mlp.up_proj": config.intermediate_size,
+        "mlp.down_proj": config.hidden_size,
+    }
 
 
 def split_shards(name: str, weight: Int4Weight, sizes: dict[str, int]) -> dict[str, Int4Weight]:
@@ -166,15 +178,25 @@ def split_shards(name: str, weight: Int4Weight, sizes: dict[str, int]) -> dict[s
     for hf in FUSED_SHARDS[suffix]:
         stop = start + sizes[hf]
         zeros = None if weight.zeros is None else weight.zeros[:, start:stop].contiguous()
-        out[f"{prefix}.{hf}"] = Int4Weight(weight.qweight[:, start:stop].contiguous(),
-                                           weight.scales[:, start:stop].contiguous(), zeros, weight.group_size)
+        out[f"{prefix}.{hf}"] = Int4Weight(
+            weight.qweight[:, start:stop].contiguous(),
+            weight.scales[:, start:stop].contiguous(),
+            zeros,
+            weight.group_size,
+        )
         start = stop
     return out
 
 
 def write_gptq_checkpoint(
-    source: str, out: str, dense: dict[str, torch.Tensor], quantized: dict[str, Int4Weight],
-    shard_sizes: dict[str, int], group_size: int, symmetric: bool, calibration: dict[str, object],
+    source: str,
+    out: str,
+    dense: dict[str, torch.Tensor],
+    quantized: dict[str, Int4Weight],
+    shard_sizes: dict[str, int],
+    group_size: int,
+    symmetric: bool,
+    calibration: dict[str, object],
 ) -> None:
     """The source folder's files and non-projection tensors, plus GPTQ tensors (v1 format)."""
     os.makedirs(out, exist_ok=True)
@@ -191,9 +213,15 @@ def write_gptq_checkpoint(
     with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     config["quantization_config"] = {
-        "quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": symmetric,
-        "checkpoint_format": "gptq", "damp_percent": calibration.get("damping", DEFAULT_DAMPING),
-        "quantizer": "cadence", "calibration": calibration,
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "desc_act": False,
+        "sym": symmetric,
+        "checkpoint_format": "gptq",
+        "damp_percent": calibration.get("damping", DEFAULT_DAMPING),
+        "quantizer": "cadence",
+        "calibration": calibration,
     }
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
@@ -206,8 +234,9 @@ def self_samples(source: str, count: int, length: int, seed: int, device: str) -
     llm = LLM(source, dtype="float32", device=device, max_model_len=length, max_num_seqs=max(1, min(count, 64)))
     bos = llm.engine.model_config.bos_token_id
     start = [bos if bos is not None else 0]
-    params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=length - 1, ignore_eos=True)
-              for i in range(count)]
+    params = [
+        SamplingParams(temperature=1.0, seed=seed + i, max_tokens=length - 1, ignore_eos=True) for i in range(count)
+    ]
     outputs = llm.generate([{"prompt_token_ids": start}] * count, params)
     samples = torch.tensor([start + list(o.outputs[0].token_ids) for o in outputs], dtype=torch.long)
     # The engine's fp32 copy of the model must be gone before calibration loads another
@@ -230,16 +259,24 @@ def text_samples(token_ids: list[int], count: int, length: int) -> torch.Tensor:
 
 
 def quantize_checkpoint(
-    source: str, out: str, group_size: int = 128, symmetric: bool = True, num_samples: int = 128,
-    sample_length: int = 256, calibration_file: str | None = None, seed: int = 0, device: str = "cpu",
+    source: str,
+    out: str,
+    group_size: int = 128,
+    symmetric: bool = True,
+    num_samples: int = 128,
+    sample_length: int = 256,
+    calibration_file: str | None = None,
+    seed: int = 0,
+    device: str = "cpu",
     damping: float = DEFAULT_DAMPING,
 ) -> dict[str, object]:
     """GPTQ a dense HF folder into a 4-bit GPTQ checkpoint at ``out``; returns what was done.
 
     The model is held in float32 on ``device`` (an 8B model needs about 32 GB there)."""
     if num_samples < 1 or sample_length < 2:
-        raise ValueError(f"GPTQ needs at least one calibration sample of at least 2 tokens, "
-                         f"got {num_samples} x {sample_length}")
+        raise ValueError(
+            f"GPTQ needs at least one calibration sample of at least 2 tokens, got {num_samples} x {sample_length}"
+        )
     if ModelConfig.from_pretrained(source).quantization is not None:
         raise ValueError(f"{source} is already quantized; GPTQ starts from a dense checkpoint")
     if calibration_file is not None:
@@ -254,15 +291,32 @@ def quantize_checkpoint(
     model, config = load_model(source, torch.float32, device)
     assert isinstance(model, LlamaForCausalLM), "GPTQ calibration runs the Llama-family decoder"
     group = common_group_size(model, group_size)
-    logger.info("GPTQ: %d samples of %d tokens, group %d, %s", samples.shape[0], samples.shape[1], group,
-                "symmetric" if symmetric else "with zero points")
-    quantized = gptq_model(model, samples, group, symmetric, damping,
-                           progress=lambda done, total: logger.info("GPTQ: layer %d/%d", done, total))
-    calibration = {"source": os.path.basename(calibration_file) if calibration_file else "self-generated",
-                   "samples": int(samples.shape[0]), "tokens_per_sample": int(samples.shape[1]), "seed": seed,
-                   "damping": damping}
+    logger.info(
+        "GPTQ: %d samples of %d tokens, group %d, %s",
+        samples.shape[0],
+        samples.shape[1],
+        group,
+        "symmetric" if symmetric else "with zero points",
+    )
+    quantized = gptq_model(
+        model,
+        samples,
+        group,
+        symmetric,
+        damping,
+        progress=lambda done, total: logger.info("GPTQ: layer %d/%d", done, total),
+    )
+    calibration = {
+        "source": os.path.basename(calibration_file) if calibration_file else "self-generated",
+        "samples": int(samples.shape[0]),
+        "tokens_per_sample": int(samples.shape[1]),
+        "seed": seed,
+        "damping": damping,
+    }
     # Everything but the projection weights GPTQ replaces (no second copy of those).
-    projections = {f"{_layer_prefix(name)}.{hf}.weight" for name in quantized for hf in FUSED_SHARDS[name.split(".", 3)[3]]}
+    projections = {
+        f"{_layer_prefix(name)}.{hf}.weight" for name in quantized for hf in FUSED_SHARDS[name.split(".", 3)[3]]
+    }
     dense = {name: t for name, t in iterate_weights(source) if name not in projections}
     write_gptq_checkpoint(source, out, dense, quantized, shard_sizes(config), group, symmetric, calibration)
     return {"group_size": group, "layers": len(quantized), **calibration}

@@ -1,4 +1,5 @@
 """Cadence's side of the comparison: `LLM.generate` on a workload, with the engine's own step timings."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """torch.profiler and cProfile tables of Cadence's decode steps at full batch (--profile)."""
+
 from __future__ import annotations
 
 import cProfile
@@ -27,8 +28,10 @@ def profile_decode(path: str, work: Workload, mbt: int, dtype: str, num_steps: i
     # Step until every sequence is decoding, plus a few warm decode steps.
     for _ in range(1000):
         engine.step()
-        if engine.scheduler.running and len(engine.scheduler.running) == batch and all(
-            r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running
+        if (
+            engine.scheduler.running
+            and len(engine.scheduler.running) == batch
+            and all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running)
         ):
             break
     for _ in range(3):
@@ -40,7 +43,14 @@ def profile_decode(path: str, work: Workload, mbt: int, dtype: str, num_steps: i
             with record_function("engine.step"):
                 engine.step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
-    out += [f"### torch.profiler: {num_steps} decode steps at batch {batch} (sorted by self CPU time)", "", "```", table, "```", ""]
+    out += [
+        f"### torch.profiler: {num_steps} decode steps at batch {batch} (sorted by self CPU time)",
+        "",
+        "```",
+        table,
+        "```",
+        "",
+    ]
 
     pr = cProfile.Profile()
     pr.enable()
@@ -50,7 +60,14 @@ def profile_decode(path: str, work: Workload, mbt: int, dtype: str, num_steps: i
     buf = io.StringIO()
     stats = pstats.Stats(pr, stream=buf)
     stats.sort_stats("tottime").print_stats(30)
-    out += [f"### cProfile: {num_steps} decode steps at batch {batch} (sorted by tottime)", "", "```", buf.getvalue().strip(), "```", ""]
+    out += [
+        f"### cProfile: {num_steps} decode steps at batch {batch} (sorted by tottime)",
+        "",
+        "```",
+        buf.getvalue().strip(),
+        "```",
+        "",
+    ]
     engine.abort_requests([f"prof-{i}" for i in range(batch)])
     del llm, engine
     gc.collect()

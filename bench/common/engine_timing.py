@@ -5,6 +5,7 @@ before and after every `EngineCore.step()` the bench drives itself; nothing in t
 is wrapped. The LM head is timed apart, through the model's `compute_logits` on a hidden
 state of one row, because inside a step it is part of `execute`.
 """
+
 from __future__ import annotations
 
 import itertools

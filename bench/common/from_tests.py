@@ -3,6 +3,7 @@
 tests/ is not a package: its helpers are imported by putting the folder on sys.path, in
 this one place.
 """
+
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ import sys
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
-from quant_eval import EVAL_TEXT, perplexity  # noqa: E402
-from server_harness import ServerProcess  # noqa: E402
+from quant_eval import EVAL_TEXT, perplexity
+from server_harness import ServerProcess
 
 __all__ = ["EVAL_TEXT", "ServerProcess", "perplexity"]

@@ -3,6 +3,7 @@
 Nothing here imports triton at module level: kernels.py must set TRITON_INTERPRET (CPU
 smoke runs) before triton loads.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -119,8 +120,9 @@ def measure_ceilings(device: str, smoke: bool) -> Ceilings:
     on_gpu = device == "cuda"
     n = (1 << 20) if smoke else (1 << 29)  # 1 GiB of fp16 each way on the GPU: far past any cache
     size = 256 if smoke else 8192
-    rates = {name: matmul_rate(device, dtype, size) for name, dtype in (("fp16", torch.float16),
-                                                                         ("bf16", torch.bfloat16))}
+    rates = {
+        name: matmul_rate(device, dtype, size) for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))
+    }
     fp8 = fp8_matmul_rate(size) if on_gpu else None
     if fp8:
         rates["fp8"] = fp8

@@ -1,4 +1,5 @@
 """The baseline: transformers' `generate` on the whole workload as one static batch."""
+
 from __future__ import annotations
 
 import time

@@ -3,6 +3,7 @@
 Kept apart so kernels.py holds only what is benchmarked. Nothing here imports triton at
 module level: kernels.py must set TRITON_INTERPRET (CPU smoke runs) before triton loads.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -38,8 +39,9 @@ def import_cadence_from_repo() -> None:
     spec = importlib.util.find_spec("cadence")
     if spec is not None and spec.origin and Path(spec.origin).resolve().parent == ROOT:
         return
-    spec = importlib.util.spec_from_file_location("cadence", ROOT / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT)])
+    spec = importlib.util.spec_from_file_location(
+        "cadence", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["cadence"] = module
@@ -65,16 +67,20 @@ def nbytes(obj: object) -> int:
     return 0
 
 
-
 def device_info(device: str) -> dict[str, str]:
     import triton
 
     info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        info.update(device=props.name, capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-                    sms=str(props.multi_processor_count), l2_mib=f"{getattr(props, 'L2_cache_size', 0) / 2**20:.0f}",
-                    memory_gib=f"{props.total_memory / 2**30:.0f}", cuda=str(torch.version.cuda))
+        info.update(
+            device=props.name,
+            capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+            sms=str(props.multi_processor_count),
+            l2_mib=f"{getattr(props, 'L2_cache_size', 0) / 2**20:.0f}",
+            memory_gib=f"{props.total_memory / 2**30:.0f}",
+            cuda=str(torch.version.cuda),
+        )
     else:
         info.update(device=f"CPU ({platform.processor() or platform.machine()}), Triton interpreter")
     return info
@@ -119,12 +125,18 @@ class Report:
         if rec.us and c is not None and self.on_gpu:  # CPU ceilings say nothing about a GPU kernel
             bw_us = rec.bytes / (c.copy_gbps * 1e3)
             flop_us = rec.flops / (c.tflops.get(rec.rate, c.tflops["fp16"]) * 1e6)  # no fp8 rate: fp16's
-            rec.derived = dict(gbps=rec.bytes / rec.us / 1e3, pct_bw=100 * bw_us / rec.us,
-                               tflops=rec.flops / rec.us / 1e6, pct_flop=100 * flop_us / rec.us,
-                               roofline=100 * max(bw_us, flop_us) / rec.us)
+            rec.derived = dict(
+                gbps=rec.bytes / rec.us / 1e3,
+                pct_bw=100 * bw_us / rec.us,
+                tflops=rec.flops / rec.us / 1e6,
+                pct_flop=100 * flop_us / rec.us,
+                roofline=100 * max(bw_us, flop_us) / rec.us,
+            )
         self.records.append(rec)
         err = "-" if rec.err is None else f"{rec.err:.1e}"
-        pct = f" {rec.derived['pct_bw']:.0f}%bw {rec.derived['pct_flop']:.0f}%flop" if self.on_gpu and rec.derived else ""
+        pct = (
+            f" {rec.derived['pct_bw']:.0f}%bw {rec.derived['pct_flop']:.0f}%flop" if self.on_gpu and rec.derived else ""
+        )
         us = "skip" if rec.us is None else f"{rec.us:.1f}us"
         flag = "" if rec.ok else "  <-- FAILED"
         print(f"  [{rec.section}] {rec.case} | {rec.variant}: {us}{pct} err {err} {rec.note}{flag}", flush=True)
@@ -164,8 +176,10 @@ class Report:
         return lines
 
     def full(self, section: str) -> list[str]:
-        lines = ["| case | variant | µs | speedup | GB/s | %BW | TFLOP/s | %FLOP | roofline % | rel err | ok | note |",
-                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+        lines = [
+            "| case | variant | µs | speedup | GB/s | %BW | TFLOP/s | %FLOP | roofline % | rel err | ok | note |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        ]
         for r in (r for r in self.records if r.section == section):
             d = r.derived
             nums = [f"{d[k]:.1f}" for k in ("gbps", "pct_bw", "tflops", "pct_flop", "roofline")] if d else ["-"] * 5
@@ -173,8 +187,11 @@ class Report:
             base = self.find(section, r.case, self.baselines.get(section, ""))
             speedup = f"{base.us / r.us:.2f}x" if base and base.us and r.us else "-"
             err = "-" if r.err is None else f"{r.err:.1e}"
-            lines.append(f"| {r.case} | {r.variant} | {us} | {speedup} | " + " | ".join(nums)
-                         + f" | {err} | {'yes' if r.ok else 'NO'} | {r.note} |")
+            lines.append(
+                f"| {r.case} | {r.variant} | {us} | {speedup} | "
+                + " | ".join(nums)
+                + f" | {err} | {'yes' if r.ok else 'NO'} | {r.note} |"
+            )
         return lines
 
     def header(self) -> list[str]:
@@ -182,12 +199,16 @@ class Report:
         if self.ceilings:
             c = self.ceilings
             rates = ", ".join(f"{k} matmul {v:.0f} TFLOP/s" for k, v in c.tflops.items())
-            lines.append(f"Ceilings (measured): copy {c.copy_gbps:.0f} GB/s (read+write; a repeat differed by "
-                         f"{c.repeat_spread_pct:.1f}%), {rates}")
+            lines.append(
+                f"Ceilings (measured): copy {c.copy_gbps:.0f} GB/s (read+write; a repeat differed by "
+                f"{c.repeat_spread_pct:.1f}%), {rates}"
+            )
         if not self.on_gpu:
             lines.append("CPU smoke run: times are Triton-interpreter times; % of ceilings omitted (meaningless).")
-        lines.append("Cells: median µs, speedup over the section's baseline, roofline % = max(bytes/BW, "
-                     "FLOPs/rate) / time. FAIL = correctness check failed.")
+        lines.append(
+            "Cells: median µs, speedup over the section's baseline, roofline % = max(bytes/BW, "
+            "FLOPs/rate) / time. FAIL = correctness check failed."
+        )
         return lines
 
     def markdown(self, full: bool) -> str:
@@ -199,8 +220,11 @@ class Report:
             tables += ["", f"## {s} (baseline: {self.baselines.get(s, '-')})", ""] + self.compact(s)
         tail = ["", "## Targets", ""] + [f"- {t}" for t in self.targets] if self.targets else []
         bad = self.failures()
-        tail += ["", f"Correctness: {'ALL PASSED' if not bad else f'{len(bad)} FAILED'} "
-                 f"({sum(r.err is not None for r in self.records)} checks)"]
+        tail += [
+            "",
+            f"Correctness: {'ALL PASSED' if not bad else f'{len(bad)} FAILED'} "
+            f"({sum(r.err is not None for r in self.records)} checks)",
+        ]
         tail += [f"- FAILED {r.section} {r.case} {r.variant}: err {r.err} {r.note}" for r in bad[:20]]
         tail.append(f"Wall time {time.perf_counter() - self.start:.0f} s.")
         if not full:
@@ -216,7 +240,12 @@ class Report:
             return
         path = Path(out_dir)
         path.mkdir(parents=True, exist_ok=True)
-        doc = dict(info=self.info, ceilings=asdict(self.ceilings) if self.ceilings else None,
-                   baselines=self.baselines, targets=self.targets, records=[asdict(r) for r in self.records])
+        doc = dict(
+            info=self.info,
+            ceilings=asdict(self.ceilings) if self.ceilings else None,
+            baselines=self.baselines,
+            targets=self.targets,
+            records=[asdict(r) for r in self.records],
+        )
         (path / "kernels.json").write_text(json.dumps(doc, indent=1, default=str))
         (path / "kernels.md").write_text(self.markdown(full=True) + "\n")

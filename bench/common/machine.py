@@ -3,6 +3,7 @@
 On a shared machine a timed run can be slowed by someone else's work; the report states
 the cores other processes used during each run so such numbers can be recognised.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,10 @@ def cpu_flags() -> list[str]:
 
 def machine_line(info: dict[str, str]) -> str:
     """One report line naming the machine, as bench/RESULTS.md records it."""
-    return (f"machine: {info['cpu']} ({info['isa']}), {info['cores']} cores, torch {info['torch']}, "
-            f"{info['threads']} threads")
+    return (
+        f"machine: {info['cpu']} ({info['isa']}), {info['cores']} cores, torch {info['torch']}, "
+        f"{info['threads']} threads"
+    )
 
 
 def load_average_line(before: tuple[float, float, float], after: tuple[float, float, float]) -> str:

@@ -3,6 +3,7 @@
 Throughput does not depend on the weight values, so the benchmarks build a model of the
 shape they need from a config and save it once under bench/out/models/ (git-ignored).
 """
+
 from __future__ import annotations
 
 import gc
@@ -88,17 +89,26 @@ def _save_fast(config: LlamaConfig, folder: str) -> None:
     config.architectures = ["LlamaForCausalLM"]
     config.dtype = "bfloat16"
     config.save_pretrained(folder)
-    files = {"model.embed_tokens.weight": rand(config.vocab_size, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    files = {
+        "model.embed_tokens.weight": rand(config.vocab_size, h),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
     if not config.tie_word_embeddings:
         files["lm_head.weight"] = rand(config.vocab_size, h)
     save_file(files, os.path.join(folder, "model-head.safetensors"))
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
-        save_file({
-            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.k_proj.weight": rand(kv, h),
-            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, h),
-            p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
-            p + "mlp.down_proj.weight": rand(h, i),
-        }, os.path.join(folder, f"model-layer{layer:03d}.safetensors"))
+        save_file(
+            {
+                p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                p + "self_attn.q_proj.weight": rand(h, h),
+                p + "self_attn.k_proj.weight": rand(kv, h),
+                p + "self_attn.v_proj.weight": rand(kv, h),
+                p + "self_attn.o_proj.weight": rand(h, h),
+                p + "mlp.gate_proj.weight": rand(i, h),
+                p + "mlp.up_proj.weight": rand(i, h),
+                p + "mlp.down_proj.weight": rand(h, i),
+            },
+            os.path.join(folder, f"model-layer{layer:03d}.safetensors"),
+        )

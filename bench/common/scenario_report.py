@@ -1,4 +1,5 @@
 """The markdown a scenario contributes to the report: a summary-table row and a details section."""
+
 from __future__ import annotations
 
 from common.cadence_runs import CadenceResult
@@ -6,7 +7,8 @@ from common.hf_baseline import HFResult
 from common.workloads import Workload
 
 TABLE_HEADER = [
-    "| scenario | prompts | useful output tokens | transformers tok/s (time) | Cadence tok/s (time) | Cadence / transformers | Cadence max_num_batched_tokens (tok/s each) |",
+    "| scenario | prompts | useful output tokens | transformers tok/s (time) | Cadence tok/s (time) "
+    "| Cadence / transformers | Cadence max_num_batched_tokens (tok/s each) |",
     "|---|---:|---:|---:|---:|---:|---|",
 ]
 

@@ -1,4 +1,5 @@
 """A wall-clock timer for short CPU calls: the median of many repeats."""
+
 from __future__ import annotations
 
 import time

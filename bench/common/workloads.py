@@ -1,4 +1,5 @@
 """The benchmark's scenarios: seeded random token-id prompts and per-prompt output lengths."""
+
 from __future__ import annotations
 
 import random

@@ -8,6 +8,7 @@ step needs no host sync can also describe a pure-decode step over static buffers
 engine/cuda_graphs.py captures and replays (`graph_variants`, `pick_graph_variant`,
 `graph_metadata`).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -140,14 +141,10 @@ class AttentionContext:
     It is passed to the model's forward explicitly, so no step state lives in globals.
     """
 
-    def __init__(
-        self, backend: AttentionBackend, kv_caches: list[KVCache], metadata: Any
-    ) -> None:
+    def __init__(self, backend: AttentionBackend, kv_caches: list[KVCache], metadata: Any) -> None:
         self.backend = backend
         self.kv_caches = kv_caches
         self.metadata = metadata
 
-    def attend(
-        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> torch.Tensor:
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return self.backend.forward(query, key, value, self.kv_caches[layer_idx], self.metadata)

@@ -1,4 +1,5 @@
 """Which attention backend a device gets: Triton on CUDA, torch everywhere else."""
+
 from __future__ import annotations
 
 import os
@@ -11,9 +12,7 @@ from cadence.engine.attention.torch_sdpa import TorchSDPABackend
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-def create_attention_backend(
-    name: str, spec: AttentionSpec, block_size: int, device: torch.device
-) -> AttentionBackend:
+def create_attention_backend(name: str, spec: AttentionSpec, block_size: int, device: torch.device) -> AttentionBackend:
     """`auto` picks Triton on CUDA and torch SDPA on CPU; `torch` / `triton` force one.
 
     Triton on CPU tensors only runs in Triton's interpreter (TRITON_INTERPRET=1), which

@@ -6,6 +6,7 @@ so the number of attention calls per layer does not grow with the batch size. Gr
 decodes of similar length keeps the padded gather, the dominant cost of CPU decode, near
 the real context size when lengths are mixed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ slots, and `paged_attention` answers every query of the flat batch (decodes and 
 chunks together) straight from the paged cache, with no gather copy. Per step, the
 metadata is a handful of small int32 tensors built once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

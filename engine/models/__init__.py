@@ -1,4 +1,5 @@
 """Model registry: maps a checkpoint's architecture name to our implementation."""
+
 from __future__ import annotations
 
 from cadence.engine.model_config import ModelConfig
@@ -20,9 +21,7 @@ def get_model_class(config: ModelConfig) -> ModelClass:
     try:
         return _REGISTRY[config.architecture]
     except KeyError:
-        raise ValueError(
-            f"unsupported architecture {config.architecture!r}; supported: {sorted(_REGISTRY)}"
-        ) from None
+        raise ValueError(f"unsupported architecture {config.architecture!r}; supported: {sorted(_REGISTRY)}") from None
 
 
 __all__ = ["CausalLM", "LlamaForCausalLM", "ModelClass", "get_model_class"]

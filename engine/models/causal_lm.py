@@ -1,5 +1,6 @@
 """``CausalLM``: what the engine, the loader and the tools call on a model, and
 ``ModelClass``: how the loader builds one."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -49,7 +50,9 @@ class CausalLM(Protocol):
     def get_submodule(self, target: str) -> nn.Module: ...
 
     def to(
-        self, device: torch.device | str | int | None = None, dtype: torch.dtype | None = None,
+        self,
+        device: torch.device | str | int | None = None,
+        dtype: torch.dtype | None = None,
         non_blocking: bool = False,
     ) -> Self: ...
 

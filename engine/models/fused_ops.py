@@ -10,6 +10,7 @@ triton is only needed where the kernels run, so it is imported on first use.
 Rotary embedding dispatches in ``rotary.PositionedRotary`` instead, because its CPU
 path prepares the per-token factors once per forward pass, for all layers.
 """
+
 from __future__ import annotations
 
 import torch

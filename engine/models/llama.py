@@ -6,6 +6,7 @@ q/k/v and gate/up are each one fused ``LinearLayer`` (``weight_names.FUSED_SHARD
 every layer runs three big GEMMs plus the output projection instead of seven small ones.
 Each projection's weight format comes from the ``QuantConfig`` the model is built with.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -47,13 +48,15 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
 
-def projection(quant: QuantConfig, prefix: str, fused: str, input_size: int, output_sizes: list[int],
-               bias: bool) -> LinearLayer:
+def projection(
+    quant: QuantConfig, prefix: str, fused: str, input_size: int, output_sizes: list[int], bias: bool
+) -> LinearLayer:
     """The decoder projection ``prefix.fused`` with the method ``quant`` gives it."""
     name = f"{prefix}.{fused}"
     shards = tuple(hf.rsplit(".", 1)[-1] for hf in FUSED_SHARDS[fused])
-    return LinearLayer(input_size, output_sizes, bias, quant.linear_method(name, shards, input_size),
-                       shard_names=shards, prefix=name)
+    return LinearLayer(
+        input_size, output_sizes, bias, quant.linear_method(name, shards, input_size), shard_names=shards, prefix=name
+    )
 
 
 class Attention(nn.Module):
@@ -68,8 +71,14 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         prefix = f"model.layers.{layer_idx}"
-        self.qkv_proj = projection(quant, prefix, "self_attn.qkv_proj", config.hidden_size,
-                                   [self.q_size, self.kv_size, self.kv_size], config.qkv_bias)
+        self.qkv_proj = projection(
+            quant,
+            prefix,
+            "self_attn.qkv_proj",
+            config.hidden_size,
+            [self.q_size, self.kv_size, self.kv_size],
+            config.qkv_bias,
+        )
         self.o_proj = projection(quant, prefix, "self_attn.o_proj", self.q_size, [config.hidden_size], config.o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -98,8 +107,9 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         prefix, inter = f"model.layers.{layer_idx}", config.intermediate_size
-        self.gate_up_proj = projection(quant, prefix, "mlp.gate_up_proj", config.hidden_size, [inter, inter],
-                                       config.mlp_bias)
+        self.gate_up_proj = projection(
+            quant, prefix, "mlp.gate_up_proj", config.hidden_size, [inter, inter], config.mlp_bias
+        )
         self.down_proj = projection(quant, prefix, "mlp.down_proj", inter, [config.hidden_size], config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,14 +156,10 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
         )
         self.embed_tokens: nn.Embedding | Int8Embedding = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, quant) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, quant) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.at(positions)
         for layer in self.layers:
@@ -182,8 +188,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: LinearLayer | None = None
         head = quant.lm_head
         if head is not None or not config.tie_word_embeddings:
-            self.lm_head = LinearLayer(config.hidden_size, [config.vocab_size], False, head or DenseMethod(),
-                                       shard_names=(LM_HEAD,), prefix=LM_HEAD)
+            self.lm_head = LinearLayer(
+                config.hidden_size,
+                [config.vocab_size],
+                False,
+                head or DenseMethod(),
+                shard_names=(LM_HEAD,),
+                prefix=LM_HEAD,
+            )
             if config.tie_word_embeddings and isinstance(head, Int8Method):
                 self.model.embed_tokens = Int8Embedding(self.lm_head)
 
@@ -197,9 +209,7 @@ class LlamaForCausalLM(nn.Module):
             sliding_window=c.sliding_window,
         )
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -220,16 +230,17 @@ class LlamaForCausalLM(nn.Module):
         """
         # Every name a module has: a tied int8 head is also the embedding's ``table``.
         layers = {name: m for name, m in self.named_modules(remove_duplicate=False) if isinstance(m, LinearLayer)}
-        params = {name: p for name, p in self.named_parameters(remove_duplicate=False)
-                  if name.rpartition(".")[0] not in layers}  # the layers' own are their methods'
+        params = {
+            name: p
+            for name, p in self.named_parameters(remove_duplicate=False)
+            if name.rpartition(".")[0] not in layers
+        }  # the layers' own are their methods'
         for layer in layers.values():
             layer.loaded.clear()  # a second pass (a test's) starts over
         head_reads_embedding = isinstance(self.model.embed_tokens, Int8Embedding)
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or (
-                "rotary_emb.sin_cached" in name
-            ):
+            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or ("rotary_emb.sin_cached" in name):
                 continue  # old checkpoints saved RoPE buffers; we compute our own
             module, _, attr = name.rpartition(".")
             if module == LM_HEAD and (self.lm_head is None or head_reads_embedding):
@@ -245,8 +256,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             if param.shape != tensor.shape:
                 raise ValueError(
-                    f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
+                    f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, expected {tuple(param.shape)}"
                 )
             param.data.copy_(tensor)
             loaded.add(name)

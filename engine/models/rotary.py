@@ -4,6 +4,7 @@ Uses Hugging Face's non-interleaved ("rotate_half") layout: dimension i is paire
 dimension i + head_dim/2. Supported scaling types: default, linear, llama3, yarn and
 dynamic (see `_inv_freq` for what dynamic means here).
 """
+
 from __future__ import annotations
 
 import math
@@ -31,9 +32,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_mid, blended, scaled)
 
 
-def _yarn_inv_freq(
-    theta: float, dim: int, s: dict[str, Any], max_pos: int
-) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(theta: float, dim: int, s: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
     """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; also
     returns the attention factor that scales cos/sin."""
     factor = s.get("factor")
@@ -68,9 +67,7 @@ def _yarn_inv_freq(
     return inv_freq, float(attn)
 
 
-def _inv_freq(
-    theta: float, dim: int, scaling: dict[str, Any] | None, max_pos: int
-) -> tuple[torch.Tensor, float]:
+def _inv_freq(theta: float, dim: int, scaling: dict[str, Any] | None, max_pos: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim/2] and the cos/sin multiplier for a RoPE config."""
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type in ("default", "dynamic"):
@@ -111,9 +108,7 @@ class RotaryEmbedding:
         # Computed on the CPU at construction so unsupported types fail early; the explicit
         # device context wins over an enclosing `with torch.device("meta")` model build.
         with torch.device("cpu"):
-            self.inv_freq, self.attention_scaling = _inv_freq(
-                theta, head_dim, scaling, max_positions
-            )
+            self.inv_freq, self.attention_scaling = _inv_freq(theta, head_dim, scaling, max_positions)
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
 

@@ -4,6 +4,7 @@ The one copy of this map: the model's ``load_weights``, the GPTQ/AWQ and GGUF lo
 ``cadence quantize`` all read it. q/k/v become one ``qkv_proj`` and gate/up one
 ``gate_up_proj``, each shard a block of rows in that order along N.
 """
+
 from __future__ import annotations
 
 # Our projection (suffix of its module name) -> the checkpoint modules it holds, in N order.

@@ -13,6 +13,7 @@ On CUDA the methods run the Triton GEMMs (or ``torch._scaled_mm`` for fp8), on C
 paths (``cpu_policy.py`` says which, and why). GPTQ calibration (``cadence quantize``)
 is a tool, in ``cadence.tools``, outside the serving path.
 """
+
 from cadence.engine.quantization.apply import (
     DEFAULT_GROUP_SIZE,
     QUANTIZATION_METHODS,

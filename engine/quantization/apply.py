@@ -1,5 +1,6 @@
 """Quantizing a dense checkpoint: the ``--quantization`` choices, int4 group sizes, and the
 config that gives each decoder projection its load-time method (int8/int4 weight-only, fp8 W8A8)."""
+
 from __future__ import annotations
 
 import logging
@@ -54,8 +55,9 @@ def group_size_for(in_features: int, group_size: int) -> int | None:
     return g if g >= MIN_GROUP_SIZE else None
 
 
-def load_time_method(method: str, in_features: int, group_size: int = DEFAULT_GROUP_SIZE,
-                     symmetric: bool = True) -> QuantMethod | None:
+def load_time_method(
+    method: str, in_features: int, group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool = True
+) -> QuantMethod | None:
     """The method that quantizes a dense projection with K = ``in_features`` as it loads;
     None where int4 has no usable group size (the layer then stays dense)."""
     if method == "int8":
@@ -76,8 +78,9 @@ class LoadTimeConfig(QuantConfig):
     def linear_method(self, prefix: str, shard_names: tuple[str, ...], input_size: int) -> QuantMethod:
         method = load_time_method(self.method, input_size, self.group_size, self.symmetric)
         if method is None:
-            logger.warning("%s stays dense: K=%d has no int4 group size of at least %d",
-                           prefix, input_size, MIN_GROUP_SIZE)
+            logger.warning(
+                "%s stays dense: K=%d has no int4 group size of at least %d", prefix, input_size, MIN_GROUP_SIZE
+            )
             return DenseMethod()
         return method
 
@@ -106,8 +109,9 @@ def quantize_model(
     if checked is None:
         raise ValueError("quantize_model needs a method")
     if checked == "gguf":
-        raise ValueError("'gguf' reads a GGUF file's own blocks while loading (load_model); "
-                         "it cannot quantize a loaded model")
+        raise ValueError(
+            "'gguf' reads a GGUF file's own blocks while loading (load_model); it cannot quantize a loaded model"
+        )
     summary = QuantizationSummary(checked)
     for name, layer in model.named_modules():
         if name.rsplit(".", 1)[-1] not in TARGET_LAYERS or not isinstance(layer, LinearLayer):
@@ -124,6 +128,9 @@ def quantize_model(
             summary.group_sizes[chosen.group_size] = summary.group_sizes.get(chosen.group_size, 0) + 1
         summary.quantized += 1
     if summary.kept_dense:
-        logger.warning("kept %d layers dense (no usable int4 group size): %s",
-                       len(summary.kept_dense), ", ".join(summary.kept_dense[:4]))
+        logger.warning(
+            "kept %d layers dense (no usable int4 group size): %s",
+            len(summary.kept_dense),
+            ", ".join(summary.kept_dense[:4]),
+        )
     return summary

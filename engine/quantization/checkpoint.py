@@ -19,6 +19,7 @@ q/k/v (and gate/up) along N and installs the int4 layout (``Int4Method.install``
 packed tensors are held, so no dense copy of the model exists at any point. Embeddings,
 norms and (unless ``lm_head``) the head load as dense weights.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -94,8 +95,9 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> CheckpointQuantizat
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported; use 'gptq' or 'gptq_v2'")
         group = _group_size(raw, "group_size")
-        return CheckpointQuantization("gptq", 4, group, bool(raw.get("sym", True)), fmt == "gptq",
-                                      bool(raw.get("lm_head", False)))
+        return CheckpointQuantization(
+            "gptq", 4, group, bool(raw.get("sym", True)), fmt == "gptq", bool(raw.get("lm_head", False))
+        )
     if method == "awq":
         bits = int(_get(raw, "bits", "w_bit", default=0))
         if bits != 4:
@@ -109,8 +111,9 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> CheckpointQuantizat
         skipped = set(raw.get("modules_to_not_convert") or [])
         ours = {hf.rsplit(".", 1)[-1] for hf in SHARD_OF}
         if skipped & ours:
-            raise ValueError(f"AWQ modules_to_not_convert={sorted(skipped)} (dense decoder projections) "
-                             "is not supported")
+            raise ValueError(
+                f"AWQ modules_to_not_convert={sorted(skipped)} (dense decoder projections) is not supported"
+            )
         group = _group_size(raw, "group_size", "q_group_size")
         if group == -1:
             raise ValueError("AWQ group_size=-1 is not supported")
@@ -124,8 +127,9 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> CheckpointQuantizat
 def _group_size(raw: dict[str, Any], *keys: str) -> int:
     group = int(_get(raw, *keys, default=128))
     if group != -1 and (group <= 0 or group % 8):
-        raise ValueError(f"{raw.get('quant_method')} group_size={group} is not supported "
-                         "(must be -1 or a positive multiple of 8)")
+        raise ValueError(
+            f"{raw.get('quant_method')} group_size={group} is not supported (must be -1 or a positive multiple of 8)"
+        )
     return group
 
 
@@ -139,19 +143,24 @@ def concat_int4(weights: list[Int4Weight]) -> Int4Weight:
     k, group = weights[0].in_features, weights[0].group_size
     for w in weights:
         if w.in_features != k or w.group_size != group:
-            raise ValueError(f"cannot fuse int4 weights of different K/group: "
-                             f"{[(x.in_features, x.group_size) for x in weights]}")
+            raise ValueError(
+                f"cannot fuse int4 weights of different K/group: {[(x.in_features, x.group_size) for x in weights]}"
+            )
     dtype = weights[0].scales.dtype
     scales = torch.cat([w.scales.to(dtype) for w in weights], dim=1)
     zeros = None
     present = [w.zeros for w in weights if w.zeros is not None]
     if present:  # mixed: materialise the symmetric 8s; any real-valued zeros make all float
         zero_dtype = torch.float32 if any(z.is_floating_point() for z in present) else torch.uint8
-        zeros = torch.cat([
-            w.zeros.to(zero_dtype) if w.zeros is not None
-            else torch.full(w.scales.shape, SYMMETRIC_ZERO, dtype=zero_dtype, device=w.scales.device)
-            for w in weights
-        ], dim=1)
+        zeros = torch.cat(
+            [
+                w.zeros.to(zero_dtype)
+                if w.zeros is not None
+                else torch.full(w.scales.shape, SYMMETRIC_ZERO, dtype=zero_dtype, device=w.scales.device)
+                for w in weights
+            ],
+            dim=1,
+        )
     return Int4Weight(torch.cat([w.qweight for w in weights], dim=1), scales.contiguous(), zeros, group)
 
 
@@ -168,7 +177,11 @@ class CheckpointInt4Method(Int4Method):
         self.quant, self.device = quant, device
 
     def create_weights(
-        self, layer: LinearLayer, input_size: int, output_sizes: list[int], dtype: torch.dtype,
+        self,
+        layer: LinearLayer,
+        input_size: int,
+        output_sizes: list[int],
+        dtype: torch.dtype,
         device: torch.device | None,
     ) -> None:
         layer.pending = [{} for _ in output_sizes]  # per shard: tensor name -> the checkpoint's tensor
@@ -176,8 +189,10 @@ class CheckpointInt4Method(Int4Method):
     def load_weights(self, layer: LinearLayer, shard: int, name: str, tensor: torch.Tensor) -> None:
         full = layer.tensor_name(shard, name)
         if name == "weight":
-            raise ValueError(f"{full!r} is a dense weight in a {self.quant.method} checkpoint; "
-                             "checkpoints with some decoder projections left dense are not supported")
+            raise ValueError(
+                f"{full!r} is a dense weight in a {self.quant.method} checkpoint; "
+                "checkpoints with some decoder projections left dense are not supported"
+            )
         if name == "bias":
             if layer.bias is None and not bool(tensor.any()):
                 return  # GPTQ exporters often store an all-zero bias for bias-free layers
@@ -203,8 +218,14 @@ class CheckpointInt4Method(Int4Method):
         q = self.quant
         try:
             if q.method == "gptq":
-                return from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"),
-                                 group_size=q.group_size, zero_minus_one=q.zero_minus_one)
+                return from_gptq(
+                    t["qweight"],
+                    t["qzeros"],
+                    t["scales"],
+                    t.get("g_idx"),
+                    group_size=q.group_size,
+                    zero_minus_one=q.zero_minus_one,
+                )
             return from_awq(t["qweight"], t["qzeros"], t["scales"], group_size=q.group_size)
         except ValueError as exc:
             raise ValueError(f"{module}: {exc}") from None

@@ -13,6 +13,7 @@ tried as well, and a layer uses the unpacker only after it has reproduced that l
 own codes exactly at load time (``matching_block_n``); otherwise it keeps the packed op
 at every batch size.
 """
+
 from __future__ import annotations
 
 import torch

@@ -25,6 +25,7 @@ fp8 (``Fp8Method``) decodes its codes to fp16 and runs the fp16 matmul where one
 fast fp16 (AVX512-FP16 / AMX-FP16), else widens them to fp32 (exact; that branch is not
 measured either). Why in ``fp8_linear.py``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -77,5 +78,9 @@ def cpu_policy() -> CpuQuantPolicy:
     # See the module docstring for where 16 and 64 come from; without bf16 hardware the dense
     # matmul is fp32 (several times slower at M >= 16), so the packed op stays ahead for longer.
     fast = has_fast_bf16()
-    return CpuQuantPolicy(fast_bf16=fast, int8_packed_max_m=16 if fast else 32, fast_fp16=has_fast_fp16(),
-                          int4_packed_max_m=64 if fast else 1 << 30)
+    return CpuQuantPolicy(
+        fast_bf16=fast,
+        int8_packed_max_m=16 if fast else 32,
+        fast_fp16=has_fast_fp16(),
+        int4_packed_max_m=64 if fast else 1 << 30,
+    )

@@ -26,6 +26,7 @@ arithmetic, not speed, and int8 is the faster CPU choice.
 ``Fp8Linear`` builds a standalone layer from ready tensors (benches, tests). Outputs are
 in the activation dtype; bias is added in it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,8 +60,9 @@ class Fp8Method(QuantizedMethod):
     @staticmethod
     def install(layer: LinearLayer, qweight: torch.Tensor, weight_scale: torch.Tensor) -> None:
         if qweight.dtype != FP8_DTYPE or weight_scale.dtype != torch.float32:
-            raise TypeError(f"expected {FP8_DTYPE} weights and float32 scales, "
-                            f"got {qweight.dtype} and {weight_scale.dtype}")
+            raise TypeError(
+                f"expected {FP8_DTYPE} weights and float32 scales, got {qweight.dtype} and {weight_scale.dtype}"
+            )
         check_shape(layer, qweight.shape[1], qweight.shape[0])
         layer.register_buffer("qweight", qweight.contiguous())
         layer.register_buffer("weight_scale", weight_scale.contiguous())

@@ -25,6 +25,7 @@ converted folder, and is logged. Norms stay dense. The LM head (with a tied embe
 becomes int8 per vocabulary row when the file stores it quantized, as llama.cpp files
 usually do (Q8_0 or Q6_K), re-quantized from the block values (``lm_head.py``).
 """
+
 from __future__ import annotations
 
 import json
@@ -62,6 +63,7 @@ _INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 _INT8_TYPES = (GGMLQuantizationType.Q8_0,)
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
+
 @dataclass(frozen=True)
 class RawTensor:
     """One GGUF tensor's type and its bytes as stored, ``uint8 [rows, bytes per row]``."""
@@ -83,8 +85,7 @@ def open_source_gguf(folder: str) -> tuple[str, dict[str, RawTensor]]:
         source = json.load(f)
     path = source["gguf_path"]
     if not os.path.isfile(path) or not os.path.basename(os.path.normpath(folder)).endswith(cache_key(path)):
-        raise ValueError(f"{folder} was converted from {path}, which is gone or has changed; "
-                         "pass the .gguf file again")
+        raise ValueError(f"{folder} was converted from {path}, which is gone or has changed; pass the .gguf file again")
     file = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = {}
     for name, entry in source["tensors"].items():
@@ -210,7 +211,11 @@ class _FromFile(QuantMethod):
     folder's dense copy in the stream is skipped; only the bias loads from it."""
 
     def create_weights(
-        self, layer: LinearLayer, input_size: int, output_sizes: list[int], dtype: torch.dtype,
+        self,
+        layer: LinearLayer,
+        input_size: int,
+        output_sizes: list[int],
+        dtype: torch.dtype,
         device: torch.device | None,
     ) -> None:
         pass

@@ -16,6 +16,7 @@ loading. ``Int8Linear`` / ``Int4Linear`` build a standalone layer from ready ten
 int4 layer cannot be moved to CUDA afterwards. Outputs are in the activation dtype; bias
 is added in it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,8 +77,10 @@ def _matmul_in_row_chunks(
 
 def check_shape(layer: LinearLayer, in_features: int, out_features: int) -> None:
     if (in_features, out_features) != (layer.in_features, layer.out_features):
-        raise ValueError(f"shape mismatch for {layer.prefix!r}: the weights give K={in_features}, N={out_features}; "
-                         f"the model expects K={layer.in_features}, N={layer.out_features}")
+        raise ValueError(
+            f"shape mismatch for {layer.prefix!r}: the weights give K={in_features}, N={out_features}; "
+            f"the model expects K={layer.in_features}, N={layer.out_features}"
+        )
 
 
 class QuantizedMethod(DenseMethod):
@@ -184,8 +187,10 @@ class Int4Method(QuantizedMethod):
     def int4_weight(layer: LinearLayer) -> Int4Weight:
         """The Cadence-layout weight; gone once converted for the CPU op (memory)."""
         if layer.qweight is None or layer.scales is None:
-            raise RuntimeError("this int4 layer was converted to the CPU packed layout; "
-                               "keep the Int4Weight it was built from to dequantize it")
+            raise RuntimeError(
+                "this int4 layer was converted to the CPU packed layout; "
+                "keep the Int4Weight it was built from to dequantize it"
+            )
         return Int4Weight(layer.qweight, layer.scales, layer.zeros, layer.group_size)
 
     def dequantized_weight(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
@@ -202,7 +207,9 @@ class Int4Method(QuantizedMethod):
             # The op cannot take this shape: forward dequantizes the whole weight per call.
             logger.warning(
                 "int4 layer %dx%d with group %d has no fast CPU path; it will dequantize on every call",
-                n, layer.in_features, g,
+                n,
+                layer.in_features,
+                g,
             )
             return
         weight = self.int4_weight(layer)
@@ -215,7 +222,9 @@ class Int4Method(QuantizedMethod):
         scales = weight.scales.float().repeat_interleave(g // cpu_group, dim=0)
         z = SYMMETRIC_ZERO if weight.zeros is None else weight.zeros.float().repeat_interleave(g // cpu_group, dim=0)
         zero_term = (SYMMETRIC_ZERO - z) * scales
-        layer.cpu_scales_zeros = torch.stack([scales, zero_term.expand_as(scales)], dim=2).to(torch.bfloat16).contiguous()
+        layer.cpu_scales_zeros = (
+            torch.stack([scales, zero_term.expand_as(scales)], dim=2).to(torch.bfloat16).contiguous()
+        )
         # Keep the weight once: the CPU layout is the same size as ours (N*K/2 bytes), and
         # cpu_scales_zeros replaces our scales and zeros.
         for name in ("qweight", "scales", "zeros"):
@@ -225,8 +234,9 @@ class Int4Method(QuantizedMethod):
     @staticmethod
     def cpu_packed_matmul(layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         xb = x2.to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, layer.cpu_packed, layer.cpu_group_size,
-                                                       layer.cpu_scales_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xb, layer.cpu_packed, layer.cpu_group_size, layer.cpu_scales_zeros
+        )
         return y.to(x2.dtype)
 
     def cuda_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
@@ -250,9 +260,14 @@ class Int4Method(QuantizedMethod):
         packed_bytes = layer.cpu_packed.view(-1)  # row blocks of block_n rows lie one after another
 
         def dense_t(start: int, stop: int) -> torch.Tensor:
-            return dequantize_cpu_int4_transposed(packed_bytes[start * k // 2 : stop * k // 2],
-                                                  scales_zeros[:, start:stop], stop - start, k,
-                                                  layer.cpu_group_size, block_n)
+            return dequantize_cpu_int4_transposed(
+                packed_bytes[start * k // 2 : stop * k // 2],
+                scales_zeros[:, start:stop],
+                stop - start,
+                k,
+                layer.cpu_group_size,
+                block_n,
+            )
 
         return _matmul_in_row_chunks(x2.to(torch.bfloat16), layer.out_features, k, block_n, dense_t).to(x2.dtype)
 

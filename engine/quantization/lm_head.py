@@ -10,6 +10,7 @@ precision llama.cpp's Q8_0 files keep it in, which moves perplexity by well unde
 When the embedding is tied to the head, the lookup reads the same int8 rows
 (``Int8Embedding``), so the dense table is dropped rather than kept beside the quantized head.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

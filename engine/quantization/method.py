@@ -15,6 +15,7 @@ the int8 LM head). The method owns the layer's weights from start to end:
 
 The layer's bias is dense in every format and loaded the same way by all of them.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -29,7 +30,11 @@ class QuantMethod(ABC):
 
     @abstractmethod
     def create_weights(
-        self, layer: LinearLayer, input_size: int, output_sizes: list[int], dtype: torch.dtype,
+        self,
+        layer: LinearLayer,
+        input_size: int,
+        output_sizes: list[int],
+        dtype: torch.dtype,
         device: torch.device | None,
     ) -> None:
         """Register what the layer holds while loading (``output_sizes``: one N per shard)."""
@@ -86,9 +91,15 @@ class LinearLayer(nn.Module):
     pending: list[dict[str, torch.Tensor]]  # packed checkpoint tensors per shard, until processed
 
     def __init__(
-        self, input_size: int, output_sizes: list[int], bias: bool, method: QuantMethod,
-        shard_names: tuple[str, ...] = ("",), prefix: str = "",
-        dtype: torch.dtype | None = None, device: torch.device | None = None,
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        method: QuantMethod,
+        shard_names: tuple[str, ...] = ("",),
+        prefix: str = "",
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         if len(shard_names) != len(output_sizes):
@@ -116,8 +127,12 @@ class LinearLayer(nn.Module):
     def missing(self) -> list[str]:
         """The expected checkpoint tensors that never arrived."""
         expected = self.method.expected_tensors(self)
-        return [self.tensor_name(shard, name) for shard in range(len(self.output_sizes)) for name in expected
-                if (shard, name) not in self.loaded]
+        return [
+            self.tensor_name(shard, name)
+            for shard in range(len(self.output_sizes))
+            for name in expected
+            if (shard, name) not in self.loaded
+        ]
 
     def process_after_loading(self) -> None:
         self.method.process_after_loading(self)
@@ -136,16 +151,20 @@ class LinearLayer(nn.Module):
         return f"{module}.{name}"
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, method={type(self.method).__name__}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, method={type(self.method).__name__}"
+        )
 
 
 def load_rows(layer: LinearLayer, attr: str, shard: int, tensor: torch.Tensor, name: str) -> None:
     """Copy a shard's rows into the layer's dense ``attr`` (weight or bias), checking the shape."""
     dst = getattr(layer, attr).data.narrow(0, layer.shard_offset(shard), layer.output_sizes[shard])
     if dst.shape != tensor.shape:
-        raise ValueError(f"shape mismatch for {layer.tensor_name(shard, name)!r}: checkpoint "
-                         f"{tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        raise ValueError(
+            f"shape mismatch for {layer.tensor_name(shard, name)!r}: checkpoint "
+            f"{tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+        )
     dst.copy_(tensor)
 
 
@@ -157,7 +176,11 @@ class DenseMethod(QuantMethod):
     """
 
     def create_weights(
-        self, layer: LinearLayer, input_size: int, output_sizes: list[int], dtype: torch.dtype,
+        self,
+        layer: LinearLayer,
+        input_size: int,
+        output_sizes: list[int],
+        dtype: torch.dtype,
         device: torch.device | None,
     ) -> None:
         weight = torch.empty(sum(output_sizes), input_size, dtype=dtype, device=device)
