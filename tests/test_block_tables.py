@@ -9,6 +9,7 @@ table, slot and input token against the requests themselves.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -16,9 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from cadence.engine.attention.backend import AttentionBackend, AttentionSpec
+from cadence.engine.attention.backend import AttentionBackend, AttentionContext, AttentionSpec
 from cadence.engine.cuda_graphs import DecodeGraphs
 from cadence.engine.input_batch import InputBatch, StepInputs
+from cadence.engine.model_config import ModelConfig
 from cadence.engine.protocol import decode, encode
 from cadence.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.scheduler.request import Request, StopConditions
@@ -83,6 +85,24 @@ class _GraphHooks(AttentionBackend):
         raise AssertionError("no forward in this test")
 
 
+class _NoForwardModel(nn.Module):
+    """Just enough of a ``CausalLM`` for DecodeGraphs to hold (without graphs, it never calls it)."""
+
+    config: ModelConfig  # never read
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        raise AssertionError("no forward in this test")
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("no forward in this test")
+
+    def attention_spec(self) -> AttentionSpec:
+        raise AssertionError("DecodeGraphs is given its backend's spec")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise AssertionError("no weights in this test")
+
+
 class _Walk:
     """The real Scheduler and KVCacheManager under random traffic: shared prefixes (prefix
     cache hits), n > 1 forks, aborts, a pool small enough to preempt, reused request ids and
@@ -98,7 +118,7 @@ class _Walk:
         self.prefixes = [[self.rng.randrange(1, 50) for _ in range(self.rng.randrange(1, 30))] for _ in range(3)]
         self.batch = InputBatch(max_num_seqs=6, max_model_len=160, block_size=BLOCK_SIZE)
         self.graphs = DecodeGraphs(
-            nn.Identity(),
+            _NoForwardModel(),
             _GraphHooks(AttentionSpec(2, 1, 8, 0.5), BLOCK_SIZE),
             [],
             max_batch=8,

@@ -45,7 +45,7 @@ from cadence.kernels.fp8_format import (
     quantize_fp8_per_token,
     quantize_fp8_weight,
 )
-from helpers import gen, poisoned, rel_err
+from helpers import gen, head_of, load_llama, poisoned, rel_err
 from quant_eval import TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
 
 KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -189,9 +189,7 @@ def test_fp8_linear_holds_fp8_weights_and_state() -> None:
 
 
 def test_quantize_model_fp8_swaps_only_the_projections(tiny_model_dir) -> None:
-    from cadence.engine.loader import load_model
-
-    model, _ = load_model(tiny_model_dir("llama"), torch.float32, "cpu", quantization="fp8")
+    model = load_llama(tiny_model_dir("llama"), torch.float32, "cpu", quantization="fp8")
     kinds = {
         name.rsplit(".", 1)[-1]: type(mod.method).__name__
         for name, mod in model.named_modules()
@@ -199,7 +197,7 @@ def test_quantize_model_fp8_swaps_only_the_projections(tiny_model_dir) -> None:
     }
     for layer in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert kinds[layer] == "Fp8Method"
-    assert type(model.lm_head.method) is DenseMethod and isinstance(model.model.embed_tokens, nn.Embedding)
+    assert type(head_of(model).method) is DenseMethod and isinstance(model.model.embed_tokens, nn.Embedding)
     assert quantize_model(model, "fp8").quantized == 0  # nothing dense left to swap
 
 

@@ -104,7 +104,9 @@ def test_loader_builds_each_layer_from_the_file_blocks(tiny_mixed_gguf, monkeypa
         if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
             assert isinstance(module, LinearLayer)
             kinds[name.split(".", 2)[2]] = type(module.method).__name__
-            reference = dense.get_submodule(name).weight
+            dense_layer = dense.get_submodule(name)
+            assert isinstance(dense_layer, LinearLayer)
+            reference = dense_layer.weight
             if isinstance(module.method, Int4Method):
                 got = dequantize_int4(Int4Method.int4_weight(module), torch.float32)
                 assert rel_err(got, reference) < 1e-6, name

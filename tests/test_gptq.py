@@ -19,7 +19,9 @@ import torch
 
 from cadence import LLM
 from cadence.engine.loader import iterate_weights, load_model
+from cadence.engine.models.llama import LlamaForCausalLM
 from cadence.engine.quantization.linear import Int4Method
+from cadence.engine.quantization.method import LinearLayer
 from cadence.kernels.quant_formats import dequantize_int4, quantize_int4
 from cadence.tools import gptq_model
 from cadence.tools.gptq import HessianAccumulator, gptq_quantize
@@ -82,6 +84,7 @@ def test_inputs_never_seen_do_not_break_the_factorisation() -> None:
 def test_checkpoint_loads_into_the_codes_gptq_chose(tiny_model_dir, tmp_path, monkeypatch) -> None:
     source = tiny_model_dir("llama")
     model, config = load_model(source, torch.float32)
+    assert isinstance(model, LlamaForCausalLM)
     samples = torch.randint(3, config.vocab_size, (4, 32), generator=gen(6))
     chosen = gptq_model.gptq_model(model, samples, 32, symmetric=False, chunk=3)
     assert len(chosen) == 4 * config.num_hidden_layers
@@ -94,13 +97,16 @@ def test_checkpoint_loads_into_the_codes_gptq_chose(tiny_model_dir, tmp_path, mo
     loaded, _ = load_model(out, torch.float32)
     for name, weight in chosen.items():
         layer = loaded.get_submodule(name)
-        assert isinstance(layer.method, Int4Method)
+        assert isinstance(layer, LinearLayer) and isinstance(layer.method, Int4Method)
+        assert layer.scales is not None and layer.zeros is not None and weight.zeros is not None, name
         assert torch.equal(layer.qweight, weight.qweight) and torch.equal(layer.scales, weight.scales), name
         assert torch.equal(layer.zeros, weight.zeros), name
     # gptq_model left the model holding the dequantized weights: the loaded checkpoint is
     # the same function.
     for name in chosen:
-        assert torch.equal(model.get_submodule(name).weight, dequantize_int4(chosen[name], torch.float32))
+        layer = model.get_submodule(name)
+        assert isinstance(layer, LinearLayer)
+        assert torch.equal(layer.weight, dequantize_int4(chosen[name], torch.float32))
 
 
 def test_cadence_quantize_writes_a_servable_checkpoint(tiny_model_dir, tmp_path) -> None:
@@ -144,7 +150,7 @@ def test_all_zero_and_all_positive_groups_stay_exact_and_portable(symmetric: boo
     assert torch.isfinite(dense).all() and bool((dense[3, :32] == 0).all())
     if not symmetric:
         # GPTQ v1 stores zero - 1 in four bits: a zero of 0 would be written as 15.
-        assert int(q.zeros.min()) >= 1
+        assert q.zeros is not None and int(q.zeros.min()) >= 1
 
 
 def test_cadence_quantize_refuses_what_it_cannot_calibrate(tiny_model_dir, tmp_path) -> None:

@@ -10,6 +10,8 @@ Tolerances, relative Frobenius error of the logits:
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import gguf
 import pytest
 import torch
@@ -18,7 +20,7 @@ from torch import nn
 
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.gguf_loader import convert_gguf
-from cadence.engine.loader import load_model
+from cadence.engine.models.llama import LlamaForCausalLM
 from cadence.engine.quantization import lm_head
 from cadence.engine.quantization.gguf_native import open_source_gguf
 from cadence.engine.quantization.linear import Int4Method, Int8Method
@@ -27,7 +29,7 @@ from cadence.engine.quantization.method import LinearLayer
 from cadence.kernels.quant_formats import dequantize_int8, quantize_int8
 from cadence.tools import gptq_model
 from gguf_writer import write_tiny_gguf_in
-from helpers import CPU_PATH_TOL, rel_err
+from helpers import CPU_PATH_TOL, dense_embedding, head_of, load_llama, rel_err
 from quant_eval import TINY_PROMPTS, greedy_tokens, prefix_agreement, tiny_llm
 from sdpa_contexts import VarlenSdpaContext
 from tiny_models import build_tiny_model
@@ -35,11 +37,11 @@ from tiny_models import build_tiny_model
 QUANT_TOL = 5e-2
 
 
-def is_int8(head: nn.Module | None) -> bool:
+def is_int8(head: nn.Module | None) -> TypeGuard[LinearLayer]:
     return isinstance(head, LinearLayer) and isinstance(head.method, Int8Method)
 
 
-def logits_of(model: nn.Module, ids: list[int]) -> torch.Tensor:
+def logits_of(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     """Full-prompt logits through our model with test-only SDPA attention."""
     device = model.model.norm.weight.device
     tokens = torch.tensor(ids, device=device)
@@ -50,15 +52,15 @@ def logits_of(model: nn.Module, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["llama", "tied"])
 def test_int8_head_tracks_the_dense_logits(tiny_model_dir, kind: str) -> None:
-    dense, _ = load_model(tiny_model_dir(kind), torch.float32, "cpu")
-    model, _ = load_model(tiny_model_dir(kind), torch.float32, "cpu", quantize_lm_head=True)
+    dense = load_llama(tiny_model_dir(kind), torch.float32, "cpu")
+    model = load_llama(tiny_model_dir(kind), torch.float32, "cpu", quantize_lm_head=True)
     assert is_int8(model.lm_head)
-    dense_head = dense.model.embed_tokens.weight if kind == "tied" else dense.lm_head.weight
+    dense_head = dense_embedding(dense) if kind == "tied" else head_of(dense).weight
     # Per vocabulary row: every weight within half a quantization step of the dense one.
     err = (model.lm_head.dequantized_weight(torch.float32) - dense_head).abs()
     assert bool((err <= model.lm_head.scale[:, None] / 2 * (1 + 1e-6)).all())
-    reference, _ = load_model(tiny_model_dir(kind), torch.float32, "cpu")
-    reference_head = reference.model.embed_tokens.weight if kind == "tied" else reference.lm_head.weight
+    reference = load_llama(tiny_model_dir(kind), torch.float32, "cpu")
+    reference_head = dense_embedding(reference) if kind == "tied" else head_of(reference).weight
     reference_head.copy_(model.lm_head.dequantized_weight(torch.float32))
     for prompt in TINY_PROMPTS:
         got = logits_of(model, prompt)
@@ -67,9 +69,10 @@ def test_int8_head_tracks_the_dense_logits(tiny_model_dir, kind: str) -> None:
 
 
 def test_a_tied_embedding_reads_the_heads_int8_rows(tiny_model_dir) -> None:
-    model, _ = load_model(tiny_model_dir("tied"), torch.float32, "cpu", quantize_lm_head=True)
+    model = load_llama(tiny_model_dir("tied"), torch.float32, "cpu", quantize_lm_head=True)
     embedding = model.model.embed_tokens
     assert isinstance(embedding, Int8Embedding) and embedding.table is model.lm_head
+    head = head_of(model)
     # The dense table is gone: the only vocabulary-sized tensors are the head's int8 rows.
     vocab = model.config.vocab_size
     big = {name for name, t in model.state_dict().items() if t.shape[0] == vocab}
@@ -80,11 +83,11 @@ def test_a_tied_embedding_reads_the_heads_int8_rows(tiny_model_dir) -> None:
         "model.embed_tokens.table.scale",
     }
     ids = torch.tensor([[0, 5, vocab - 1], [7, 7, 2]])
-    expected = dequantize_int8(model.lm_head.qweight, model.lm_head.scale, torch.float32)[ids]
+    expected = dequantize_int8(head.qweight, head.scale, torch.float32)[ids]
     got = embedding(ids)
     assert got.dtype == torch.float32 and torch.equal(got, expected)
     # An untied model keeps its dense embedding: only the head changes.
-    untied, _ = load_model(tiny_model_dir("llama"), torch.float32, "cpu", quantize_lm_head=True)
+    untied = load_llama(tiny_model_dir("llama"), torch.float32, "cpu", quantize_lm_head=True)
     assert type(untied.model.embed_tokens) is nn.Embedding
 
 
@@ -113,11 +116,11 @@ def test_int8_head_on_a_quantized_body_serves_end_to_end(tiny_model_dir) -> None
 
 
 def test_the_head_is_quantized_in_row_chunks_without_changing_it(tiny_model_dir, monkeypatch) -> None:
-    dense, _ = load_model(tiny_model_dir("llama"), torch.float32, "cpu")
-    qweight, scale = quantize_int8(dense.lm_head.weight, torch.float32)
+    dense = load_llama(tiny_model_dir("llama"), torch.float32, "cpu")
+    qweight, scale = quantize_int8(head_of(dense).weight, torch.float32)
     monkeypatch.setattr(lm_head, "ROWS_PER_CHUNK", 100)  # 512 rows: five full chunks and a partial one
-    model, _ = load_model(tiny_model_dir("llama"), torch.float32, "cpu", quantize_lm_head=True)
-    assert torch.equal(model.lm_head.qweight, qweight) and torch.equal(model.lm_head.scale, scale)
+    head = head_of(load_llama(tiny_model_dir("llama"), torch.float32, "cpu", quantize_lm_head=True))
+    assert torch.equal(head.qweight, qweight) and torch.equal(head.scale, scale)
 
 
 def test_quantize_lm_head_option_is_validated_and_parsed() -> None:
@@ -147,7 +150,7 @@ def tied_q8_head_gguf(tmp_path_factory) -> str:
 
 
 def test_gguf_head_stored_quantized_is_served_int8_by_default(tied_q8_head_gguf) -> None:
-    model, _ = load_model(tied_q8_head_gguf, torch.bfloat16, quantization="gguf")
+    model = load_llama(tied_q8_head_gguf, torch.bfloat16, quantization="gguf")
     assert is_int8(model.lm_head) and isinstance(model.model.embed_tokens, Int8Embedding)
     # Re-quantized from the file's block values, not from the bf16-rounded dense copy.
     reader = gguf.GGUFReader(open_source_gguf(tied_q8_head_gguf)[0])
@@ -156,15 +159,15 @@ def test_gguf_head_stored_quantized_is_served_int8_by_default(tied_q8_head_gguf)
     err = (model.lm_head.dequantized_weight(torch.float32) - exact).abs()
     assert bool((err <= model.lm_head.scale[:, None] / 2 * (1 + 1e-6)).all())
     # Opting out, or loading dense, keeps the head as the converted folder has it.
-    kept, _ = load_model(tied_q8_head_gguf, torch.float32, quantization="gguf", quantize_lm_head=False)
+    kept = load_llama(tied_q8_head_gguf, torch.float32, quantization="gguf", quantize_lm_head=False)
     assert kept.lm_head is None and type(kept.model.embed_tokens) is nn.Embedding
-    dense, _ = load_model(tied_q8_head_gguf, torch.float32)
+    dense = load_llama(tied_q8_head_gguf, torch.float32)
     assert dense.lm_head is None and type(dense.model.embed_tokens) is nn.Embedding
 
 
 def test_gguf_head_stored_as_floats_stays_dense(tmp_path) -> None:
     path = write_tiny_gguf_in(tmp_path, build_tiny_model("tied"), "f32-head.gguf", lambda name: Q.F32)
-    model, _ = load_model(convert_gguf(path, str(tmp_path / "cache")), torch.float32, quantization="gguf")
+    model = load_llama(convert_gguf(path, str(tmp_path / "cache")), torch.float32, quantization="gguf")
     assert model.lm_head is None and type(model.model.embed_tokens) is nn.Embedding
 
 
@@ -172,8 +175,8 @@ def test_gguf_head_stored_as_floats_stays_dense(tmp_path) -> None:
 @pytest.mark.parametrize("kind", ["llama", "tied"])
 def test_int8_head_on_gpu_matches_cpu(tiny_model_dir, kind: str) -> None:
     """On CUDA the head runs the W8A16 Triton kernels (vocab 512 rows, M = 1 and a prompt)."""
-    cpu, _ = load_model(tiny_model_dir(kind), torch.float32, "cpu")
-    gpu, _ = load_model(tiny_model_dir(kind), torch.float16, "cuda", quantize_lm_head=True)
+    cpu = load_llama(tiny_model_dir(kind), torch.float32, "cpu")
+    gpu = load_llama(tiny_model_dir(kind), torch.float16, "cuda", quantize_lm_head=True)
     for prompt in TINY_PROMPTS:
         got = logits_of(gpu, prompt).cpu()
         assert rel_err(got, logits_of(cpu, prompt)) < QUANT_TOL
@@ -194,8 +197,8 @@ def test_gptq_checkpoint_with_a_quantized_head_loads_it(tiny_model_dir, tmp_path
     source = tiny_model_dir(kind)
     out = str(tmp_path / "gptq-head")
     gptq_model.quantize_checkpoint(source, out, group_size=32, num_samples=2, sample_length=16)
-    dense, _ = load_model(source, torch.float32)
-    head = dense.model.embed_tokens.weight if kind == "tied" else dense.lm_head.weight
+    dense = load_llama(source, torch.float32)
+    head = dense_embedding(dense) if kind == "tied" else head_of(dense).weight
     int4_head = quantize_int4(head, 32, symmetric=True, scale_dtype=torch.float16)
     tensors = load_file(os.path.join(out, "model.safetensors"))
     tensors.pop("lm_head.weight", None)
@@ -207,15 +210,16 @@ def test_gptq_checkpoint_with_a_quantized_head_loads_it(tiny_model_dir, tmp_path
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f)
     monkeypatch.setattr(Int4Method, "convert_for_cpu", lambda self, layer: None)
-    model, _ = load_model(out, torch.float32)
+    model = load_llama(out, torch.float32)
     assert isinstance(model.lm_head, LinearLayer) and isinstance(model.lm_head.method, Int4Method)
     if kind == "llama":  # an int8 head on top of the checkpoint's int4 one is refused, clearly
         with pytest.raises(ValueError, match="already quantized"):
-            load_model(out, torch.float32, quantize_lm_head=True)
+            load_llama(out, torch.float32, quantize_lm_head=True)
+    assert model.lm_head.scales is not None  # kept in our layout: not repacked for the CPU op
     assert torch.equal(model.lm_head.qweight, int4_head.qweight) and torch.equal(model.lm_head.scales, int4_head.scales)
     assert type(model.model.embed_tokens) is nn.Embedding
     if kind == "tied":
-        assert torch.equal(model.model.embed_tokens.weight, dense.model.embed_tokens.weight)
+        assert torch.equal(model.model.embed_tokens.weight, dense_embedding(dense))
     hidden = torch.randn(3, model.config.hidden_size)
     expected = hidden @ dequantize_int4(int4_head, torch.float32).t()
     assert torch.allclose(model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
@@ -224,4 +228,4 @@ def test_gptq_checkpoint_with_a_quantized_head_loads_it(tiny_model_dir, tmp_path
         {k: v for k, v in tensors.items() if not k.startswith("lm_head.")}, os.path.join(out, "model.safetensors")
     )
     with pytest.raises(ValueError, match="missing quantized weights: lm_head"):
-        load_model(out, torch.float32)
+        load_llama(out, torch.float32)

@@ -35,7 +35,7 @@ from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_tran
 from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.kernels import w4a16
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
-from helpers import CPU_PATH_TOL, rel_err
+from helpers import CPU_PATH_TOL, head_of, load_llama, rel_err
 from quant_eval import EVAL_TEXT, TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
 
 
@@ -114,6 +114,7 @@ def test_int4_linear_cpu_prefill_path_dequantizes_the_packed_bytes(
     if mod.cpu_block_n is None:
         pytest.skip("this torch/CPU packs int4 in a layout cpu_int4_layout does not recognise")
     codes = unpack_int4(weight).t()
+    assert mod.cpu_packed is not None
     assert torch.equal(unpack_cpu_int4(mod.cpu_packed, 192, 256, mod.cpu_block_n), codes)
     m = cpu_policy().int4_packed_max_m + 5
     if m > 4096:
@@ -134,16 +135,18 @@ def test_cpu_int4_dequantize_rounds_as_the_packed_ops_formula(zeros: str, group:
     w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, k)
     weight = quantize_int4(w, group, zeros == "symmetric")
     if zeros == "float":  # GGUF Q4_1's real-valued zero points
+        assert weight.zeros is not None
         weight = Int4Weight(
             weight.qweight, weight.scales, weight.zeros.float() + torch.rand(weight.zeros.shape, generator=g), group
         )
     mod = Int4Linear(weight)
     if mod.cpu_block_n is None:
         pytest.skip("this torch/CPU packs int4 in a layout cpu_int4_layout does not recognise")
-    cg, sz = mod.cpu_group_size, mod.cpu_scales_zeros
-    codes = unpack_cpu_int4(mod.cpu_packed, n, k, mod.cpu_block_n).to(torch.bfloat16).reshape(n, k // cg, cg)
+    cg, sz, packed = mod.cpu_group_size, mod.cpu_scales_zeros, mod.cpu_packed
+    assert sz is not None and packed is not None
+    codes = unpack_cpu_int4(packed, n, k, mod.cpu_block_n).to(torch.bfloat16).reshape(n, k // cg, cg)
     expected = torch.addcmul(sz[..., 1].t().unsqueeze(-1), codes - 8, sz[..., 0].t().unsqueeze(-1)).reshape(n, k)
-    got = dequantize_cpu_int4_transposed(mod.cpu_packed, sz, n, k, cg, mod.cpu_block_n)
+    got = dequantize_cpu_int4_transposed(packed, sz, n, k, cg, mod.cpu_block_n)
     assert got.shape == (k, n) and got.dtype == torch.bfloat16
     assert torch.equal(got.t(), expected)
 
@@ -198,9 +201,7 @@ def test_group_size_for_falls_back_to_a_dividing_power_of_two() -> None:
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantize_model_swaps_only_the_projections(tiny_model_dir, method: str) -> None:
-    from cadence.engine.loader import load_model
-
-    model, config = load_model(tiny_model_dir("llama"), torch.float32, "cpu", quantization=method)
+    model = load_llama(tiny_model_dir("llama"), torch.float32, "cpu", quantization=method)
     kinds = {
         name.rsplit(".", 1)[-1]: type(mod.method).__name__
         for name, mod in model.named_modules()
@@ -210,7 +211,7 @@ def test_quantize_model_swaps_only_the_projections(tiny_model_dir, method: str) 
     for layer in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert kinds[layer] == expected
     assert isinstance(model.model.embed_tokens, nn.Embedding)
-    assert type(model.lm_head.method) is DenseMethod  # the head stays dense
+    assert type(head_of(model).method) is DenseMethod  # the head stays dense
     assert not any(
         type(m.method) is DenseMethod for n, m in model.named_modules() if isinstance(m, LinearLayer) and n != "lm_head"
     )
@@ -333,10 +334,9 @@ def test_quantize_model_frees_each_dense_layer_as_it_goes(tiny_model_dir, method
     """Peak memory is the model plus one layer, not the dense and quantized models together."""
     import weakref
 
-    from cadence.engine.loader import load_model
     from cadence.engine.quantization import linear as linear_module
 
-    model, _ = load_model(tiny_model_dir("llama"), torch.float32, "cpu")
+    model = load_llama(tiny_model_dir("llama"), torch.float32, "cpu")
     dense = [weakref.ref(m.weight) for m in model.modules() if isinstance(m, LinearLayer) and m is not model.lm_head]
     alive_at_each_conversion: list[int] = []
     cls = linear_module.Int8Method if method == "int8" else linear_module.Int4Method
@@ -346,11 +346,9 @@ def test_quantize_model_frees_each_dense_layer_as_it_goes(tiny_model_dir, method
         alive_at_each_conversion.append(sum(ref() is not None for ref in dense))
         return original(self, layer)
 
-    cls.process_after_loading = counting
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cls, "process_after_loading", counting)
         quantize_model(model, method, group_size=32)
-    finally:
-        cls.process_after_loading = original
     # Layer i is converted while the i layers before it are already gone.
     assert alive_at_each_conversion == [len(dense) - i for i in range(len(dense))]
 

@@ -34,8 +34,10 @@ from torch import nn
 
 from cadence import LLM
 from cadence.engine.loader import load_model
+from cadence.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from cadence.engine.quantization import DenseMethod, Int4Method, LinearLayer, parse_quantization_config
 from cadence.kernels.quant_formats import dequantize_int4, quantize_int4, to_awq, to_gptq
+from helpers import dense_embedding, head_of, load_llama
 from quant_eval import greedy_tokens, prompt_logprobs
 
 GROUP = 32
@@ -129,12 +131,14 @@ def _dense_ref(fmt: str) -> str:
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_prequantized_layers_are_int4_and_match_dequantized_weights(checkpoints, fmt: str) -> None:
     model, config = load_model(checkpoints[fmt], torch.float32, "cpu")
+    assert isinstance(model, LlamaForCausalLM)
     assert config.quantization is not None and config.quantization.method == fmt.split("_")[0]
-    dense, _ = load_model(checkpoints[_dense_ref(fmt)], torch.float32, "cpu")
+    dense = load_llama(checkpoints[_dense_ref(fmt)], torch.float32, "cpu")
     dense_modules = dict(dense.named_modules())
     layers, worst = 0, 0.0
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            assert isinstance(module, LinearLayer), name
             assert isinstance(module.method, Int4Method) and Int4Method.cpu_ready(module), name
             assert module.group_size == GROUP and module.symmetric == FORMATS[fmt][1]
             # The identity is exact in bf16, so this reads back the weight the packed op
@@ -151,10 +155,12 @@ def test_prequantized_layers_are_int4_and_match_dequantized_weights(checkpoints,
     assert layers == 4 * 3
     print(f"{fmt}: worst layer probe error {worst:.2e}")
     # Embeddings, norms and the head load dense and bit-identical.
-    assert type(model.lm_head.method) is DenseMethod and isinstance(model.model.embed_tokens, nn.Embedding)
-    assert torch.equal(model.lm_head.weight, dense.lm_head.weight)
-    assert torch.equal(model.model.embed_tokens.weight, dense.model.embed_tokens.weight)
-    assert torch.equal(model.model.layers[1].input_layernorm.weight, dense.model.layers[1].input_layernorm.weight)
+    assert type(head_of(model).method) is DenseMethod and isinstance(model.model.embed_tokens, nn.Embedding)
+    assert torch.equal(head_of(model).weight, head_of(dense).weight)
+    assert torch.equal(model.model.embed_tokens.weight, dense_embedding(dense))
+    block, dense_block = model.model.layers[1], dense.model.layers[1]
+    assert isinstance(block, DecoderLayer) and isinstance(dense_block, DecoderLayer)
+    assert torch.equal(block.input_layernorm.weight, dense_block.input_layernorm.weight)
 
 
 @pytest.mark.gpu
