@@ -3,10 +3,12 @@
 Each request the runner holds gets a row of two preallocated host arrays: its token ids
 (`[max_num_seqs, max_model_len]` int32) and its block table (`[max_num_seqs, max_blocks]`
 int32, zero past its blocks). A `SchedulerOutput` only appends to rows and swaps single
-block ids in them, so a step's host work follows what changed, never the blocks held.
+block ids in them, so keeping the rows current costs what changed, never the blocks held.
 Each step's flat batch is then gathered out of the rows with numpy indexing, in the
 runner's order: decodes first, shortest context first (the attention backends batch
-decodes of similar length together). Eager steps and the decode graphs both read it.
+decodes of similar length together); its block table is one numpy copy of the step's rows
+as wide as the widest. Eager steps and the decode graphs both read it. The arrays are
+allocated but untouched (so uncommitted) past what requests use.
 """
 
 from __future__ import annotations

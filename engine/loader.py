@@ -81,6 +81,15 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def checkpoint_tensor_names(path: str) -> frozenset[str]:
+    """Every tensor name in the checkpoint, from the safetensors headers (no tensor is read)."""
+    names: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return frozenset(names)
+
+
 def quant_config_for(
     path: str, config: ModelConfig, quantization: str | None, quantize_lm_head: bool | None, device: torch.device
 ) -> QuantConfig:
@@ -99,7 +108,7 @@ def quant_config_for(
                 f"{path} is already quantized ({prequantized.describe()}); "
                 f"quantization={quantization!r} cannot be applied on top, leave it unset"
             )
-        quant = CheckpointConfig(prequantized, device)
+        quant = CheckpointConfig(prequantized, device, checkpoint_tensor_names(path))
         if quantize_lm_head and quant.lm_head is not None:
             raise ValueError(
                 "the LM head is already quantized (the checkpoint's int4 head); "

@@ -204,12 +204,21 @@ def test_resolve_dtype() -> None:
 
 
 def test_load_rejects_unknown_and_missing_weights(tiny, tmp_path) -> None:
-    _, path, ours, _ = tiny
+    kind, path, ours, _ = tiny
     from safetensors.torch import load_file, save_file
 
     weights = load_file(os.path.join(path, "model.safetensors"))
     with pytest.raises(ValueError, match="unexpected weight"):
         ours.load_weights([*weights.items(), ("model.layers.0.mystery.weight", torch.zeros(1))])
+    # A bias for a projection built without one is refused as clearly (every kind but
+    # llama_bias has bias-free projections).
+    bias_free = [n.removesuffix(".weight") for n in weights if n.endswith("_proj.weight")]
+    bias_free = [m for m in bias_free if f"{m}.bias" not in weights]
+    assert bias_free or kind == "llama_bias"
+    for module in bias_free[:1]:
+        extra = (f"{module}.bias", torch.ones(weights[f"{module}.weight"].shape[0]))
+        with pytest.raises(ValueError, match=f"unexpected tensor '{module}.bias'"):
+            ours.load_weights([*weights.items(), extra])
     del weights["model.layers.0.self_attn.k_proj.weight"]
     with pytest.raises(ValueError, match="missing"):
         ours.load_weights(weights.items())

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -276,3 +277,32 @@ def test_missing_quantized_tensor_is_reported(checkpoints, tmp_path) -> None:
     save_file(tensors, os.path.join(folder, "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing quantized weights: .*layers\.2\.mlp\.up_proj"):
         load_model(folder, torch.float32, "cpu")
+
+
+def test_each_layer_is_converted_once_its_last_tensor_arrives(checkpoints, monkeypatch) -> None:
+    """Packed tensors are host copies: a layer must be converted as soon as its tensors are
+    all in, not when the stream ends, or host memory would hold the whole packed model."""
+    from cadence.engine import loader
+    from cadence.engine.quantization.checkpoint import CheckpointInt4Method
+
+    events: list[tuple[str, str]] = []
+    real_iterate, real_process = loader.iterate_weights, CheckpointInt4Method.process_after_loading
+
+    def iterate(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in real_iterate(path):
+            events.append(("tensor", name))
+            yield name, tensor
+
+    def process(self: CheckpointInt4Method, layer: LinearLayer) -> None:
+        events.append(("processed", layer.prefix))
+        real_process(self, layer)
+
+    monkeypatch.setattr(loader, "iterate_weights", iterate)
+    monkeypatch.setattr(CheckpointInt4Method, "process_after_loading", process)
+    load_model(checkpoints["gptq_sym"], torch.float32, "cpu")
+
+    processed = [i for i, (kind, _) in enumerate(events) if kind == "processed"]
+    assert len(processed) == 3 * 4  # the tiny llama: 3 decoder layers, qkv / o / gate_up / down each
+    # Each conversion follows the tensor that completed its layer, in the middle of the stream.
+    assert all(events[i - 1][0] == "tensor" for i in processed), events
+    assert processed[0] < len(events) // 2

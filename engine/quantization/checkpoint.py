@@ -13,11 +13,12 @@ Supported (everything else is refused with a ValueError naming what is unsupport
 Per projection (q/k/v/o/gate/up/down) the checkpoint holds ``*.qweight``, ``*.qzeros``,
 ``*.scales`` (GPTQ also ``*.g_idx``; optionally ``*.bias``) instead of ``*.weight``.
 ``CheckpointConfig`` gives every projection a ``CheckpointInt4Method``: the model's
-``load_weights`` hands it those tensors shard by shard; once loading ends it converts
-each shard with ``from_gptq`` / ``from_awq`` into Cadence's ``Int4Weight``, concatenates
-q/k/v (and gate/up) along N and installs the int4 layout (``Int4Method.install``). Only
-packed tensors are held, so no dense copy of the model exists at any point. Embeddings,
-norms and (unless ``lm_head``) the head load as dense weights.
+``load_weights`` hands it those tensors shard by shard; once the last of a layer's
+tensors (known from the safetensors headers) has arrived, it converts each shard with
+``from_gptq`` / ``from_awq`` into Cadence's ``Int4Weight``, concatenates q/k/v (and
+gate/up) along N and installs the int4 layout (``Int4Method.install``). Only packed
+tensors are held, about one layer's at a time, so no dense copy of the model exists at
+any point. Embeddings, norms and (unless ``lm_head``) the head load as dense weights.
 """
 
 from __future__ import annotations
@@ -169,12 +170,18 @@ def concat_int4(weights: list[Int4Weight]) -> Int4Weight:
 
 class CheckpointInt4Method(Int4Method):
     """A GPTQ/AWQ projection: each shard's packed tensors are held as they stream in, and
-    converted, joined along N and installed in the int4 layout once loading ends, with no
-    dense copy at any point. Only the bias is dense."""
+    converted, joined along N and installed in the int4 layout as soon as the last of the
+    layer's tensors has arrived, with no dense copy at any point. Only the bias is dense.
 
-    def __init__(self, quant: CheckpointQuantization, device: torch.device) -> None:
+    ``tensor_names`` is every tensor name in the checkpoint (its safetensors headers), so
+    a layer knows when it is complete whatever order the files list tensors in: the
+    packed tensors read from a file are host copies, and holding all of them until the
+    stream ends would hold the whole packed model in host memory.
+    """
+
+    def __init__(self, quant: CheckpointQuantization, device: torch.device, tensor_names: frozenset[str]) -> None:
         super().__init__(quant.group_size, quant.symmetric)
-        self.quant, self.device = quant, device
+        self.quant, self.device, self.tensor_names = quant, device, tensor_names
 
     def create_weights(
         self,
@@ -204,6 +211,14 @@ class CheckpointInt4Method(Int4Method):
 
     def expected_tensors(self, layer: LinearLayer) -> tuple[str, ...]:
         return QuantMethod.expected_tensors(self, layer)  # the packed ones are checked once all are in
+
+    def is_complete(self, layer: LinearLayer) -> bool:
+        return all(
+            (shard, name) in layer.loaded
+            for shard in range(len(layer.output_sizes))
+            for name in _REQUIRED + _OPTIONAL
+            if layer.tensor_name(shard, name) in self.tensor_names
+        )
 
     def process_after_loading(self, layer: LinearLayer) -> None:
         modules = [layer.tensor_name(shard, "").rstrip(".") for shard in range(len(layer.output_sizes))]
@@ -235,9 +250,9 @@ class CheckpointConfig(QuantConfig):
     """A pre-quantized checkpoint: every decoder projection (and with GPTQ's ``lm_head``
     the head) loads its packed int4 tensors; embeddings and norms stay dense."""
 
-    def __init__(self, quant: CheckpointQuantization, device: torch.device) -> None:
-        self.quant, self.device = quant, device
-        self.lm_head = CheckpointInt4Method(quant, device) if quant.lm_head else None
+    def __init__(self, quant: CheckpointQuantization, device: torch.device, tensor_names: frozenset[str]) -> None:
+        self.quant, self.device, self.tensor_names = quant, device, tensor_names
+        self.lm_head = CheckpointInt4Method(quant, device, tensor_names) if quant.lm_head else None
 
     def linear_method(self, prefix: str, shard_names: tuple[str, ...], input_size: int) -> QuantMethod:
-        return CheckpointInt4Method(self.quant, self.device)
+        return CheckpointInt4Method(self.quant, self.device, self.tensor_names)

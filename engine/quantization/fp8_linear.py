@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence.engine.quantization.cpu_policy import cpu_policy
-from cadence.engine.quantization.linear import QuantizedMethod, check_shape
+from cadence.engine.quantization.linear import QuantizedMethod, _ready_tensors, check_shape
 from cadence.engine.quantization.method import LinearLayer, take_dense_weight
 from cadence.kernels.fp8_format import (
     FP8_DTYPE,
@@ -100,9 +100,7 @@ class Fp8Linear(LinearLayer):
     def __init__(self, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         n, k = qweight.shape
         super().__init__(k, [n], False, Fp8Method(), device=torch.device("meta"))
-        take_dense_weight(self)  # the meta staging weight: ready tensors replace it
-        if bias is not None:
-            self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        _ready_tensors(self, bias)
         Fp8Method.install(self, qweight, weight_scale)
 
     @classmethod

@@ -41,7 +41,7 @@ class QuantMethod(ABC):
 
     def load_weights(self, layer: LinearLayer, shard: int, name: str, tensor: torch.Tensor) -> None:
         """Take the checkpoint tensor ``name`` ("weight", "qweight", "bias", ...) of ``shard``."""
-        if name == "bias":
+        if name == "bias" and layer.bias is not None:
             load_rows(layer, "bias", shard, tensor, name)
             return
         raise ValueError(f"unexpected tensor {layer.tensor_name(shard, name)!r} for a {type(self).__name__} layer")
@@ -49,6 +49,12 @@ class QuantMethod(ABC):
     def expected_tensors(self, layer: LinearLayer) -> tuple[str, ...]:
         """The tensor names every shard must bring from the checkpoint stream."""
         return ("bias",) if layer.bias is not None else ()
+
+    def is_complete(self, layer: LinearLayer) -> bool:
+        """Whether every tensor the layer takes from the checkpoint has arrived, so that it
+        may be processed at once rather than after the whole stream (methods that hold
+        host copies of what they load say so, to keep one layer's worth in memory)."""
+        return False
 
     @abstractmethod
     def process_after_loading(self, layer: LinearLayer) -> None:
@@ -113,6 +119,7 @@ class LinearLayer(nn.Module):
             self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device), requires_grad=False)
         method.create_weights(self, input_size, self.output_sizes, dtype, device)
         self.loaded: set[tuple[int, str]] = set()  # (shard, tensor name) seen while loading
+        self.processed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
@@ -123,6 +130,8 @@ class LinearLayer(nn.Module):
             raise ValueError(f"{self.tensor_name(shard, name)!r} appears twice in the checkpoint")
         self.method.load_weights(self, shard, name, tensor)
         self.loaded.add((shard, name))
+        if not self.processed and self.method.is_complete(self):
+            self.process_after_loading()
 
     def missing(self) -> list[str]:
         """The expected checkpoint tensors that never arrived."""
@@ -135,8 +144,11 @@ class LinearLayer(nn.Module):
         ]
 
     def process_after_loading(self) -> None:
+        """Finish loading (once: a layer complete mid-stream is skipped at the end)."""
+        if self.processed:
+            return
         self.method.process_after_loading(self)
-        self.loaded.clear()
+        self.processed = True
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.method.dequantized_weight(self, dtype)
