@@ -16,10 +16,10 @@ Dispatch by device:
   the two scales applied to the output. The weight is decoded per call and never
   cached, so it stays one byte per weight.
 
-Why this CPU path and not ``torch._scaled_mm`` (which accepts CPU fp8 tensors with
+Why the CPU path decodes codes rather than call ``torch._scaled_mm`` (which accepts CPU fp8 tensors with
 row-wise scales) or an fp8 ``.to(bf16)`` cast: CPUs without fp8 arithmetic run both far
 slower than the integer decode, at every batch size and shape measured (bench/RESULTS.md,
-"FP8 W8A8 linear on CPU"; ``python bench/fp8_linear.py``). The per-call weight decode
+"FP8 W8A8 linear on CPU"; ``python bench/cpu_linear.py --fp8``). The per-call weight decode
 still keeps this path well behind dense bf16: on CPU fp8 buys memory and the GPU's W8A8
 arithmetic, not speed, and int8 is the faster CPU choice.
 
