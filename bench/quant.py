@@ -1,7 +1,6 @@
 """Quantization on CPU: memory, perplexity and speed of SmolLM2 in each weight format.
 
     python bench/quant.py                  # every format, then the int8 CPU crossover table
-    python bench/quant.py --skip-linear    # without the crossover table
     python bench/quant.py --gptq           # and GPTQ (`cadence quantize`) against rounding (minutes)
     python bench/quant.py --quick          # three formats, few tokens: a smoke run of this script
 
@@ -14,9 +13,9 @@ Tables:
    ignored: the time of a 1 + N token generation minus a 1-token one, over N, best of a
    few repeats); the median engine step of those decodes (the engine's StepTimings) and
    the LM head's own time on one row; prefill tokens/s for 4 fresh random prompts at once;
-2. Int8Linear's two CPU paths (packed op vs per-call dequantize + dense matmul) on
-   SmolLM2's four projection shapes by M: where cpu_policy's int8_packed_max_m comes from;
-3. with ``--gptq``: perplexity of a 4-bit GPTQ checkpoint written by `cadence quantize`'s
+   the CPU kernels the planner chose (engine/quantization/cpu_planner.py, whose log
+   line per layer group gives the times it chose by);
+2. with ``--gptq``: perplexity of a 4-bit GPTQ checkpoint written by `cadence quantize`'s
    code, against round-to-nearest at the same single group size, and dense.
 """
 
@@ -32,12 +31,12 @@ from torch import nn
 
 from cadence import LLM
 from cadence.engine.default_model import resolve_model_path
-from cadence.engine.quantization import TARGET_LAYERS, Int4Linear, Int4Method, Int8Linear
-from cadence.engine.quantization.cpu_policy import cpu_policy
+from cadence.engine.quantization import TARGET_LAYERS, Int4Linear, Int4Method
+from cadence.engine.quantization.cpu_planner import group_summary
+from cadence.engine.quantization.linear import dense_bytes
 from common.engine_timing import decode_steps, decode_tokens_per_s, lm_head_ms, median_phases, prefill_tokens_per_s
 from common.from_tests import EVAL_TEXT, perplexity
 from common.machine import machine_info, machine_line
-from common.timer import time_call
 
 MiB = 1 << 20
 # (quantization, model dtype, int8 LM head): each body with a dense head, then the
@@ -61,9 +60,12 @@ QUICK_ROWS = [(None, "float32", False), ("int8", "float32", False), ("gguf", "fl
 
 
 def module_bytes(module: nn.Module) -> int:
-    """Bytes of a module's own parameters and buffers (not its children's)."""
+    """Bytes of a module's own parameters and buffers (not its children's), and of a dense
+    copy the CPU planner kept for it."""
     tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-    return sum(t.numel() * t.element_size() for t in tensors)
+    held = getattr(module, "cpu_dense_dtype", None)
+    extra = 0 if held is None else dense_bytes(module, held)  # type: ignore[arg-type]
+    return extra + sum(t.numel() * t.element_size() for t in tensors)
 
 
 def footprint(model: nn.Module) -> tuple[int, int]:
@@ -78,9 +80,9 @@ def format_table(
 ) -> None:
     print(
         "| weights | LM head | model dtype | linear MiB | model MiB | perplexity | decode tok/s (batch 1) "
-        f"| step ms | head ms | prefill tok/s (4 x {prefill_len}) | int4 group sizes |"
+        f"| step ms | head ms | prefill tok/s (4 x {prefill_len}) | int4 group sizes | CPU kernels |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     # "gguf" serves the file's own blocks; it needs a model converted from a GGUF.
     has_gguf = os.path.isfile(os.path.join(path, "gguf_source.json"))
     for method, dtype, int8_head in rows:
@@ -105,35 +107,11 @@ def format_table(
         print(
             f"| {method or 'dense'} | {'int8' if int8_head else 'dense'} | {dtype} | {linear / MiB:.1f} "
             f"| {total / MiB:.1f} | {ppl:.3f} | {rate:.1f} | {step_ms:.1f} | {head_ms:.2f} | {prefill:.0f} "
-            f"| {', '.join(map(str, groups)) or '-'} |",
+            f"| {', '.join(map(str, groups)) or '-'} "
+            f"| {', '.join(f'{n} {plan}' for plan, n in group_summary(llm.engine.model.modules()).items()) or '-'} |",
             flush=True,
         )
         del llm
-
-
-def linear_crossover(ms: list[int]) -> None:
-    """Int8Linear's packed vs dequantized CPU path by M on SmolLM2's projection shapes."""
-    shapes = {
-        "qkv 576->960": (960, 576),
-        "o 576->576": (576, 576),
-        "gate_up 576->3072": (3072, 576),
-        "down 1536->576": (576, 1536),
-    }
-    print("\n| int8 CPU path, µs | " + " | ".join(f"M={m}" for m in ms) + " |")
-    print("|---|" + "---|" * len(ms))
-    for label, (n, k) in shapes.items():
-        mod = Int8Linear.from_linear(nn.Linear(k, n, bias=False).requires_grad_(False))
-        packed, dequant = [], []
-        for m in ms:
-            x = torch.randn(m, k)
-            xb = x.to(torch.bfloat16)
-            packed.append(time_call(lambda: torch.ops.aten._weight_int8pack_mm(xb, mod.qweight, mod.scale_bf16)))
-            dequant.append(
-                time_call(lambda: nn.functional.linear(xb, mod.qweight.to(torch.bfloat16) * mod.scale_bf16[:, None]))
-            )
-        print(f"| {label} packed | " + " | ".join(f"{t:,.0f}" for t in packed) + " |")
-        print(f"| {label} dequant+bf16 | " + " | ".join(f"{t:,.0f}" for t in dequant) + " |")
-    print(f"\ncpu_policy(): {cpu_policy()}")
 
 
 def rtn_perplexity(path: str, group: int, symmetric: bool, ids: list[int]) -> float:
@@ -194,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip-linear", action="store_true")
     ap.add_argument("--quick", action="store_true", help="three formats, 8 tokens, one repeat: a smoke run")
     ap.add_argument("--gptq", action="store_true", help="also GPTQ against round-to-nearest (takes minutes)")
     ap.add_argument("--gptq-group-size", type=int, default=128)
@@ -210,8 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         format_table(path, QUICK_ROWS, new_tokens=8, repeats=1, prefill_len=64)
     else:
         format_table(path, ROWS, args.new_tokens, args.repeats, prefill_len=256)
-    if not args.skip_linear:
-        linear_crossover([1, 16] if args.quick else [1, 2, 4, 8, 16, 32, 64])
     if args.gptq:
         gptq_table(path, args)
     return 0

@@ -47,6 +47,11 @@ class EngineArgs:
     # Decode steps replay CUDA graphs on a GPU (engine/cuda_graphs.py); True launches
     # every kernel from Python instead, as vLLM's flag of the same name does.
     enforce_eager: bool = False
+    # CPU: how quantized layers pick their kernels (engine/quantization/cpu_planner.py):
+    # "auto" measures them on this machine and keeps greedy decoding batch invariant,
+    # "fastest" picks per batch size, "packed"/"dequant"/"dense" fix one, or a .json path
+    # holds the measured table.
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         # Imported here so building EngineArgs (the CLI does, early) stays light.
@@ -54,6 +59,9 @@ class EngineArgs:
         from cadence.kernels.kv_quant import KV_CACHE_DTYPES
 
         self.quantization = validate_quantization(self.quantization)
+        from cadence.engine.quantization.cpu_planner import validate_cpu_kernels
+
+        self.cpu_kernels = validate_cpu_kernels(self.cpu_kernels)
         if self.quantize_lm_head is not None and not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"quantize_lm_head must be True, False or None, got {self.quantize_lm_head!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -121,7 +129,7 @@ def kv_cache_bytes_per_block(args: EngineArgs, num_kv_heads: int, head_dim: int,
     return rows * (head_dim + 4)
 
 
-def _available_host_memory() -> int:
+def available_host_memory() -> int:
     """MemAvailable from /proc/meminfo, or a conservative guess where there is none."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -145,7 +153,7 @@ def kv_cache_budget_bytes(args: EngineArgs, device: torch.device, max_useful_byt
         free, total = torch.cuda.mem_get_info(device)
         available = max(0, int(free - (1.0 - args.gpu_memory_utilization) * total))
     else:
-        available = _available_host_memory() // 4
+        available = available_host_memory() // 4
     return min(available, max_useful_bytes)
 
 

@@ -61,6 +61,7 @@ class EngineCore:
             self.device,
             quantization=args.quantization,
             quantize_lm_head=args.quantize_lm_head,
+            cpu_kernels=args.cpu_kernels,
         )
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         spec = self.model.attention_spec()

@@ -16,6 +16,7 @@ from cadence.engine.models import get_model_class
 from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.quantization.apply import LoadTimeConfig, validate_quantization
 from cadence.engine.quantization.checkpoint import CheckpointConfig
+from cadence.engine.quantization.cpu_planner import plan_cpu_kernels
 from cadence.engine.quantization.gguf_native import GGUF_NATIVE, GgufNativeConfig
 from cadence.engine.quantization.lm_head import Int8HeadMethod
 from cadence.engine.quantization.method import DenseConfig, LinearLayer, QuantConfig
@@ -136,6 +137,7 @@ def load_model(
     device: torch.device | str = "cpu",
     quantization: str | None = None,
     quantize_lm_head: bool | None = None,
+    cpu_kernels: str = "auto",
 ) -> tuple[CausalLM, ModelConfig]:
     """Read config, build the model with uninitialised storage on `device`, load weights.
 
@@ -156,6 +158,9 @@ def load_model(
     `quantize_lm_head` stores the LM head (and a tied embedding) as int8 per vocabulary
     row (engine/quantization/lm_head.py), with any `quantization` or none. None means:
     only under "gguf", and only when the file stores the head quantized.
+
+    On CPU, `cpu_kernels` says how quantized layers choose their kernels
+    (engine/quantization/cpu_planner.py; "auto" measures them).
     """
     quantization = validate_quantization(quantization)
     path = os.fspath(path)
@@ -175,6 +180,8 @@ def load_model(
             module.process_after_loading()
     model.eval()
     model.requires_grad_(False)
+    if device.type == "cpu":
+        plan_cpu_kernels(model.modules(), dtype, cpu_kernels)
     if device.type == "cuda":
         # Hand back what loading and quantizing freed: the caching allocator would keep it,
         # and the KV cache is sized from the memory the device reports free.

@@ -81,6 +81,13 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
         help="on a GPU, launch decode steps kernel by kernel instead of replaying CUDA graphs",
     )
     flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help="reuse KV of shared prefixes")
+    flag(
+        "--cpu-kernels",
+        metavar="auto|fastest|packed|dequant|dense|TABLE.json",
+        help="CPU: how quantized layers pick kernels. auto (default) times them on this machine and keeps "
+        "greedy output batch invariant; fastest picks per batch size; packed/dequant/dense fix one; "
+        "a .json path keeps the measured table there",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

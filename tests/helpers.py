@@ -84,10 +84,11 @@ def load_llama(
     device: torch.device | str = "cpu",
     quantization: str | None = None,
     quantize_lm_head: bool | None = None,
+    cpu_kernels: str = "auto",
 ) -> LlamaForCausalLM:
     """``load_model``'s model as the Llama class the tiny models load into, whose ``.model``
     and ``.lm_head`` tests read (the ``CausalLM`` protocol the loader returns has neither)."""
-    model, _ = load_model(path, dtype, device, quantization, quantize_lm_head)
+    model, _ = load_model(path, dtype, device, quantization, quantize_lm_head, cpu_kernels)
     assert isinstance(model, LlamaForCausalLM)
     return model
 

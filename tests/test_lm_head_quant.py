@@ -20,6 +20,7 @@ from torch import nn
 
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.gguf_loader import convert_gguf
+from cadence.engine.llm import LLM
 from cadence.engine.models.llama import LlamaForCausalLM
 from cadence.engine.quantization import lm_head
 from cadence.engine.quantization.gguf_native import open_source_gguf
@@ -94,8 +95,18 @@ def test_a_tied_embedding_reads_the_heads_int8_rows(tiny_model_dir) -> None:
 def test_int8_head_on_a_quantized_body_serves_end_to_end(tiny_model_dir) -> None:
     path = tiny_model_dir("tied")
     dense = greedy_tokens(tiny_llm(path, None), TINY_PROMPTS, max_tokens=8)
-    llm = tiny_llm(path, "int8")
-    both = type(llm)(
+    # The packed kernels at every batch size, as this agreement bound was set for: on this
+    # random model, the kernel choice alone moves it by about a tenth either way.
+    llm = LLM(
+        path,
+        dtype="float32",
+        quantization="int8",
+        block_size=4,
+        max_model_len=256,
+        num_gpu_blocks=256,
+        cpu_kernels="packed",
+    )
+    both = LLM(
         path,
         dtype="float32",
         quantization="int8",
@@ -103,8 +114,9 @@ def test_int8_head_on_a_quantized_body_serves_end_to_end(tiny_model_dir) -> None
         block_size=4,
         max_model_len=256,
         num_gpu_blocks=256,
+        cpu_kernels="packed",
     )
-    assert is_int8(both.engine.model.lm_head)
+    assert is_int8(getattr(both.engine.model, "lm_head", None))
     body_only = greedy_tokens(llm, TINY_PROMPTS, max_tokens=8)
     with_head = greedy_tokens(both, TINY_PROMPTS, max_tokens=8)
     agreement = prefix_agreement(dense, with_head)

@@ -25,14 +25,15 @@ from cadence.engine.quantization import (
     Int4Linear,
     Int4Method,
     Int8Linear,
+    Int8Method,
     LinearLayer,
     group_size_for,
     quantize_model,
     validate_quantization,
 )
-from cadence.engine.quantization import linear as linear_module
+from cadence.engine.quantization import cpu_kernels as cpu_kernels_module
 from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_transposed, unpack_cpu_int4
-from cadence.engine.quantization.cpu_policy import cpu_policy
+from cadence.engine.quantization.cpu_kernels import KernelPlan
 from cadence.kernels import w4a16
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
 from helpers import CPU_PATH_TOL, head_of, load_llama, rel_err
@@ -49,26 +50,36 @@ def make_linear(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
 # ---------------------------------------------------------------- Int8Linear (CPU)
 
 
-@pytest.mark.parametrize("path", ["packed", "dequantized", "dequantized in chunks"])
+@pytest.mark.parametrize("path", ["packed", "dequant", "dense", "dense in chunks"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_cpu_paths_match_reference(path: str, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if path == "dequantized in chunks":  # 96 output rows as 40 + 40 + 16, as a vocabulary-sized head is
-        monkeypatch.setattr(linear_module, "DEQUANT_CHUNK_ELEMENTS", 40 * 160)
+def test_int8_linear_cpu_kernels_match_reference(path: str, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "dense in chunks":  # 96 output rows as 40 + 40 + 16, as a vocabulary-sized head is
+        monkeypatch.setattr(cpu_kernels_module, "DEQUANT_CHUNK_ELEMENTS", 40 * 160)
+    kernel = path.split()[0]
     lin = make_linear(96, 160, bias, seed=1)
     mod = Int8Linear.from_linear(lin)
-    limit = cpu_policy().int8_packed_max_m
-    m = max(1, limit - 1) if path == "packed" else limit + 5  # either side of the switch
-    x = torch.randn(2, m, 160)  # a leading batch dim: forward flattens and restores it
+    mod.cpu_plan = KernelPlan.fixed(kernel)
+    assert isinstance(mod.method, Int8Method)
+    if kernel == "dense":
+        mod.method.hold_dense(mod, torch.float32)
+    x = torch.randn(2, 7, 160)  # a leading batch dim: forward flattens and restores it
     out = mod(x)
-    assert out.shape == (2, m, 96) and out.dtype == torch.float32
-    # The reference computes what the CPU path promises: bf16 activations times the
-    # int8 weight with bf16 scales, accumulated in fp32.
-    w_ref = mod.qweight.float() * mod.scale.to(torch.bfloat16).float()[:, None]
-    ref = x.to(torch.bfloat16).float() @ w_ref.t()
+    assert out.shape == (2, 7, 96) and out.dtype == torch.float32
+    w_exact = mod.qweight.float() * mod.scale.float()[:, None]
+    if kernel == "packed":
+        # What the packed op promises: bf16 activations times the int8 weight with bf16
+        # scales, accumulated in fp32.
+        w_ref = mod.qweight.float() * mod.scale.to(torch.bfloat16).float()[:, None]
+        ref = x.to(torch.bfloat16).float() @ w_ref.t()
+    else:
+        ref = x @ w_exact.t()
     if bias:
         ref = ref + lin.bias
-    assert rel_err(out, ref) < CPU_PATH_TOL
+    assert rel_err(out, ref) < (CPU_PATH_TOL if kernel == "packed" else 1e-6)
     assert rel_err(out, lin(x)) < 2e-2
+    if kernel == "dense":  # the kept copy and the per-call one are the same bits
+        mod.cpu_plan = KernelPlan.fixed("dequant")
+        assert torch.equal(mod(x), out)
 
 
 def test_int8_linear_holds_int8_weights_and_state() -> None:
@@ -101,13 +112,16 @@ def test_int4_linear_cpu_packed_matches_reference(group: int, symmetric: bool, m
 
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("chunked", [False, True])
-def test_int4_linear_cpu_prefill_path_dequantizes_the_packed_bytes(
-    symmetric: bool, chunked: bool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_cpu_dense_kernels_unpack_the_packed_bytes(
+    symmetric: bool, chunked: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Above int4_packed_max_m rows the layer unpacks torch's packed bytes to a bf16 weight
-    (for a large weight, a block of output rows at a time: here 192 rows as 3 x 64)."""
+    """The dequant and dense kernels unpack torch's packed bytes to a dense weight (for a
+    large weight, a block of output rows at a time: here 192 rows as 3 x 64), with the
+    packed op's values: they agree with it up to its bf16 activations, and with each other
+    bit for bit."""
     if chunked:
-        monkeypatch.setattr(linear_module, "DEQUANT_CHUNK_ELEMENTS", 64 * 256)
+        monkeypatch.setattr(cpu_kernels_module, "DEQUANT_CHUNK_ELEMENTS", 64 * 256)
     lin = make_linear(192, 256, bias=True, seed=5)
     weight = quantize_int4(lin.weight, 64, symmetric)
     mod = Int4Linear(Int4Weight(weight.qweight.clone(), weight.scales, weight.zeros, 64), lin.bias)
@@ -116,13 +130,19 @@ def test_int4_linear_cpu_prefill_path_dequantizes_the_packed_bytes(
     codes = unpack_int4(weight).t()
     assert mod.cpu_packed is not None
     assert torch.equal(unpack_cpu_int4(mod.cpu_packed, 192, 256, mod.cpu_block_n), codes)
-    m = cpu_policy().int4_packed_max_m + 5
-    if m > 4096:
-        pytest.skip("no fast bf16 on this CPU: the packed op serves every batch size")
-    x = torch.randn(m, 256)
-    packed = Int4Method.cpu_packed_matmul(mod, x) + lin.bias
-    assert rel_err(mod(x), packed) < CPU_PATH_TOL  # same weights, same bf16 activations
-    assert rel_err(mod(x), lin(x)) < 0.2
+    method = mod.method
+    assert isinstance(method, Int4Method)
+    assert method.cpu_kernels(mod) == ("packed", "dequant", "dense")
+    x = torch.randn(40, 256).to(dtype)
+    packed = method.packed_matmul(mod, x) + lin.bias.to(dtype)
+    mod.cpu_plan = KernelPlan.fixed("dequant")
+    dequant = mod(x)
+    assert dequant.dtype == dtype
+    assert rel_err(dequant, packed) < CPU_PATH_TOL  # same weights; the packed op rounds x to bf16
+    assert rel_err(dequant, lin(x.float())) < 0.2
+    method.hold_dense(mod, dtype)
+    mod.cpu_plan = KernelPlan.fixed("dense")
+    assert torch.equal(mod(x), dequant)
 
 
 @pytest.mark.parametrize("zeros", ["symmetric", "uint8", "float"])

@@ -39,17 +39,24 @@ def matching_block_n(packed: torch.Tensor, codes: torch.Tensor) -> int | None:
 
 
 def dequantize_cpu_int4_transposed(
-    packed: torch.Tensor, scales_zeros: torch.Tensor, n: int, k: int, group_size: int, block_n: int
+    packed: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    n: int,
+    k: int,
+    group_size: int,
+    block_n: int,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """The dense weight's transpose ``[K, N]`` in bf16: ``(code - 8) * scale + zero``, the
-    packed op's formula, with its ``[K / group, N, 2]`` scales-and-zeros.
+    """The dense weight's transpose ``[K, N]`` in ``dtype``: ``(code - 8) * scale + zero``,
+    the packed op's formula, with its ``[K / group, N, 2]`` scales-and-zeros.
 
     ``[K, N]`` because that is the packed bytes' own order (a 64-row block's bytes run
     along K with the rows innermost), so the nibbles land in place with two strided copies
     and no transpose pass, and the scales broadcast along the contiguous N. The arithmetic
     runs in fp32, where CPU elementwise kernels are several times faster than in bf16 with
     broadcasting: ``code * scale`` (4 x 8 significant bits) and adding ``zero - 8 * scale``
-    are exact there, so the one rounding to bf16 gives what a bf16 ``addcmul`` gives.
+    are exact there, so the one rounding to bf16 gives what a bf16 ``addcmul`` gives; in
+    float32 there is no rounding at the end at all.
     """
     half = block_n // 2
     blocks = packed.view(n // block_n, k, half)
@@ -59,4 +66,4 @@ def dequantize_cpu_int4_transposed(
     scale = scales_zeros[..., 0].float().unsqueeze(1)  # [K / group, 1, N]
     offset = scales_zeros[..., 1].float().unsqueeze(1) - 8 * scale
     grouped = codes.view(k // group_size, group_size, n)
-    return grouped.mul_(scale).add_(offset).view(k, n).to(torch.bfloat16)
+    return grouped.mul_(scale).add_(offset).view(k, n).to(dtype)

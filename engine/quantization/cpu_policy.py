@@ -1,29 +1,10 @@
-"""Which torch path a quantized linear layer takes on CPU, from the CPU's ISA and the batch.
+"""What this CPU's instruction set makes fast: bf16 and fp16 matmuls.
 
-The thresholds come from measurements on an AMX CPU (bench/RESULTS.md, "CPU linear paths
-by batch size"; bench/quant.py's crossover table):
-
-* ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` with bf16 activations beat
-  every dense path at M = 1 (memory-bound: they read 1/4 resp. 1/8 of the fp32 bytes),
-  but lose to dense bf16 (AMX) by several times at large M.
-* ``_weight_int8pack_mm`` with fp32 activations is far slower than fp32 dense at every
-  M, so activations are always cast to bf16 for it (and the output cast back).
-* int8: dequantizing the weight per call (int8 -> bf16 times the scale; the dense copy
-  lives only for that call, so the memory saving stands) and running the dense bf16
-  matmul costs about the same at any M, while the packed op grows with M; they cross
-  between M = 16 and M = 32 on SmolLM2's shapes, hence ``int8_packed_max_m = 16``.
-* int4: likewise, dequantizing the packed bytes per call (``cpu_int4_layout``, fp32
-  arithmetic) and running the bf16 matmul is flat in M; the packed op crosses it
-  between M = 64 and 96, hence ``int4_packed_max_m = 64``. Prefill stays slower than
-  dense bf16 by the dequantize pass, the price of the memory.
-
-Without AVX512-BF16/AMX, bf16 matmuls are slow, so the per-call dequantized path runs in
-the activation dtype instead, and the packed op is kept for longer (M <= 32); that
-branch has not been measured on such a machine.
-
-fp8 (``Fp8Method``) decodes its codes to fp16 and runs the fp16 matmul where oneDNN has
-fast fp16 (AVX512-FP16 / AMX-FP16), else widens them to fp32 (exact; that branch is not
-measured either). Why in ``fp8_linear.py``.
+Which kernel a quantized linear layer runs is not decided here but measured on the machine
+(``cpu_planner.py``). These probes decide the model's activation dtype on CPU (bf16 where it
+is fast, ``loader.resolve_dtype``) and the dtype fp8 codes are decoded to: fp16 where oneDNN
+has fast fp16 (AVX512-FP16 / AMX-FP16), else fp32, which holds them exactly
+(``fp8_linear.py``).
 """
 
 from __future__ import annotations
@@ -36,18 +17,10 @@ import torch
 
 @dataclass(frozen=True)
 class CpuQuantPolicy:
-    """The CPU dispatch decisions for quantized linears."""
+    """The ISA facts the CPU paths depend on."""
 
     fast_bf16: bool  # AVX512-BF16 or AMX: bf16 matmuls are faster than fp32
-    int8_packed_max_m: int  # int8: rows <= this take _weight_int8pack_mm, more dequantize
     fast_fp16: bool = False  # oneDNN runs fp16 matmuls natively (AVX512-FP16 or AMX-FP16)
-    # int4: rows <= this take _weight_int4pack_mm_for_cpu, more dequantize to bf16 (which
-    # needs fast bf16: without it the packed op serves every M).
-    int4_packed_max_m: int = 1 << 30
-
-    def dense_dtype(self, activation_dtype: torch.dtype) -> torch.dtype:
-        """The dtype of the per-call dequantized matmul for int8 at large M."""
-        return torch.bfloat16 if self.fast_bf16 else activation_dtype
 
     def fp8_matmul_dtype(self) -> torch.dtype:
         """The dtype fp8 codes are decoded to for the CPU matmul (both hold them exactly)."""
@@ -75,12 +48,4 @@ def has_fast_fp16() -> bool:
 @functools.lru_cache(maxsize=1)
 def cpu_policy() -> CpuQuantPolicy:
     """The policy for this process's CPU (computed once)."""
-    # See the module docstring for where 16 and 64 come from; without bf16 hardware the dense
-    # matmul is fp32 (several times slower at M >= 16), so the packed op stays ahead for longer.
-    fast = has_fast_bf16()
-    return CpuQuantPolicy(
-        fast_bf16=fast,
-        int8_packed_max_m=16 if fast else 32,
-        fast_fp16=has_fast_fp16(),
-        int4_packed_max_m=64 if fast else 1 << 30,
-    )
+    return CpuQuantPolicy(fast_bf16=has_fast_bf16(), fast_fp16=has_fast_fp16())

@@ -5,7 +5,8 @@ Both hold the packed layouts of ``cadence.kernels.quant_formats`` as buffers on 
 ``LinearLayer`` and dispatch by device:
 
 * CUDA: the Triton GEMMs ``w8a16_matmul`` / ``w4a16_matmul``.
-* CPU: torch paths chosen by ``cpu_policy`` (see there for why), never the Triton
+* CPU: the torch kernels of ``cpu_kernels`` (packed op, per-call or held dense copy), one
+  per batch size as the layer's ``KernelPlan`` says (``cpu_planner`` measures), never the Triton
   interpreter, even when the test suite sets ``TRITON_INTERPRET=1``. ``Int4Method``
   converts a CPU weight once, after loading, into the layout ``_weight_int4pack_mm_for_cpu``
   reads and then drops the Cadence-layout copy, so the weight is held once, not twice.
@@ -20,7 +21,6 @@ is added in it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,15 @@ from cadence.engine.quantization.cpu_int4_layout import (
     dequantize_cpu_int4_transposed,
     matching_block_n,
 )
-from cadence.engine.quantization.cpu_policy import cpu_policy
+from cadence.engine.quantization.cpu_kernels import (
+    DENSE,
+    KERNELS,
+    PACKED,
+    ChunkMaker,
+    chunk_bounds,
+    chunked_matmul,
+    held_chunks,
+)
 from cadence.engine.quantization.method import (
     DenseMethod,
     LinearLayer,
@@ -48,31 +56,9 @@ from cadence.kernels.quant_formats import (
 
 # The CPU int4 op packs N in blocks of 16 and accepts these group sizes.
 _CPU_INT4_GROUPS = (32, 64, 128, 256)
-# The per-call dense copy of an int8/int4 weight is made this many weights at a time
-# (output rows in chunks): a vocabulary-sized head dequantized whole is a temporary
-# freshly mapped and page-faulted on every call, several times slower than ~2M-weight
-# chunks (bench/RESULTS.md).
-DEQUANT_CHUNK_ELEMENTS = 1 << 21
 
 
 logger = logging.getLogger(__name__)
-
-
-def _matmul_in_row_chunks(
-    x: torch.Tensor, n: int, k: int, row_multiple: int, dense_t: Callable[[int, int], torch.Tensor]
-) -> torch.Tensor:
-    """``x [M, K] @ W.T`` for an ``[N, K]`` weight held quantized, where ``dense_t(start,
-    stop)`` makes ``W[start:stop].T`` dense for this call: ``DEQUANT_CHUNK_ELEMENTS``
-    weights at a time (a multiple of ``row_multiple`` rows), so no temporary is ever
-    weight-sized. A weight under that size is one chunk."""
-    rows = max(row_multiple, DEQUANT_CHUNK_ELEMENTS // k // row_multiple * row_multiple)
-    if rows >= n:
-        return torch.matmul(x, dense_t(0, n))
-    out = torch.empty(x.shape[0], n, dtype=x.dtype)
-    for start in range(0, n, rows):
-        stop = min(start + rows, n)
-        out[:, start:stop] = torch.matmul(x, dense_t(start, stop))
-    return out
 
 
 def check_shape(layer: LinearLayer, in_features: int, out_features: int) -> None:
@@ -100,7 +86,47 @@ class QuantizedMethod(DenseMethod):
         raise NotImplementedError
 
     def cpu_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
+        plan = layer.cpu_plan
+        return self.run_cpu_kernel(layer, x2, PACKED if plan is None else plan.kernel_for(x2.shape[0]))
+
+    # ---- the CPU kernels (cpu_kernels.py): what the planner times and the plan picks from
+
+    def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:
+        """The kernels of ``cpu_kernels.py`` this layer can run; () when its format has one CPU path."""
+        return ()
+
+    def run_cpu_kernel(self, layer: LinearLayer, x2: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel == PACKED:
+            return self.packed_matmul(layer, x2)
+        held = layer.cpu_dense
+        maker = held if kernel == DENSE and held is not None and layer.cpu_dense_dtype == x2.dtype else None
+        maker = maker or self.dense_chunk_maker(layer, x2.dtype)
+        return chunked_matmul(x2, layer.out_features, self.chunk_bounds(layer), maker)
+
+    def hold_dense(self, layer: LinearLayer, dtype: torch.dtype) -> int:
+        """Make and keep the ``dense`` kernel's chunks in ``dtype``; returns their bytes."""
+        layer.cpu_dense = held_chunks(self.chunk_bounds(layer), self.dense_chunk_maker(layer, dtype))
+        layer.cpu_dense_dtype = dtype
+        return dense_bytes(layer, dtype)
+
+    @staticmethod
+    def drop_dense(layer: LinearLayer) -> None:
+        layer.cpu_dense, layer.cpu_dense_dtype = None, None
+
+    def packed_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def chunk_bounds(self, layer: LinearLayer) -> list[tuple[int, int]]:
+        return chunk_bounds(layer.out_features, layer.in_features, 1)
+
+    def dense_chunk_maker(self, layer: LinearLayer, dtype: torch.dtype) -> ChunkMaker:
+        """``(start, stop) -> W[start:stop].T`` dense in ``dtype``, the same bits every call."""
+        raise NotImplementedError
+
+
+def dense_bytes(layer: LinearLayer, dtype: torch.dtype) -> int:
+    """What a dense copy of the layer's weight takes in ``dtype``."""
+    return layer.out_features * layer.in_features * torch.empty((), dtype=dtype).element_size()
 
 
 class Int8Method(QuantizedMethod):
@@ -132,22 +158,22 @@ class Int8Method(QuantizedMethod):
 
         return w8a16_matmul(x2, layer.qweight, layer.scale)
 
-    def cpu_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
-        policy = cpu_policy()
-        if x2.shape[0] <= policy.int8_packed_max_m:
-            # Packed op: reads the int8 weight directly; only fast with bf16 activations.
-            xb = x2.to(torch.bfloat16).contiguous()
-            return torch.ops.aten._weight_int8pack_mm(xb, layer.qweight, layer.scale_bf16).to(x2.dtype)
-        # Large M: the packed op is compute-bound and slow; a per-call dense copy (freed
-        # right after) lets the AMX/BLAS matmul run. Never cached: that would undo the
-        # memory saving.
-        dtype = policy.dense_dtype(x2.dtype)
-        scale = layer.scale_bf16 if dtype == torch.bfloat16 else layer.scale.to(dtype)
+    def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:
+        return KERNELS
 
-        def dense_t(start: int, stop: int) -> torch.Tensor:
-            return (layer.qweight[start:stop].to(dtype) * scale[start:stop, None]).t()
+    def packed_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
+        # Reads the int8 weight directly; only fast with bf16 activations.
+        xb = x2.to(torch.bfloat16).contiguous()
+        return torch.ops.aten._weight_int8pack_mm(xb, layer.qweight, layer.scale_bf16).to(x2.dtype)
 
-        return _matmul_in_row_chunks(x2.to(dtype), layer.out_features, layer.in_features, 1, dense_t).to(x2.dtype)
+    def dense_chunk_maker(self, layer: LinearLayer, dtype: torch.dtype) -> ChunkMaker:
+        qweight, scale = layer.qweight, layer.scale.float()
+
+        def chunk(start: int, stop: int) -> torch.Tensor:
+            # The product is exact in fp32 (8 x 24 bits); one rounding to dtype.
+            return (qweight[start:stop].float() * scale[start:stop, None]).to(dtype).t()
+
+        return chunk
 
 
 class Int4Method(QuantizedMethod):
@@ -231,8 +257,7 @@ class Int4Method(QuantizedMethod):
             layer.register_buffer(name, None)
         layer.cpu_group_size = cpu_group
 
-    @staticmethod
-    def cpu_packed_matmul(layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
+    def packed_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         xb = x2.to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             xb, layer.cpu_packed, layer.cpu_group_size, layer.cpu_scales_zeros
@@ -250,26 +275,38 @@ class Int4Method(QuantizedMethod):
             # rare (no Llama-family projection we serve has such a shape). Plain torch:
             # a CPU install need not have triton.
             return F.linear(x2, dequantize_int4(self.int4_weight(layer), x2.dtype))
-        if x2.shape[0] <= cpu_policy().int4_packed_max_m or layer.cpu_block_n is None:
-            return self.cpu_packed_matmul(layer, x2)
-        # Large M: the packed op is compute-bound; a per-call bf16 copy of the weight
-        # (freed right after) lets the AMX matmul run, as for int8, in chunks of whole
-        # packed row blocks once the weight is large.
-        k, block_n, scales_zeros = layer.in_features, layer.cpu_block_n, layer.cpu_scales_zeros
-        assert scales_zeros is not None  # set with cpu_packed
-        packed_bytes = layer.cpu_packed.view(-1)  # row blocks of block_n rows lie one after another
+        return super().cpu_matmul(layer, x2)
 
-        def dense_t(start: int, stop: int) -> torch.Tensor:
+    def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:
+        if layer.cpu_packed is None:
+            return ()
+        # Dense chunks come from unpacking torch's layout, which only a verified block width allows.
+        return (PACKED,) if layer.cpu_block_n is None else KERNELS
+
+    def chunk_bounds(self, layer: LinearLayer) -> list[tuple[int, int]]:
+        assert layer.cpu_block_n is not None  # cpu_kernels offers dense chunks only then
+        return chunk_bounds(layer.out_features, layer.in_features, layer.cpu_block_n)
+
+    def dense_chunk_maker(self, layer: LinearLayer, dtype: torch.dtype) -> ChunkMaker:
+        # From the packed bytes, in whole row blocks (row blocks of block_n rows lie one
+        # after another), with the packed op's own scales and zeros: the values it computes with.
+        k, block_n, scales_zeros = layer.in_features, layer.cpu_block_n, layer.cpu_scales_zeros
+        assert block_n is not None and scales_zeros is not None and layer.cpu_packed is not None
+        packed_bytes = layer.cpu_packed.view(-1)
+        group = layer.cpu_group_size
+
+        def chunk(start: int, stop: int) -> torch.Tensor:
             return dequantize_cpu_int4_transposed(
                 packed_bytes[start * k // 2 : stop * k // 2],
                 scales_zeros[:, start:stop],
                 stop - start,
                 k,
-                layer.cpu_group_size,
+                group,
                 block_n,
+                dtype,
             )
 
-        return _matmul_in_row_chunks(x2.to(torch.bfloat16), layer.out_features, k, block_n, dense_t).to(x2.dtype)
+        return chunk
 
 
 # ---------------------------------------------------------------- standalone layers

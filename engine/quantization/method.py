@@ -19,10 +19,15 @@ The layer's bias is dense in every format and loaded the same way by all of them
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from cadence.engine.quantization.cpu_kernels import KernelPlan
 
 
 class QuantMethod(ABC):
@@ -95,6 +100,11 @@ class LinearLayer(nn.Module):
     cpu_group_size: int
     dense_dtype: torch.dtype  # the dtype the staged dense weight was loaded in
     pending: list[dict[str, torch.Tensor]]  # packed checkpoint tensors per shard, until processed
+    # CPU, quantized methods: which kernel serves each batch size (cpu_kernels.py; None:
+    # the packed op at every M), and the dense copy the "dense" kernel reads, if held.
+    cpu_plan: KernelPlan | None
+    cpu_dense: Callable[[int, int], torch.Tensor] | None
+    cpu_dense_dtype: torch.dtype | None
 
     def __init__(
         self,
@@ -119,6 +129,7 @@ class LinearLayer(nn.Module):
             self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device), requires_grad=False)
         method.create_weights(self, input_size, self.output_sizes, dtype, device)
         self.loaded: set[tuple[int, str]] = set()  # (shard, tensor name) seen while loading
+        self.cpu_plan, self.cpu_dense, self.cpu_dense_dtype = None, None, None
         self.processed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

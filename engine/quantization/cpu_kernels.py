@@ -1,0 +1,101 @@
+"""The kernels a quantized linear layer can run on CPU, and the plan that picks one per batch size.
+
+Three ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
+
+* ``packed``: torch's packed op (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
+  with bf16 activations. It reads the quantized bytes directly, so it wins where a step is
+  bound by weight bytes (small M), and is compute-bound and slow at large M.
+* ``dequant``: the weight is made dense in the activation dtype for this call only, a
+  chunk of output rows at a time (``DEQUANT_CHUNK_ELEMENTS``), and multiplied with the
+  dense BLAS matmul. Memory stays quantized.
+* ``dense``: the same dense chunks, made once after loading and kept. Fastest at large M,
+  at the cost of the dense weight's memory.
+
+``dense`` and ``dequant`` run the same matmul calls on bit-identical chunks, so they give
+the same bits; ``packed`` rounds activations to bf16 and gives different ones. Which kernel
+serves which M is measured on the machine (``cpu_planner.py``) and held per layer as a
+``KernelPlan``. A layer with no plan runs ``packed`` at every M.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+PACKED, DEQUANT, DENSE = "packed", "dequant", "dense"
+KERNELS = (PACKED, DEQUANT, DENSE)
+# The batch sizes the planner measures; a step's M takes the choice of the nearest one
+# (on a log scale), so a 2048-token prefill takes 256's, where the per-row cost has settled.
+BUCKETS = (1, 4, 16, 64, 256)
+# The per-call dense copy is made this many weights at a time (output rows in chunks): a
+# vocabulary-sized head dequantized whole is a temporary freshly mapped and page-faulted on
+# every call, several times slower than chunks of this size (bench/RESULTS.md).
+DEQUANT_CHUNK_ELEMENTS = 1 << 21
+
+
+def numerics(kernel: str) -> str:
+    """Kernels with the same numerics give the same bits for the same row."""
+    return "bf16-packed" if kernel == PACKED else "dense"
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The kernel for each batch size of one layer: ``kernels[i]`` serves the M nearest
+    ``BUCKETS[i]``."""
+
+    kernels: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.kernels) != len(BUCKETS) or not set(self.kernels) <= set(KERNELS):
+            raise ValueError(f"a plan names one of {KERNELS} for each of the buckets {BUCKETS}: {self.kernels}")
+
+    @classmethod
+    def fixed(cls, kernel: str) -> KernelPlan:
+        return cls((kernel,) * len(BUCKETS))
+
+    def kernel_for(self, m: int) -> str:
+        for bound, kernel in zip(_BOUNDS, self.kernels):
+            if m <= bound:
+                return kernel
+        return self.kernels[-1]
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether every M gets the same numerics, so a row's bits do not depend on its batch."""
+        return len({numerics(k) for k in self.kernels}) == 1
+
+    def describe(self) -> str:
+        if len(set(self.kernels)) == 1:
+            return self.kernels[0]
+        return ", ".join(f"M~{b}: {k}" for b, k in zip(BUCKETS, self.kernels))
+
+
+# Upper M of each bucket but the last: the geometric midpoints between neighbours.
+_BOUNDS = tuple(int((a * b) ** 0.5) for a, b in zip(BUCKETS, BUCKETS[1:]))
+
+ChunkMaker = Callable[[int, int], torch.Tensor]  # (start, stop) -> W[start:stop].T, dense
+
+
+def chunk_bounds(n: int, k: int, row_multiple: int) -> list[tuple[int, int]]:
+    """[start, stop) output-row ranges of at most ``DEQUANT_CHUNK_ELEMENTS`` weights each,
+    in whole multiples of ``row_multiple`` rows (a weight under that size is one chunk)."""
+    rows = max(row_multiple, DEQUANT_CHUNK_ELEMENTS // k // row_multiple * row_multiple)
+    return [(start, min(start + rows, n)) for start in range(0, n, rows)]
+
+
+def chunked_matmul(x: torch.Tensor, n: int, bounds: Sequence[tuple[int, int]], chunk: ChunkMaker) -> torch.Tensor:
+    """``x [M, K] @ W.T`` with ``W.T``'s column ranges ``bounds`` made by ``chunk``."""
+    if len(bounds) == 1:
+        return torch.matmul(x, chunk(*bounds[0]))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for start, stop in bounds:
+        out[:, start:stop] = torch.matmul(x, chunk(start, stop))
+    return out
+
+
+def held_chunks(bounds: Sequence[tuple[int, int]], chunk: ChunkMaker) -> ChunkMaker:
+    """A ``ChunkMaker`` serving chunks made once now (the ``dense`` kernel)."""
+    made = {(start, stop): chunk(start, stop) for start, stop in bounds}
+    return lambda start, stop: made[(start, stop)]

@@ -1,0 +1,252 @@
+"""Choosing each quantized layer's CPU kernels by measuring them on the machine that serves.
+
+Which of ``packed``, ``dequant`` and ``dense`` (``cpu_kernels.py``) is fastest depends on
+the CPU (AMX, AVX512-BF16, plain AVX2), the layer's shape and the batch size, in ways no
+rule of thumb captured. After loading, layers are grouped by format and shape; each group's
+kernels are timed at the batch sizes of ``BUCKETS`` on the group's own layers, in turn, so
+the weights stream from memory as they do in a real step. The times are cached on disk,
+keyed by CPU model, ISA flags, torch version and thread count, so later starts skip them.
+
+``--cpu-kernels`` (``EngineArgs.cpu_kernels``):
+
+* ``auto`` (default): one kernel family per layer, the one that is fastest across the
+  batch sizes, so a row's result never depends on its batch (greedy decoding is batch
+  invariant); within the dense family, a kept dense copy where memory allows.
+* ``fastest``: the fastest kernel at each batch size, even if that mixes numerics.
+* ``packed``, ``dequant``, ``dense``: that kernel everywhere (dense regardless of memory).
+* a path to a ``.json`` file: ``auto``, with the times read from and saved to that file.
+
+A dense copy is kept only while all of them fit in ``DENSE_MEMORY_FRACTION`` of the memory
+available after loading: a quantized model that would not fit dense stays quantized.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cadence.engine.engine_args import available_host_memory
+from cadence.engine.gguf_loader import DEFAULT_CACHE_ROOT
+from cadence.engine.quantization.cpu_kernels import (
+    BUCKETS,
+    DENSE,
+    DEQUANT,
+    KERNELS,
+    PACKED,
+    KernelPlan,
+)
+from cadence.engine.quantization.linear import QuantizedMethod
+from cadence.engine.quantization.method import LinearLayer
+
+logger = logging.getLogger(__name__)
+
+CPU_KERNEL_MODES = ("auto", "fastest", *KERNELS)
+DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left after this
+# Each (kernel, M) cell is timed over the group's layers in turn until _CELL_SECONDS have
+# passed and _MIN_CALLS calls were made (two calls, once _CELL_CAP_SECONDS are spent), at
+# most two passes (or _MAX_CALLS_FLOOR calls). The fastest call counts: other work on the
+# machine only ever adds time, and every layer in the turn is as cold as the next.
+_CELL_SECONDS = 0.03
+_CELL_CAP_SECONDS = 0.25
+_MIN_CALLS = 3
+_MAX_CALLS_FLOOR = 10  # a group of few layers still gets this many tries at a quiet moment
+
+
+def validate_cpu_kernels(mode: str) -> str:
+    """A mode name, or a path to a .json table whose folder exists; ValueError otherwise."""
+    if mode in CPU_KERNEL_MODES:
+        return mode
+    folder = os.path.dirname(os.path.abspath(os.path.expanduser(mode)))
+    if not mode.endswith(".json") or not os.path.isdir(folder):
+        raise ValueError(
+            f"cpu_kernels must be one of {', '.join(CPU_KERNEL_MODES)} or a .json table path "
+            f"in an existing folder, got {mode!r}"
+        )
+    return mode
+
+
+def default_table_path() -> str:
+    return os.path.join(os.path.expanduser(DEFAULT_CACHE_ROOT), "cpu_kernels.json")
+
+
+def machine_key() -> str:
+    """CPU model, a hash of its ISA flags, torch version and thread count: what the times depend on."""
+    model, flags = "unknown CPU", ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = value.strip()
+    except OSError:
+        pass
+    digest = hashlib.sha1(flags.encode()).hexdigest()[:12]
+    return f"{model} | flags {digest} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+@dataclass
+class LayerGroup:
+    """Layers of one format and shape: they get the same measurement and the same plan."""
+
+    key: str
+    method: QuantizedMethod
+    layers: list[LinearLayer]
+    kernels: tuple[str, ...]
+
+    def dense_bytes(self, dtype: torch.dtype) -> int:
+        first = self.layers[0]
+        return len(self.layers) * first.out_features * first.in_features * torch.empty((), dtype=dtype).element_size()
+
+
+def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype) -> list[LayerGroup]:
+    """The model's CPU-quantized layers that have a choice of kernels, grouped by format and shape."""
+    members: dict[tuple[str, int, int, int | None], LayerGroup] = {}
+    for module in modules:
+        if not isinstance(module, LinearLayer) or not isinstance(module.method, QuantizedMethod):
+            continue
+        kernels = module.method.cpu_kernels(module)
+        if len(kernels) > 1:
+            fmt = type(module.method).__name__.removesuffix("Method").lower()
+            shape = (fmt, module.out_features, module.in_features, getattr(module, "cpu_group_size", None))
+            members.setdefault(shape, LayerGroup("", module.method, [], kernels)).layers.append(module)
+    for (fmt, n, k, group_size), entry in members.items():
+        group = "" if group_size is None else f" g{group_size}"
+        entry.key = f"{fmt} {n}x{k}{group} {str(dtype).removeprefix('torch.')} x{len(entry.layers)}"
+    return list(members.values())
+
+
+def time_cell(group: LayerGroup, kernel: str, m: int, dtype: torch.dtype) -> float:
+    """Microseconds of one layer's call at M = ``m``: the fastest of a few calls over the
+    group's layers in turn (the first call of a cell also sets up the kernel)."""
+    x = torch.randn(m, group.layers[0].in_features).to(dtype)
+    limit = max(2 * len(group.layers), _MAX_CALLS_FLOOR)
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < limit:
+        layer = group.layers[len(times) % len(group.layers)]
+        start = time.perf_counter()
+        group.method.run_cpu_kernel(layer, x, kernel)
+        elapsed = time.perf_counter() - start
+        times.append(elapsed)
+        spent += elapsed
+        if (len(times) >= _MIN_CALLS and spent >= _CELL_SECONDS) or (len(times) >= 2 and spent >= _CELL_CAP_SECONDS):
+            break
+    return min(times) * 1e6
+
+
+def choose(times: dict[str, list[float]], mode: str, dense_held: bool) -> KernelPlan:
+    """The plan from measured µs per bucket. ``dense`` counts only where its copy is held;
+    otherwise ``dequant`` stands for the dense family (same bits, no copy)."""
+    dense_family = DENSE if dense_held and DENSE in times else DEQUANT
+    if mode in KERNELS:
+        return KernelPlan.fixed(mode)
+    candidates = [k for k in (PACKED, dense_family) if k in times]
+    if mode == "fastest":
+        return KernelPlan(tuple(min(candidates, key=lambda k: times[k][i]) for i in range(len(BUCKETS))))
+    best = [min(times[k][i] for k in candidates) for i in range(len(BUCKETS))]
+
+    def slowdown(kernel: str) -> float:  # mean over batch sizes of time / best time
+        return sum(t / b for t, b in zip(times[kernel], best)) / len(BUCKETS)
+
+    return KernelPlan.fixed(min(candidates, key=slowdown))
+
+
+class KernelTable:
+    """Measured µs per (machine, layer group, kernel, bucket), kept in a JSON file."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.machine = path, machine_key()
+        self.entries: dict[str, dict[str, dict[str, list[float]]]] = {}
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    self.entries = json.load(f)
+            except (OSError, ValueError) as exc:
+                logger.warning("ignoring unreadable CPU kernel table %s (%s); measuring again", path, exc)
+
+    def times(self, group_key: str) -> dict[str, list[float]]:
+        return self.entries.setdefault(self.machine, {}).setdefault(group_key, {})
+
+    def save(self) -> None:
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.entries, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            logger.warning("could not save the CPU kernel table to %s: %s", self.path, exc)
+
+
+def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str = "auto") -> None:
+    """Give every CPU-quantized layer among ``modules`` (activations in ``dtype``) its ``KernelPlan``,
+    keeping dense copies where the plan reads them, and log what was chosen and why."""
+    mode = validate_cpu_kernels(mode)
+    groups = layer_groups(modules, dtype)
+    if not groups:
+        return
+    fixed = mode in KERNELS
+    table = None if fixed else KernelTable(mode if mode.endswith(".json") else default_table_path())
+    budget = int(available_host_memory() * DENSE_MEMORY_FRACTION)
+    started, measured = time.perf_counter(), 0
+    for group in groups:
+        times = {} if table is None else table.times(group.key)
+        need = group.dense_bytes(dtype)
+        # Fixed "dense" keeps its copy whatever the memory; otherwise only within the budget.
+        hold = DENSE in group.kernels and (mode == DENSE or (not fixed and need <= budget))
+        if hold:
+            for layer in group.layers:
+                group.method.hold_dense(layer, dtype)
+        for kernel in group.kernels:
+            if not fixed and kernel not in times and (kernel != DENSE or hold):
+                times[kernel] = [round(time_cell(group, kernel, m, dtype), 1) for m in BUCKETS]
+                measured += 1
+        plan = choose(times, mode if mode in ("fastest", *KERNELS) else "auto", hold)
+        if plan.kernels[0] not in group.kernels:
+            logger.warning("%s cannot run %s on CPU; it runs packed", group.key, plan.kernels[0])
+            plan = KernelPlan.fixed(PACKED)
+        keeps_dense = DENSE in plan.kernels
+        if hold and not keeps_dense:
+            for layer in group.layers:
+                group.method.drop_dense(layer)
+        if keeps_dense:
+            budget -= need
+        for layer in group.layers:
+            layer.cpu_plan = plan
+        _log_choice(group, plan, times, need if keeps_dense else 0, hold or mode == DENSE)
+    if table is not None and measured:
+        table.save()
+        logger.info(
+            "measured %d CPU kernel timings in %.1f s (cached in %s)",
+            measured,
+            time.perf_counter() - started,
+            table.path,
+        )
+
+
+def _log_choice(group: LayerGroup, plan: KernelPlan, times: dict[str, list[float]], held: int, fits: bool) -> None:
+    measured = "; ".join(f"{k} {'/'.join(f'{t:.0f}' for t in v)}" for k, v in times.items())
+    why = f"µs per call at M={'/'.join(map(str, BUCKETS))}: {measured}" if measured else "fixed by --cpu-kernels"
+    memory = f", dense copies {held / 2**20:.0f} MiB" if held else ("" if fits else ", no memory for dense copies")
+    invariant = "batch-invariant" if plan.batch_invariant else "not batch-invariant"
+    logger.info("CPU kernels for %s: %s (%s%s; %s)", group.key, plan.describe(), invariant, memory, why)
+
+
+def group_summary(modules: Iterable[nn.Module]) -> dict[str, int]:
+    """How many layers run each plan (for tests and reports)."""
+    counts: dict[str, int] = defaultdict(int)
+    for module in modules:
+        if isinstance(module, LinearLayer) and module.cpu_plan is not None:
+            counts[module.cpu_plan.describe()] += 1
+    return dict(counts)

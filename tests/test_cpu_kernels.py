@@ -1,0 +1,125 @@
+"""The CPU kernel planner: plans per batch size, choices from measured times, the on-disk
+table, the memory budget for dense copies, and the option's validation."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from cadence.engine.engine_args import EngineArgs
+from cadence.engine.models.llama import LlamaForCausalLM
+from cadence.engine.quantization import cpu_planner
+from cadence.engine.quantization.cpu_kernels import BUCKETS, KernelPlan
+from cadence.engine.quantization.cpu_planner import choose, group_summary, plan_cpu_kernels, validate_cpu_kernels
+from cadence.engine.quantization.linear import Int8Linear
+from cadence.kernels.quant_formats import quantize_int8
+from cadence.server.cli import build_parser, engine_args_from
+from helpers import load_llama
+
+
+def test_a_plan_serves_each_batch_size_from_its_nearest_bucket() -> None:
+    plan = KernelPlan(("packed", "packed", "dense", "dense", "dequant"))
+    assert [plan.kernel_for(m) for m in (1, 2, 3, 8, 9, 32, 33, 128, 129, 4096)] == [
+        "packed", "packed", "packed", "packed", "dense", "dense", "dense", "dense", "dequant", "dequant",
+    ]  # fmt: skip
+    assert not plan.batch_invariant  # packed rounds activations to bf16, the dense family does not
+    assert KernelPlan(("dense",) * 4 + ("dequant",)).batch_invariant  # the same bits
+    with pytest.raises(ValueError):
+        KernelPlan(("packed",))
+    with pytest.raises(ValueError):
+        KernelPlan.fixed("fast")
+
+
+TIMES = {  # µs at M = 1, 4, 16, 64, 256: packed wins small batches, the dense family large ones
+    "packed": [10.0, 20.0, 80.0, 300.0, 1200.0],
+    "dequant": [60.0, 62.0, 90.0, 150.0, 500.0],
+    "dense": [30.0, 32.0, 40.0, 100.0, 400.0],
+}
+
+
+def test_choose_keeps_one_family_under_auto_and_mixes_under_fastest() -> None:
+    assert choose(TIMES, "auto", dense_held=True) == KernelPlan.fixed("dense")
+    # Without the copy the dense family is dequant, which here loses to packed on average.
+    assert choose(TIMES, "auto", dense_held=False) == KernelPlan.fixed("packed")
+    assert choose(TIMES, "fastest", dense_held=True).kernels == ("packed", "packed", "dense", "dense", "dense")
+    assert choose(TIMES, "fastest", dense_held=False).kernels == ("packed", "packed", "packed", "dequant", "dequant")
+    assert choose(TIMES, "dequant", dense_held=True) == KernelPlan.fixed("dequant")
+
+
+def test_options_are_validated(tmp_path) -> None:
+    for mode in ("auto", "fastest", "packed", "dequant", "dense", str(tmp_path / "table.json")):
+        assert validate_cpu_kernels(mode) == mode
+    for bad in ("fast", str(tmp_path / "table.txt"), str(tmp_path / "missing" / "table.json")):
+        with pytest.raises(ValueError, match="cpu_kernels"):
+            EngineArgs(model="m", cpu_kernels=bad)
+    args = build_parser().parse_args(["serve", "--cpu-kernels", "fastest"])
+    assert engine_args_from(args).cpu_kernels == "fastest"
+    assert engine_args_from(build_parser().parse_args(["serve"])).cpu_kernels == "auto"
+
+
+def _int8_model(tiny_model_dir, mode: str) -> LlamaForCausalLM:
+    return load_llama(tiny_model_dir("llama"), torch.float32, "cpu", "int8", cpu_kernels=mode)
+
+
+def test_auto_measures_once_and_reads_the_table_after(tiny_model_dir, tmp_path, monkeypatch, caplog) -> None:
+    table = tmp_path / "kernels.json"
+    calls: list[tuple[str, int]] = []
+    real = cpu_planner.time_cell
+
+    def counting(group: cpu_planner.LayerGroup, kernel: str, m: int, dtype: torch.dtype) -> float:
+        calls.append((kernel, m))
+        return real(group, kernel, m, dtype)
+
+    monkeypatch.setattr(cpu_planner, "time_cell", counting)
+    with caplog.at_level(logging.INFO, logger="cadence.engine.quantization.cpu_planner"):
+        model = _int8_model(tiny_model_dir, str(table))
+    saved = json.loads(table.read_text())
+    entries = saved[cpu_planner.machine_key()]
+    # Each format-and-shape group was timed with every kernel at every bucket, once.
+    assert len(calls) == len(entries) * 3 * len(BUCKETS)
+    assert all(sorted(times) == ["dense", "dequant", "packed"] for times in entries.values())
+    assert all(len(t) == len(BUCKETS) for times in entries.values() for t in times.values())
+    summary = group_summary(model.modules())
+    assert sum(summary.values()) == 4 * len(model.model.layers)  # the four projections of every layer
+    assert all(KernelPlan.fixed(plan).batch_invariant for plan in summary)  # auto: one kernel each
+    assert "CPU kernels for int8" in caplog.text and "batch-invariant" in caplog.text
+    calls.clear()
+    again = _int8_model(tiny_model_dir, str(table))
+    assert calls == []  # the table answered
+    assert group_summary(again.modules()) == summary
+
+
+def test_dense_copies_stay_within_the_memory_budget(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    table = str(tmp_path / "kernels.json")
+    # The dense family always wins: only memory decides whether its copy is kept.
+    monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: 1.0 if kernel != "packed" else 9.0)
+    monkeypatch.setattr(cpu_planner, "available_host_memory", lambda: 1 << 40)
+    held = _int8_model(tiny_model_dir, table)
+    layers = [m for m in held.modules() if getattr(m, "cpu_plan", None) is not None]
+    assert layers and all(m.cpu_plan == KernelPlan.fixed("dense") and m.cpu_dense is not None for m in layers)
+    monkeypatch.setattr(cpu_planner, "available_host_memory", lambda: 1024)
+    tight = _int8_model(tiny_model_dir, table)
+    layers = [m for m in tight.modules() if getattr(m, "cpu_plan", None) is not None]
+    assert layers and all(m.cpu_plan == KernelPlan.fixed("dequant") and m.cpu_dense is None for m in layers)
+    # A fixed choice is the user's: dense is kept whatever the budget, and nothing is timed.
+    monkeypatch.setattr(cpu_planner, "time_cell", lambda *a: pytest.fail("a fixed choice measures nothing"))
+    forced = _int8_model(tiny_model_dir, "dense")
+    assert all(m.cpu_dense is not None for m in forced.modules() if getattr(m, "cpu_plan", None) is not None)
+
+
+def test_every_kernel_gives_the_layer_its_values() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(64, 96) / 10
+    layer = Int8Linear(*quantize_int8(weight))
+    plan_cpu_kernels([layer], torch.float32, "dense")
+    x = torch.randn(5, 96)
+    exact = x @ layer.dequantized_weight(torch.float32).t()
+    outputs = {}
+    for kernel in ("packed", "dequant", "dense"):
+        layer.cpu_plan = KernelPlan.fixed(kernel)
+        outputs[kernel] = layer(x)
+        assert torch.allclose(outputs[kernel], exact, rtol=2e-2, atol=2e-2)
+    assert torch.equal(outputs["dense"], outputs["dequant"])
