@@ -74,6 +74,7 @@ def test_auto_measures_once_and_reads_the_table_after(tiny_model_dir, tmp_path, 
         return real(group, kernel, m, dtype)
 
     monkeypatch.setattr(cpu_planner, "time_cell", counting)
+    monkeypatch.setattr(cpu_planner, "MIN_CORE_SHARE", 0.0)  # saved however busy the test machine is
     with caplog.at_level(logging.INFO, logger="cadence.engine.quantization.cpu_planner"):
         model = _int8_model(tiny_model_dir, str(table))
     saved = json.loads(table.read_text())
@@ -90,6 +91,15 @@ def test_auto_measures_once_and_reads_the_table_after(tiny_model_dir, tmp_path, 
     again = _int8_model(tiny_model_dir, str(table))
     assert calls == []  # the table answered
     assert group_summary(again.modules()) == summary
+
+
+def test_times_measured_on_a_busy_machine_are_not_saved(tiny_model_dir, tmp_path, monkeypatch, caplog) -> None:
+    table = tmp_path / "kernels.json"
+    monkeypatch.setattr(cpu_planner, "MIN_CORE_SHARE", 1e9)  # no share of the cores is enough
+    with caplog.at_level(logging.WARNING, logger="cadence.engine.quantization.cpu_planner"):
+        model = _int8_model(tiny_model_dir, str(table))
+    assert not table.exists() and "not saved" in caplog.text
+    assert sum(group_summary(model.modules()).values()) == 4 * len(model.model.layers)  # still planned
 
 
 def test_dense_copies_stay_within_the_memory_budget(tiny_model_dir, tmp_path, monkeypatch) -> None:

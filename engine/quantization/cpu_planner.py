@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 CPU_KERNEL_MODES = ("auto", "fastest", *KERNELS)
 DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left after this
+MIN_CORE_SHARE = 0.6  # below this share of the cores while measuring, the times are not saved
 # Each (kernel, M) cell is timed over the group's layers in turn until _CELL_SECONDS have
 # passed and _MIN_CALLS calls were made (two calls, once _CELL_CAP_SECONDS are spent), at
 # most two passes (or _MAX_CALLS_FLOOR calls). The fastest call counts: other work on the
@@ -199,7 +200,7 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
     fixed = mode in KERNELS
     table = None if fixed else KernelTable(mode if mode.endswith(".json") else default_table_path())
     budget = int(available_host_memory() * DENSE_MEMORY_FRACTION)
-    started, measured = time.perf_counter(), 0
+    started, cpu_started, measured = time.perf_counter(), time.process_time(), 0
     for group in groups:
         times = {} if table is None else table.times(group.key)
         need = group.dense_bytes(dtype)
@@ -225,14 +226,22 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
         for layer in group.layers:
             layer.cpu_plan = plan
         _log_choice(group, plan, times, need if keeps_dense else 0, hold or mode == DENSE)
-    if table is not None and measured:
-        table.save()
-        logger.info(
-            "measured %d CPU kernel timings in %.1f s (cached in %s)",
-            measured,
-            time.perf_counter() - started,
-            table.path,
+    if table is None or not measured:
+        return
+    elapsed = time.perf_counter() - started
+    # The share of the cores our threads had while measuring: other work on the machine
+    # takes it away, and times measured then would be kept for every later start.
+    share = (time.process_time() - cpu_started) / (elapsed * torch.get_num_threads())
+    if share < MIN_CORE_SHARE:
+        logger.warning(
+            "the machine was busy while measuring CPU kernels (this process had %.0f%% of %d cores): "
+            "the choices stand for this run, but the times are not saved",
+            100 * share,
+            torch.get_num_threads(),
         )
+        return
+    table.save()
+    logger.info("measured %d CPU kernel timings in %.1f s (cached in %s)", measured, elapsed, table.path)
 
 
 def _log_choice(group: LayerGroup, plan: KernelPlan, times: dict[str, list[float]], held: int, fits: bool) -> None:
