@@ -1,0 +1,225 @@
+"""Per-row logit thresholds for top_k then top_p, without sorting a vocabulary-wide row on CPU.
+
+The rule (vLLM's order): keep each row's top_k tokens, then the minimal nucleus whose mass,
+renormalized over what top_k kept, reaches top_p; a token tied with the last kept one is kept
+too, and the row's largest token always is. Both steps are a threshold on the logits, so each
+row gets one value and the caller keeps `logits >= threshold`.
+
+On CPU a full sort costs milliseconds per row, so nothing here sorts a whole row:
+- top_k rows: the k-th largest token is at least the k-th largest block maximum, so the k
+  blocks with the largest maxima hold every token of the top_k set; only those are searched.
+- top_p rows: one histogram of the row's mass over value bins finds the bin where the
+  nucleus ends; only that bin's few tokens are sorted. The bins come from the float bits of a
+  stretched exp(logit - max), so they are monotone in the logit and need no division.
+Rows the histogram cannot split (a bin holding thousands of distinct values) fall back to a
+full sort, as every row does on other devices, where sorting is cheap.
+
+Batch invariance: a row's threshold depends on that row alone, bit for bit. Everything is
+elementwise, a max/min, a per-row sequential scan (cumsum), a sort within the row, or a
+histogram whose bins belong to one row and are filled in the row's own order. No float sum
+runs over the whole row as one reduction, since torch splits those across threads differently
+for one row than for many.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK = 64  # tokens per block whose maximum stands in for the block
+# Stretching the kept range to this many nats spreads it over ~87 octaves of the float
+# exponent, i.e. ~2800 histogram bins, whatever the row's own spread.
+_STRETCH = 60.0
+_SHIFT = 18  # keep 8 exponent and 5 mantissa bits: 32 bins per octave
+_BINS = (0x3F800000 >> _SHIFT) + 1  # float bits of 1.0, the largest stretched weight
+_COPIES = 4  # interleaved copies of each bin, so most rows' tails do not all add into one
+
+
+def top_k_top_p_thresholds(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, window: int) -> torch.Tensor:
+    """Per-row threshold: keep `logits >= threshold`. k: [B] int64 (0 = off), p: [B] (1.0 = off).
+
+    logits: [B, V] float32; rows with neither step get -inf. window: how many tokens the blocks
+    around a top_p row's crossing bin may hold before that row is sorted whole instead.
+    """
+    batch, vocab = logits.shape
+    k = k.clamp(max=vocab)
+    threshold = torch.full((batch,), float("-inf"), dtype=logits.dtype, device=logits.device)
+    k_rows = (k > 0).nonzero().squeeze(1)
+    p_rows = ((k == 0) & (p < 1.0)).nonzero().squeeze(1)
+    if logits.device.type != "cpu":
+        rows = torch.cat([k_rows, p_rows])
+        if rows.numel():
+            threshold[rows] = _sorted_thresholds(logits[rows], k[rows], p[rows])
+        return threshold
+    if k_rows.numel() or p_rows.numel():
+        padded = _pad_to_blocks(logits)
+        if k_rows.numel():
+            threshold[k_rows] = _top_k_thresholds(padded[k_rows], k[k_rows], p[k_rows])
+        if p_rows.numel() == batch:  # the usual batch: no copy of the rows
+            threshold = _top_p_thresholds(padded, p, window)
+        elif p_rows.numel():
+            threshold[p_rows] = _top_p_thresholds(padded[p_rows], p[p_rows], window)
+    return threshold
+
+
+def _pad_to_blocks(logits: torch.Tensor) -> torch.Tensor:
+    """The rows widened with -inf (no mass, never in a top_k set of finite tokens) to whole blocks."""
+    extra = -logits.shape[1] % BLOCK
+    if not extra:
+        return logits
+    return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+
+
+def _prefix_thresholds(
+    vals: torch.Tensor, k: torch.Tensor, p: torch.Tensor, z: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Thresholds from `vals`, each row's largest logits in descending order (a prefix of the
+    sorted row). z: each row's mass after top_k, scaled by exp(-max) ([R] float64); None means
+    the mass of `vals` itself. Returns (threshold, kth) where kth is the top_k threshold alone.
+    """
+    neg_inf = float("-inf")
+    k_on = k > 0
+    kth = vals.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    kth = torch.where(k_on, kth, torch.full_like(kth, neg_inf))
+    vals = vals.masked_fill(vals < kth.unsqueeze(1), neg_inf)
+    # Masses in float64: a flat row adds tens of thousands of comparable terms.
+    mass = (vals - vals[:, :1]).exp().double()
+    c = mass.cumsum(dim=-1)
+    total = c[:, -1] if z is None else z
+    mass_before = torch.cat([torch.zeros_like(c[:, :1]), c[:, :-1]], dim=1)
+    # Keep a token while the mass strictly above it is < p: the minimal set reaching p.
+    # At least the top token survives, even when p * z underflows to 0.
+    short = (mass_before < (p.double() * total).unsqueeze(1)).sum(dim=-1)
+    cutoff = vals.gather(1, (short - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    threshold = torch.where(p < 1.0, torch.maximum(cutoff, kth), kth)
+    return threshold, kth
+
+
+def _sorted_thresholds(rows: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The plain algorithm: sort each whole row."""
+    return _prefix_thresholds(rows.sort(dim=-1, descending=True).values, k, p, None)[0]
+
+
+def _block_view(rows: torch.Tensor) -> torch.Tensor:
+    return rows.view(rows.shape[0], -1, BLOCK)
+
+
+def _gather_blocks(rows: torch.Tensor, chosen: torch.Tensor, fill: float) -> torch.Tensor:
+    """[R, W]: each row's chosen blocks ([R, NBLK] bool) side by side in block order, then `fill`."""
+    pairs = chosen.nonzero()
+    counts = chosen.sum(dim=-1)
+    width = int(counts.max()) * BLOCK if pairs.numel() else BLOCK
+    out = torch.full((rows.shape[0], width // BLOCK, BLOCK), fill, dtype=rows.dtype, device=rows.device)
+    slot = torch.arange(pairs.shape[0], device=rows.device) - (counts.cumsum(0) - counts)[pairs[:, 0]]
+    out[pairs[:, 0], slot] = _block_view(rows)[pairs[:, 0], pairs[:, 1]]
+    return out.view(rows.shape[0], width)
+
+
+def _top_k_thresholds(rows: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Rows with top_k (and maybe top_p): search only the blocks that can hold the top_k set."""
+    n_blocks = rows.shape[1] // BLOCK
+    k_max = int(k.max())
+    if k_max > n_blocks // 4:  # the candidate blocks would be most of the row
+        return _sorted_thresholds(rows, k, p)
+    block_max = _block_view(rows).amax(dim=-1)
+    # The k-th largest token is >= the k-th largest block maximum (k blocks reach it), so
+    # every token of the top_k set lies in a block whose maximum is >= that value.
+    floor = block_max.topk(k_max, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    candidates = _gather_blocks(rows, block_max >= floor, float("-inf"))
+    vals = candidates.topk(k_max, dim=-1).values
+    kth = vals.gather(1, (k - 1).unsqueeze(1))
+    # The top_k mass counts every token tied with the k-th, also those past k_max.
+    top = vals[:, :1]
+    z = torch.where(candidates >= kth, (candidates - top).exp(), 0.0).double().cumsum(dim=-1)[:, -1]
+    return _prefix_thresholds(vals, k, p, z)[0]
+
+
+def _stretched_bins(rows: torch.Tensor, top: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mass, bins): mass = exp(rows - top); bins = stretched weights exp((rows - top) * a) with
+    a = _STRETCH / (top - low), in [0, 1], whose float bits >> _SHIFT are the histogram bin."""
+    shifted = rows - top
+    mass = shifted.exp()
+    spread = top - low
+    # A row of one value has no spread (and needs no bins): 1 keeps its weights finite.
+    stretch = torch.where(spread > 0, _STRETCH / spread, 1.0)
+    return mass, shifted.mul_(stretch).exp_()
+
+
+def _bin_of(weights: torch.Tensor) -> torch.Tensor:
+    return torch.bitwise_right_shift(weights.view(torch.int32), _SHIFT)
+
+
+def _histogram(bins: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """[R, _BINS] float64 mass per bin; each bin's copies are filled in the row's own order."""
+    n_rows, width = bins.shape
+    index = _bin_of(bins)
+    copy = torch.arange(width, dtype=torch.int32, device=bins.device) % _COPIES * _BINS
+    row = torch.arange(n_rows, dtype=torch.int32, device=bins.device).unsqueeze(1) * (_COPIES * _BINS)
+    index.add_(copy).add_(row)
+    hist = torch.bincount(index.view(-1), weights=mass.view(-1), minlength=n_rows * _COPIES * _BINS)
+    hist = hist.view(n_rows, _COPIES, _BINS).double()
+    total = hist[:, 0]
+    for c in range(1, _COPIES):
+        total = total + hist[:, c]
+    return total
+
+
+def _top_p_thresholds(rows: torch.Tensor, p: torch.Tensor, window: int) -> torch.Tensor:
+    """Rows with top_p alone: a mass histogram finds the nucleus's last bin, whose tokens are sorted."""
+    n_rows, width = rows.shape
+    top = rows.amax(dim=-1, keepdim=True)
+    # A token with mass below (1 - p) / V of the top one is never kept: all such tokens together
+    # weigh less than 1 - p of the row. A nat of margin keeps rounding away from that bound.
+    bound = top + torch.log((1.0 - p.double()) / width).to(rows.dtype).unsqueeze(1) - 1.0
+    low = torch.maximum(rows.amin(dim=-1, keepdim=True), bound)
+    mass, bins = _stretched_bins(rows, top, low)
+    at_or_above = _histogram(bins, mass).flip(-1).cumsum(-1).flip(-1)
+    target = p.double() * at_or_above[:, 0]
+    # The last bin whose mass at or above still reaches the target holds the cutoff.
+    crossing = (at_or_above >= target.unsqueeze(1)).sum(dim=-1) - 1
+    above = torch.cat([at_or_above, torch.zeros_like(at_or_above[:, :1])], 1).gather(1, (crossing + 1).unsqueeze(1))
+    # Bins are monotone in the logit, so a block's bins span those of its smallest and largest.
+    block_bins = _block_view(bins)
+    low_bin, high_bin = _bin_of(block_bins.amin(dim=-1)), _bin_of(block_bins.amax(dim=-1))
+    touching = (low_bin <= crossing.unsqueeze(1)) & (crossing.unsqueeze(1) <= high_bin)
+    threshold = top.squeeze(1).clone()  # rows all of one value keep everything
+    spread = (top > low).squeeze(1)
+    wide = spread & (touching.sum(dim=-1) * BLOCK > window)
+    narrow = (spread & ~wide).nonzero().squeeze(1)
+    if narrow.numel():
+        threshold[narrow] = _bin_cutoffs(
+            rows[narrow], mass[narrow], bins[narrow], touching[narrow], crossing[narrow], above[narrow], target[narrow]
+        )
+    wide_rows = wide.nonzero().squeeze(1)
+    if wide_rows.numel():
+        threshold[wide_rows] = _sorted_thresholds(
+            rows[wide_rows], torch.zeros_like(wide_rows), p[wide_rows]
+        )
+    return threshold
+
+
+def _bin_cutoffs(
+    rows: torch.Tensor,
+    mass: torch.Tensor,
+    bins: torch.Tensor,
+    touching: torch.Tensor,
+    crossing: torch.Tensor,
+    above: torch.Tensor,
+    target: torch.Tensor,
+) -> torch.Tensor:
+    """The exact cutoff inside each row's crossing bin: its tokens sorted, their masses added
+    to the mass above the bin until the target is reached."""
+    vals = _gather_blocks(rows, touching, float("-inf"))
+    # The fill's sign bit gives it a negative bin, so padding is never in the crossing bin.
+    in_bin = _bin_of(_gather_blocks(bins, touching, -1.0)) == crossing.unsqueeze(1)
+    vals = vals.masked_fill(~in_bin, float("-inf"))
+    weights = _gather_blocks(mass, touching, 0.0).masked_fill(~in_bin, 0.0)
+    members = int(in_bin.sum(dim=-1).max())
+    order = vals.topk(max(members, 1), dim=-1)
+    sorted_mass = weights.gather(1, order.indices).double()
+    reached = above + sorted_mass.cumsum(dim=-1) >= target.unsqueeze(1)
+    # The first member at which the target is reached; the bin's last member if rounding
+    # left the bin's own total a hair short of the histogram's.
+    first = (~reached).sum(dim=-1).clamp(max=in_bin.sum(dim=-1) - 1).clamp(min=0)
+    return order.values.gather(1, first.unsqueeze(1)).squeeze(1)
