@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cadence.engine.sampling_params import SamplingParams
-from cadence.engine.truncation import BLOCK, top_k_top_p_thresholds
+from cadence.engine.truncation import BLOCK, EXP_FLOOR, top_k_top_p_thresholds
 
 
 def _pad(rows: list[list[int]], pad: list[int], device: torch.device) -> torch.Tensor:
@@ -240,20 +240,44 @@ def apply_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 _TOP_P_WINDOW = 16384
 
 
+def top_k_top_p_threshold(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | None:
+    """Per-row logit threshold [B] for top_k then top_p (-inf for rows with neither), or None
+    when no row uses them. A row's threshold depends on that row alone (engine/truncation.py)."""
+    if md.top_k is None and md.top_p is None:
+        return None
+    batch = logits.shape[0]
+    k = md.top_k if md.top_k is not None else torch.zeros(batch, dtype=torch.int64, device=logits.device)
+    p = md.top_p if md.top_p is not None else torch.ones(batch, dtype=torch.float32, device=logits.device)
+    return top_k_top_p_thresholds(logits, k, p.to(logits.dtype), _TOP_P_WINDOW)
+
+
 def apply_top_k_top_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """In place: keep each row's top_k tokens, then the minimal nucleus of mass >= top_p.
 
     top_p is measured on the distribution renormalized after top_k (vLLM's order). Both are
     applied as a per-row logit threshold, so tokens tied with the last kept one are kept too.
-    A row's threshold depends on that row alone (engine/truncation.py says how).
     """
-    if md.top_k is None and md.top_p is None:
+    threshold = top_k_top_p_threshold(logits, md)
+    if threshold is None:
         return logits
-    batch = logits.shape[0]
-    k = md.top_k if md.top_k is not None else torch.zeros(batch, dtype=torch.int64, device=logits.device)
-    p = md.top_p if md.top_p is not None else torch.ones(batch, dtype=torch.float32, device=logits.device)
-    threshold = top_k_top_p_thresholds(logits, k, p.to(logits.dtype), _TOP_P_WINDOW)
     return logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
+
+
+def _probabilities(logits: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+    """In place: exp(logit - row max), the softmax without its per-row normalizer (neither
+    sampling step needs it); with a threshold, exactly 0 below it and for -inf logits.
+
+    With a threshold the exponents are floored at EXP_FLOOR, since exp of -inf or of anything
+    with a denormal result takes a slow path on CPU: a kept token that far below the row's max
+    gets probability 1e-38 of the max's instead of less.
+    """
+    top = logits.amax(dim=-1, keepdim=True)
+    if threshold is None:
+        return logits.sub_(top).exp_()
+    # The mask as 1.0 / 0.0 floats and a multiply: a bool mask and masked_fill_ branch per
+    # token, which is several times slower on CPU when kept and dropped tokens interleave.
+    keep = torch.ge(logits, threshold.clamp(min=torch.finfo(logits.dtype).min).unsqueeze(1), out=torch.empty_like(logits))
+    return logits.sub_(top).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
 
 
 def _sample_rows(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -288,7 +312,7 @@ def _sample_by_block(probs: torch.Tensor) -> torch.Tensor:
     blocks = torch.nn.functional.pad(probs, (0, extra)) if extra else probs
     blocks = blocks.view(n_rows, -1, BLOCK)
     cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
-    total = cdf[:, -1:]
+    total = cdf[:, -1:].contiguous()
     u = torch.rand((n_rows, 1), dtype=torch.float64, device=probs.device) * total
     # The first block whose cumulative mass passes u; rounding can put u at the total, so never
     # past the last block that has mass.
@@ -335,11 +359,10 @@ class Sampler:
                 greedy_tokens = row_argmax(work[greedy_rows]) if greedy_rows is not None else None
                 apply_temperature(work, md)
                 apply_min_p(work, md)
-                apply_top_k_top_p(work, md)
-                # Neither sampling step needs the per-row normalizer, so exp(l - max) stands in
-                # for softmax, in place.
-                probs = work.sub_(work.amax(dim=-1, keepdim=True)).exp_()
-                sampled = _sample_rows(probs, md)
+                threshold = top_k_top_p_threshold(work, md)
+                if threshold is None and (md.min_p is not None or md.min_tokens_rows is not None):
+                    threshold = torch.full_like(work[:, 0], float("-inf"))  # -inf logits to 0
+                sampled = _sample_rows(_probabilities(work, threshold), md)
                 if greedy_rows is not None and greedy_tokens is not None:
                     sampled[greedy_rows] = greedy_tokens
         sampled = sampled.to(torch.int64)

@@ -33,6 +33,7 @@ BLOCK = 64  # tokens per block whose maximum stands in for the block
 _STRETCH = 60.0
 _SHIFT = 18  # keep 8 exponent and 5 mantissa bits: 32 bins per octave
 _BINS = (0x3F800000 >> _SHIFT) + 1  # float bits of 1.0, the largest stretched weight
+EXP_FLOOR = -87.0  # exp of anything lower is a float32 denormal
 _COPIES = 4  # interleaved copies of each bin, so most rows' tails do not all add into one
 
 
@@ -126,7 +127,10 @@ def _top_k_thresholds(rows: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> t
     # The k-th largest token is >= the k-th largest block maximum (k blocks reach it), so
     # every token of the top_k set lies in a block whose maximum is >= that value.
     floor = block_max.topk(k_max, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-    candidates = _gather_blocks(rows, block_max >= floor, float("-inf"))
+    chosen = block_max >= floor
+    # Blocks tied at the floor (a flat row) can make that most of the row: search it whole.
+    spread_out = int(chosen.sum(dim=-1).max()) > n_blocks // 4
+    candidates = rows if spread_out else _gather_blocks(rows, chosen, float("-inf"))
     vals = candidates.topk(k_max, dim=-1).values
     kth = vals.gather(1, (k - 1).unsqueeze(1))
     # The top_k mass counts every token tied with the k-th, also those past k_max.
@@ -137,32 +141,41 @@ def _top_k_thresholds(rows: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> t
 
 def _stretched_bins(rows: torch.Tensor, top: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mass, bins): mass = exp(rows - top); bins = stretched weights exp((rows - top) * a) with
-    a = _STRETCH / (top - low), in [0, 1], whose float bits >> _SHIFT are the histogram bin."""
-    shifted = rows - top
+    a = _STRETCH / (top - low), in [0, 1], whose float bits >> _SHIFT are the histogram bin.
+
+    Exponents are floored at EXP_FLOOR: a denormal result costs a CPU hundreds of cycles. Only
+    tokens far below `low` reach the floor; their mass is off by under 1e-38 of the top token's.
+    """
+    shifted = (rows - top).clamp_(min=EXP_FLOOR)
     mass = shifted.exp()
     spread = top - low
     # A row of one value has no spread (and needs no bins): 1 keeps its weights finite.
     stretch = torch.where(spread > 0, _STRETCH / spread, 1.0)
-    return mass, shifted.mul_(stretch).exp_()
+    return mass, shifted.mul_(stretch).clamp_(min=EXP_FLOOR).exp_()
 
 
 def _bin_of(weights: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_right_shift(weights.view(torch.int32), _SHIFT)
 
 
-def _histogram(bins: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-    """[R, _BINS] float64 mass per bin; each bin's copies are filled in the row's own order."""
+def _histogram(bins: torch.Tensor, mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([R, _BINS] float64 mass per bin, [R, V] int32 bin of each token plus its row's offset).
+    Each row has its own bins, and each bin's copies are filled in the row's own order.
+
+    Overwrites `bins` (its memory holds the returned indices).
+    """
     n_rows, width = bins.shape
-    index = _bin_of(bins)
+    index = torch.bitwise_right_shift(bins.view(torch.int32), _SHIFT, out=bins.view(torch.int32))
     copy = torch.arange(width, dtype=torch.int32, device=bins.device) % _COPIES * _BINS
     row = torch.arange(n_rows, dtype=torch.int32, device=bins.device).unsqueeze(1) * (_COPIES * _BINS)
-    index.add_(copy).add_(row)
+    index.add_(row).add_(copy)
     hist = torch.bincount(index.view(-1), weights=mass.view(-1), minlength=n_rows * _COPIES * _BINS)
+    index.sub_(copy)
     hist = hist.view(n_rows, _COPIES, _BINS).double()
     total = hist[:, 0]
     for c in range(1, _COPIES):
         total = total + hist[:, c]
-    return total
+    return total, index
 
 
 def _top_p_thresholds(rows: torch.Tensor, p: torch.Tensor, window: int) -> torch.Tensor:
@@ -174,52 +187,61 @@ def _top_p_thresholds(rows: torch.Tensor, p: torch.Tensor, window: int) -> torch
     bound = top + torch.log((1.0 - p.double()) / width).to(rows.dtype).unsqueeze(1) - 1.0
     low = torch.maximum(rows.amin(dim=-1, keepdim=True), bound)
     mass, bins = _stretched_bins(rows, top, low)
-    at_or_above = _histogram(bins, mass).flip(-1).cumsum(-1).flip(-1)
+    hist, row_bin = _histogram(bins, mass)
+    at_or_above = hist.flip(-1).cumsum(-1).flip(-1)
     target = p.double() * at_or_above[:, 0]
     # The last bin whose mass at or above still reaches the target holds the cutoff.
     crossing = (at_or_above >= target.unsqueeze(1)).sum(dim=-1) - 1
     above = torch.cat([at_or_above, torch.zeros_like(at_or_above[:, :1])], 1).gather(1, (crossing + 1).unsqueeze(1))
-    # Bins are monotone in the logit, so a block's bins span those of its smallest and largest.
-    block_bins = _block_view(bins)
-    low_bin, high_bin = _bin_of(block_bins.amin(dim=-1)), _bin_of(block_bins.amax(dim=-1))
-    touching = (low_bin <= crossing.unsqueeze(1)) & (crossing.unsqueeze(1) <= high_bin)
+    row_offset = torch.arange(n_rows, device=rows.device) * (_COPIES * _BINS)
+    in_bin = row_bin == (crossing + row_offset).to(torch.int32).unsqueeze(1)
+    # A block's 64 flags read as 8 int64 words: the block touches the bin if any word is nonzero.
+    touching = in_bin.view(torch.int64).view(n_rows, -1, BLOCK // 8).amax(dim=-1) != 0
     threshold = top.squeeze(1).clone()  # rows all of one value keep everything
     spread = (top > low).squeeze(1)
     wide = spread & (touching.sum(dim=-1) * BLOCK > window)
-    narrow = (spread & ~wide).nonzero().squeeze(1)
-    if narrow.numel():
-        threshold[narrow] = _bin_cutoffs(
-            rows[narrow], mass[narrow], bins[narrow], touching[narrow], crossing[narrow], above[narrow], target[narrow]
-        )
+    narrow = spread & ~wide
+    if bool(narrow.any()):
+        cutoff = _bin_cutoffs(rows, mass, in_bin, touching & narrow.unsqueeze(1), above, target)
+        threshold = torch.where(narrow, cutoff, threshold)
     wide_rows = wide.nonzero().squeeze(1)
     if wide_rows.numel():
-        threshold[wide_rows] = _sorted_thresholds(
-            rows[wide_rows], torch.zeros_like(wide_rows), p[wide_rows]
-        )
+        threshold[wide_rows] = _wide_bin_cutoffs(rows[wide_rows], in_bin[wide_rows], p[wide_rows])
+    return threshold
+
+
+def _wide_bin_cutoffs(rows: torch.Tensor, in_bin: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Rows whose crossing bin spans too many blocks to gather. A bin of one repeated value (a
+    flat row, or one whose few other values a penalty moved) is its own cutoff; any other such
+    row, a dense cluster of distinct values, is sorted whole."""
+    high = torch.where(in_bin, rows, float("-inf")).amax(dim=-1)
+    low = torch.where(in_bin, rows, float("inf")).amin(dim=-1)
+    threshold = high.clone()
+    mixed = (high != low).nonzero().squeeze(1)
+    if mixed.numel():
+        threshold[mixed] = _sorted_thresholds(rows[mixed], torch.zeros_like(mixed), p[mixed])
     return threshold
 
 
 def _bin_cutoffs(
     rows: torch.Tensor,
     mass: torch.Tensor,
-    bins: torch.Tensor,
+    in_bin: torch.Tensor,
     touching: torch.Tensor,
-    crossing: torch.Tensor,
     above: torch.Tensor,
     target: torch.Tensor,
 ) -> torch.Tensor:
-    """The exact cutoff inside each row's crossing bin: its tokens sorted, their masses added
-    to the mass above the bin until the target is reached."""
-    vals = _gather_blocks(rows, touching, float("-inf"))
-    # The fill's sign bit gives it a negative bin, so padding is never in the crossing bin.
-    in_bin = _bin_of(_gather_blocks(bins, touching, -1.0)) == crossing.unsqueeze(1)
-    vals = vals.masked_fill(~in_bin, float("-inf"))
-    weights = _gather_blocks(mass, touching, 0.0).masked_fill(~in_bin, 0.0)
-    members = int(in_bin.sum(dim=-1).max())
-    order = vals.topk(max(members, 1), dim=-1)
+    """The exact cutoff inside each row's crossing bin: its tokens (`in_bin`, found in the
+    `touching` blocks) sorted, their masses added to the mass above the bin until the target.
+    Rows without touching blocks get junk."""
+    member = _gather_blocks(in_bin.view(torch.uint8), touching, 0).bool()
+    vals = _gather_blocks(rows, touching, float("-inf")).masked_fill_(~member, float("-inf"))
+    weights = _gather_blocks(mass, touching, 0.0).masked_fill_(~member, 0.0)
+    count = member.sum(dim=-1)
+    order = vals.topk(max(int(count.max()), 1), dim=-1)
     sorted_mass = weights.gather(1, order.indices).double()
     reached = above + sorted_mass.cumsum(dim=-1) >= target.unsqueeze(1)
     # The first member at which the target is reached; the bin's last member if rounding
     # left the bin's own total a hair short of the histogram's.
-    first = (~reached).sum(dim=-1).clamp(max=in_bin.sum(dim=-1) - 1).clamp(min=0)
+    first = (~reached).sum(dim=-1).clamp(max=count - 1).clamp(min=0)
     return order.values.gather(1, first.unsqueeze(1)).squeeze(1)
