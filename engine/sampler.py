@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cadence.engine.sampling_params import SamplingParams
-from cadence.engine.truncation import BLOCK, EXP_FLOOR, top_k_top_p_thresholds
+from cadence.engine.truncation import BLOCK, EXP_FLOOR, Scratch, top_k_top_p_thresholds
 
 
 def _pad(rows: list[list[int]], pad: list[int], device: torch.device) -> torch.Tensor:
@@ -240,7 +240,9 @@ def apply_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 _TOP_P_WINDOW = 16384
 
 
-def top_k_top_p_threshold(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | None:
+def top_k_top_p_threshold(
+    logits: torch.Tensor, md: SamplingMetadata, scratch: Scratch | None = None
+) -> torch.Tensor | None:
     """Per-row logit threshold [B] for top_k then top_p (-inf for rows with neither), or None
     when no row uses them. A row's threshold depends on that row alone (engine/truncation.py)."""
     if md.top_k is None and md.top_p is None:
@@ -248,7 +250,7 @@ def top_k_top_p_threshold(logits: torch.Tensor, md: SamplingMetadata) -> torch.T
     batch = logits.shape[0]
     k = md.top_k if md.top_k is not None else torch.zeros(batch, dtype=torch.int64, device=logits.device)
     p = md.top_p if md.top_p is not None else torch.ones(batch, dtype=torch.float32, device=logits.device)
-    return top_k_top_p_thresholds(logits, k, p.to(logits.dtype), _TOP_P_WINDOW)
+    return top_k_top_p_thresholds(logits, k, p.to(logits.dtype), _TOP_P_WINDOW, scratch)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -263,7 +265,7 @@ def apply_top_k_top_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
     return logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
 
 
-def _probabilities(logits: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+def _probabilities(logits: torch.Tensor, threshold: torch.Tensor | None, scratch: Scratch) -> torch.Tensor:
     """In place: exp(logit - row max), the softmax without its per-row normalizer (neither
     sampling step needs it); with a threshold, exactly 0 below it and for -inf logits.
 
@@ -276,7 +278,8 @@ def _probabilities(logits: torch.Tensor, threshold: torch.Tensor | None) -> torc
         return logits.sub_(top).exp_()
     # The mask as 1.0 / 0.0 floats and a multiply: a bool mask and masked_fill_ branch per
     # token, which is several times slower on CPU when kept and dropped tokens interleave.
-    keep = torch.ge(logits, threshold.clamp(min=torch.finfo(logits.dtype).min).unsqueeze(1), out=torch.empty_like(logits))
+    floor = threshold.clamp(min=torch.finfo(logits.dtype).min).unsqueeze(1)  # -inf logits too
+    keep = torch.ge(logits, floor, out=scratch.take("keep", logits))
     return logits.sub_(top).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
 
 
@@ -340,6 +343,9 @@ class Sampler:
     The caller's logits tensor is never modified.
     """
 
+    def __init__(self) -> None:
+        self.scratch = Scratch()
+
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
         raw = logits
@@ -348,7 +354,7 @@ class Sampler:
             sampled = row_argmax(raw)
         else:
             # One float32 copy that every stage then edits in place; raw stays for logprobs.
-            work = raw.to(torch.float32, copy=True)
+            work = self.scratch.take("work", raw, torch.float32).copy_(raw)
             apply_min_tokens(work, md)
             apply_penalties(work, md)
             if md.all_greedy:
@@ -359,10 +365,10 @@ class Sampler:
                 greedy_tokens = row_argmax(work[greedy_rows]) if greedy_rows is not None else None
                 apply_temperature(work, md)
                 apply_min_p(work, md)
-                threshold = top_k_top_p_threshold(work, md)
+                threshold = top_k_top_p_threshold(work, md, self.scratch)
                 if threshold is None and (md.min_p is not None or md.min_tokens_rows is not None):
                     threshold = torch.full_like(work[:, 0], float("-inf"))  # -inf logits to 0
-                sampled = _sample_rows(_probabilities(work, threshold), md)
+                sampled = _sample_rows(_probabilities(work, threshold, self.scratch), md)
                 if greedy_rows is not None and greedy_tokens is not None:
                     sampled[greedy_rows] = greedy_tokens
         sampled = sampled.to(torch.int64)

@@ -23,7 +23,7 @@ for one row than for many.
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,12 +37,33 @@ EXP_FLOOR = -87.0  # exp of anything lower is a float32 denormal
 _COPIES = 4  # interleaved copies of each bin, so most rows' tails do not all add into one
 
 
-def top_k_top_p_thresholds(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, window: int) -> torch.Tensor:
+@dataclass
+class Scratch:
+    """Buffers reused from call to call: on CPU a fresh vocabulary-wide tensor costs a page
+    fault per 4 KiB every time, as much as the arithmetic done in it."""
+
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def take(self, name: str, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A tensor shaped like `like` (and typed like it unless `dtype`), contents undefined."""
+        dtype = dtype or like.dtype
+        size = like.numel()
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < size or buf.dtype != dtype or buf.device != like.device:
+            buf = self.buffers[name] = torch.empty(size, dtype=dtype, device=like.device)
+        return buf[:size].view(like.shape)
+
+
+def top_k_top_p_thresholds(
+    logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, window: int, scratch: Scratch | None = None
+) -> torch.Tensor:
     """Per-row threshold: keep `logits >= threshold`. k: [B] int64 (0 = off), p: [B] (1.0 = off).
 
     logits: [B, V] float32; rows with neither step get -inf. window: how many tokens the blocks
     around a top_p row's crossing bin may hold before that row is sorted whole instead.
+    scratch: buffers to reuse across calls (none: fresh ones).
     """
+    scratch = scratch if scratch is not None else Scratch()
     batch, vocab = logits.shape
     k = k.clamp(max=vocab)
     threshold = torch.full((batch,), float("-inf"), dtype=logits.dtype, device=logits.device)
@@ -58,9 +79,9 @@ def top_k_top_p_thresholds(logits: torch.Tensor, k: torch.Tensor, p: torch.Tenso
         if k_rows.numel():
             threshold[k_rows] = _top_k_thresholds(padded[k_rows], k[k_rows], p[k_rows])
         if p_rows.numel() == batch:  # the usual batch: no copy of the rows
-            threshold = _top_p_thresholds(padded, p, window)
+            threshold = _top_p_thresholds(padded, p, window, scratch)
         elif p_rows.numel():
-            threshold[p_rows] = _top_p_thresholds(padded[p_rows], p[p_rows], window)
+            threshold[p_rows] = _top_p_thresholds(padded[p_rows], p[p_rows], window, scratch)
     return threshold
 
 
@@ -139,15 +160,17 @@ def _top_k_thresholds(rows: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> t
     return _prefix_thresholds(vals, k, p, z)[0]
 
 
-def _stretched_bins(rows: torch.Tensor, top: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _stretched_bins(
+    rows: torch.Tensor, top: torch.Tensor, low: torch.Tensor, scratch: Scratch
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mass, bins): mass = exp(rows - top); bins = stretched weights exp((rows - top) * a) with
     a = _STRETCH / (top - low), in [0, 1], whose float bits >> _SHIFT are the histogram bin.
 
     Exponents are floored at EXP_FLOOR: a denormal result costs a CPU hundreds of cycles. Only
     tokens far below `low` reach the floor; their mass is off by under 1e-38 of the top token's.
     """
-    shifted = (rows - top).clamp_(min=EXP_FLOOR)
-    mass = shifted.exp()
+    shifted = torch.sub(rows, top, out=scratch.take("bins", rows)).clamp_(min=EXP_FLOOR)
+    mass = torch.exp(shifted, out=scratch.take("mass", rows))
     spread = top - low
     # A row of one value has no spread (and needs no bins): 1 keeps its weights finite.
     stretch = torch.where(spread > 0, _STRETCH / spread, 1.0)
@@ -178,7 +201,7 @@ def _histogram(bins: torch.Tensor, mass: torch.Tensor) -> tuple[torch.Tensor, to
     return total, index
 
 
-def _top_p_thresholds(rows: torch.Tensor, p: torch.Tensor, window: int) -> torch.Tensor:
+def _top_p_thresholds(rows: torch.Tensor, p: torch.Tensor, window: int, scratch: Scratch) -> torch.Tensor:
     """Rows with top_p alone: a mass histogram finds the nucleus's last bin, whose tokens are sorted."""
     n_rows, width = rows.shape
     top = rows.amax(dim=-1, keepdim=True)
@@ -186,7 +209,7 @@ def _top_p_thresholds(rows: torch.Tensor, p: torch.Tensor, window: int) -> torch
     # weigh less than 1 - p of the row. A nat of margin keeps rounding away from that bound.
     bound = top + torch.log((1.0 - p.double()) / width).to(rows.dtype).unsqueeze(1) - 1.0
     low = torch.maximum(rows.amin(dim=-1, keepdim=True), bound)
-    mass, bins = _stretched_bins(rows, top, low)
+    mass, bins = _stretched_bins(rows, top, low, scratch)
     hist, row_bin = _histogram(bins, mass)
     at_or_above = hist.flip(-1).cumsum(-1).flip(-1)
     target = p.double() * at_or_above[:, 0]
