@@ -101,12 +101,12 @@ def old_sampler() -> Iterator[None]:
     """Sampler.__call__ runs the old top_k/top_p and the old per-token race meanwhile."""
     saved = (sampler_mod.top_k_top_p_threshold, sampler_mod._probabilities, sampler_mod._sample_rows)
 
-    def threshold(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    def threshold(logits: torch.Tensor, md: SamplingMetadata, scratch: object = None) -> None:
         _old_apply_top_k_top_p(logits, md)
         return None
 
     sampler_mod.top_k_top_p_threshold = threshold  # type: ignore[assignment]
-    sampler_mod._probabilities = lambda logits, _: logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # type: ignore[assignment]
+    sampler_mod._probabilities = lambda logits, *_: logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # type: ignore[assignment]
     sampler_mod._sample_rows = _old_sample_rows  # type: ignore[assignment]
     try:
         yield
@@ -161,16 +161,22 @@ def interleaved_ms(calls: dict[str, Callable[[], object]], rounds: int, clock: C
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def decode_step_ms(batch: int) -> float:
-    """Median engine step (wall ms) while `batch` greedy requests decode together on the default model."""
+def decode_step_ms(batch: int, clock: Callable[[], float]) -> float:
+    """Median engine step (ms, on `clock`) while `batch` greedy requests decode together on the
+    default model: the prefill steps and the first decode steps are left out."""
     from cadence import LLM
-    from common.engine_timing import run_timed_steps
+    from cadence.engine.protocol import EngineCoreRequest
 
-    llm = LLM(resolve_model_path(None), max_model_len=256, num_gpu_blocks=batch * 6 + 16, max_num_seqs=batch)
-    prompts = [[(7 * i + 13 * j) % 40000 + 100 for j in range(32)] for i in range(batch)]
+    engine = LLM(resolve_model_path(None), max_model_len=256, num_gpu_blocks=batch * 6 + 16, max_num_seqs=batch).engine
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    steps = run_timed_steps(llm.engine, prompts, params)
-    return statistics.median(s.total for s in steps[-12:]) * 1e3
+    for i in range(batch):
+        engine.add_request(EngineCoreRequest(f"step-{i}", [(7 * i + 13 * j) % 40000 + 100 for j in range(32)], params))
+    steps = []
+    while engine.has_unfinished_requests():
+        start = clock()
+        engine.step()
+        steps.append((clock() - start) * 1e3)
+    return statistics.median(steps[-12:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     if args.clock == "cpu":
         torch.set_num_threads(1)
-    step = decode_step_ms(64) if args.step else None
+    step = decode_step_ms(64, clock) if args.step else None
     print(
         f"# Sampler, vocab {VOCAB} ({time.strftime('%Y-%m-%d %H:%M')}), {torch.get_num_threads()} threads, "
         f"{args.clock} clock"
@@ -206,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_line(machine_info()))
     print(f"load average at start {os.getloadavg()[0]:.2f}")
     if step is not None:
-        print(f"batch-64 decode step of the default model (greedy, median): {step:.1f} ms")
+        print(f"batch-64 decode step of the default model (greedy, median, {args.clock} clock): {step:.1f} ms")
     print()
     header = "| logits | setting | batch | old ms | new ms | old/new |" + (" new / step |" if step else "")
     print(header)
