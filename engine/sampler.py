@@ -319,9 +319,8 @@ def _sample_by_block(probs: torch.Tensor) -> torch.Tensor:
     u = torch.rand((n_rows, 1), dtype=torch.float64, device=probs.device) * total
     # The first block whose cumulative mass passes u; rounding can put u at the total, so never
     # past the last block that has mass.
-    chosen = torch.minimum(
-        torch.searchsorted(cdf, u, right=True), torch.searchsorted(cdf, total, right=False)
-    ).squeeze(1)
+    last_with_mass = torch.searchsorted(cdf, total, right=False)
+    chosen = torch.minimum(torch.searchsorted(cdf, u, right=True), last_with_mass).squeeze(1)
     candidates = blocks[torch.arange(n_rows, device=probs.device), chosen]
     q = torch.empty_like(candidates).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
     return chosen * BLOCK + row_argmax(candidates / q)
