@@ -1,7 +1,7 @@
 """Turns one step's logits into next tokens (and their logprobs), vectorized over the batch.
 
 Processing order (vLLM's): min_tokens suppression -> penalties -> greedy argmax -> temperature
--> min_p -> top_k / top_p -> exponential-race sampling. Logprobs come from the raw logits.
+-> min_p -> top_k / top_p -> sampling (see _sample_rows). Logprobs come from the raw logits.
 Every stage is skipped when no row of the batch needs it, because this runs once per step.
 """
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cadence.engine.sampling_params import SamplingParams
+from cadence.engine.truncation import BLOCK, EXP_FLOOR, Scratch, top_k_top_p_thresholds
 
 
 def _pad(rows: list[list[int]], pad: list[int], device: torch.device) -> torch.Tensor:
@@ -234,44 +235,22 @@ def apply_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
-# top_p looks for its nucleus among each row's largest _TOP_P_WINDOW logits (a cheap partial
-# topk); only rows whose nucleus is wider than that are fully sorted.
-_TOP_P_WINDOW = 1024
+# How many tokens the blocks around a top_p row's crossing bin may hold before the row is
+# sorted whole (engine/truncation.py): only a dense cluster of distinct values gets there.
+_TOP_P_WINDOW = 16384
 
 
-def _thresholds(
-    vals: torch.Tensor, k: torch.Tensor, p: torch.Tensor, z_full: torch.Tensor | None, vocab: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row logit threshold for top_k then top_p, from `vals`: each row's largest logits in
-    descending order (a prefix of the sorted row). Also returns the rows whose nucleus may extend
-    past `vals`, which must be redone with the full row.
-
-    Every quantity is either elementwise or a sequential prefix scan (cumsum), so a row's result
-    does not depend on the window width, and so not on the rest of the batch.
-    """
-    neg_inf = float("-inf")
-    width = vals.shape[1]
-    k_on = k > 0
-    kth = vals.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-    kth = torch.where(k_on, kth, torch.full_like(kth, neg_inf))
-    if z_full is None:
-        return kth, torch.zeros_like(k_on)
-    # top_p runs on the distribution left by top_k, renormalized (vLLM's order).
-    vals = vals.masked_fill(vals < kth.unsqueeze(1), neg_inf)
-    e = (vals - vals[:, :1]).exp()  # unnormalized probs; vals[:, 0] is the row max
-    c = e.cumsum(dim=-1)
-    # Adding the masked zeros past top_k leaves c[:, -1] exactly the top_k mass.
-    z = torch.where(k_on, c[:, -1], z_full)
-    mass_before = torch.cat([torch.zeros_like(c[:, :1]), c[:, :-1]], dim=1)
-    # Keep a token while the mass strictly above it is < p: the minimal set reaching p.
-    keep = mass_before < (p * z).unsqueeze(1)
-    n_keep = keep.sum(dim=-1)
-    # At least the top token survives, even when p * z underflows to 0.
-    cutoff = vals.gather(1, (n_keep - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-    active = p < 1.0
-    threshold = torch.where(active, torch.maximum(cutoff, kth), kth)
-    open_rows = active & ~k_on & keep[:, -1] & (width < vocab)
-    return threshold, open_rows
+def top_k_top_p_threshold(
+    logits: torch.Tensor, md: SamplingMetadata, scratch: Scratch | None = None
+) -> torch.Tensor | None:
+    """Per-row logit threshold [B] for top_k then top_p (-inf for rows with neither), or None
+    when no row uses them. A row's threshold depends on that row alone (engine/truncation.py)."""
+    if md.top_k is None and md.top_p is None:
+        return None
+    batch = logits.shape[0]
+    k = md.top_k if md.top_k is not None else torch.zeros(batch, dtype=torch.int64, device=logits.device)
+    p = md.top_p if md.top_p is not None else torch.ones(batch, dtype=torch.float32, device=logits.device)
+    return top_k_top_p_thresholds(logits, k, p.to(logits.dtype), _TOP_P_WINDOW, scratch)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -280,55 +259,71 @@ def apply_top_k_top_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
     top_p is measured on the distribution renormalized after top_k (vLLM's order). Both are
     applied as a per-row logit threshold, so tokens tied with the last kept one are kept too.
     """
-    if md.top_k is None and md.top_p is None:
+    threshold = top_k_top_p_threshold(logits, md)
+    if threshold is None:
         return logits
-    batch, vocab = logits.shape
-    device = logits.device
-    k = md.top_k.clamp(max=vocab) if md.top_k is not None else None
-    k = k if k is not None else torch.zeros(batch, dtype=torch.int64, device=device)
-    width = int(k.max())
-    z_full: torch.Tensor | None = None
-    if md.top_p is not None:
-        p = md.top_p.to(logits.dtype)
-        width = max(width, _TOP_P_WINDOW)
-        # Full-row mass (scaled by exp(-max)), needed by rows without top_k.
-        z_full = (logits - logits.amax(dim=-1, keepdim=True)).exp_().sum(dim=-1)
-    else:
-        p = torch.ones(batch, dtype=logits.dtype, device=device)
-    vals = logits.topk(min(width, vocab), dim=-1).values
-    threshold, open_rows = _thresholds(vals, k, p, z_full, vocab)
-    if bool(open_rows.any()):
-        assert z_full is not None
-        rows = open_rows.nonzero().squeeze(1)
-        full = logits[rows].sort(dim=-1, descending=True).values
-        threshold[rows] = _thresholds(full, k[rows], p[rows], z_full[rows], vocab)[0]
     return logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
 
 
-def _exponentials(md: SamplingMetadata, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
-    """q ~ Exp(1) per token.
+def _probabilities(logits: torch.Tensor, threshold: torch.Tensor | None, scratch: Scratch) -> torch.Tensor:
+    """In place: exp(logit - row max), the softmax without its per-row normalizer (neither
+    sampling step needs it); with a threshold, exactly 0 below it and for -inf logits.
 
-    Seeded rows draw `exponential_(generator=g)` into their own row, one row at a time, so their
-    samples never depend on batch composition or position. Other random rows share one batched
-    draw from the default RNG as -log(U), U ~ U[0, 1): also exactly Exp(1), but faster than
-    exponential_ on CPU, and never 0. Greedy rows are left uninitialized: the caller
-    overrides their result.
+    With a threshold the exponents are floored at EXP_FLOOR, since exp of -inf or of anything
+    with a denormal result takes a slow path on CPU: a kept token that far below the row's max
+    gets probability 1e-38 of the max's instead of less.
     """
-    batch, vocab = shape
-    q = torch.empty(shape, dtype=torch.float32, device=device)
+    top = logits.amax(dim=-1, keepdim=True)
+    if threshold is None:
+        return logits.sub_(top).exp_()
+    # The mask as 1.0 / 0.0 floats and a multiply: a bool mask and masked_fill_ branch per
+    # token, which is several times slower on CPU when kept and dropped tokens interleave.
+    floor = threshold.clamp(min=torch.finfo(logits.dtype).min).unsqueeze(1)  # -inf logits too
+    keep = torch.ge(logits, floor, out=scratch.take("keep", logits))
+    return logits.sub_(top).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
+
+
+def _sample_rows(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """One token per random row from probs [B, V] (exp(logit - max), masked tokens 0).
+
+    Seeded rows race over the whole row, argmax(probs / q) with q = exponential_(generator=g)
+    drawn into their own row, so their samples never depend on batch composition or position
+    (and stay those of earlier versions). Other random rows share the default RNG and sample in
+    two exact steps that draw a few numbers per row instead of one per token: a block of BLOCK
+    tokens with probability proportional to its mass (inverse CDF over the block masses, in
+    float64), then the token within that block by an exponential race. Greedy rows get junk:
+    the caller overrides them.
+    """
+    sampled = torch.zeros(probs.shape[0], dtype=torch.int64, device=probs.device)
     if md.unseeded_rows is not None:
-        n = md.unseeded_rows.numel()
-        if n == batch:
-            q.uniform_().log_().neg_()
-        else:
-            draws = torch.empty((n, vocab), dtype=torch.float32, device=device)
-            q[md.unseeded_rows] = draws.uniform_().log_().neg_()
+        rows = md.unseeded_rows
+        every = rows.numel() == probs.shape[0]
+        sampled[rows] = _sample_by_block(probs if every else probs[rows])
     tiny = torch.finfo(torch.float32).tiny
     for row, gen in zip(md.seeded_rows, md.seeded_generators):
-        # In place on the (contiguous) row view: the same numbers as torch.empty(V).exponential_(g),
-        # without a per-row copy. The clamp guards a drawn 0 (p / 0 would always win).
-        q[row].exponential_(generator=gen).clamp_min_(tiny)
-    return q
+        # The clamp guards a drawn 0 (p / 0 would always win).
+        q = torch.empty(probs.shape[1], dtype=torch.float32, device=probs.device)
+        q.exponential_(generator=gen).clamp_min_(tiny)
+        sampled[row] = row_argmax(probs[row] / q)
+    return sampled
+
+
+def _sample_by_block(probs: torch.Tensor) -> torch.Tensor:
+    """An exact sample per row of probs [R, V] from the default RNG: block, then token."""
+    n_rows, vocab = probs.shape
+    extra = -vocab % BLOCK
+    blocks = torch.nn.functional.pad(probs, (0, extra)) if extra else probs
+    blocks = blocks.view(n_rows, -1, BLOCK)
+    cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    u = torch.rand((n_rows, 1), dtype=torch.float64, device=probs.device) * total
+    # The first block whose cumulative mass passes u; rounding can put u at the total, so never
+    # past the last block that has mass.
+    last_with_mass = torch.searchsorted(cdf, total, right=False)
+    chosen = torch.minimum(torch.searchsorted(cdf, u, right=True), last_with_mass).squeeze(1)
+    candidates = blocks[torch.arange(n_rows, device=probs.device), chosen]
+    q = torch.empty_like(candidates).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
+    return chosen * BLOCK + row_argmax(candidates / q)
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -347,6 +342,9 @@ class Sampler:
     The caller's logits tensor is never modified.
     """
 
+    def __init__(self) -> None:
+        self.scratch = Scratch()
+
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
         raw = logits
@@ -355,7 +353,7 @@ class Sampler:
             sampled = row_argmax(raw)
         else:
             # One float32 copy that every stage then edits in place; raw stays for logprobs.
-            work = raw.to(torch.float32, copy=True)
+            work = self.scratch.take("work", raw, torch.float32).copy_(raw)
             apply_min_tokens(work, md)
             apply_penalties(work, md)
             if md.all_greedy:
@@ -366,13 +364,10 @@ class Sampler:
                 greedy_tokens = row_argmax(work[greedy_rows]) if greedy_rows is not None else None
                 apply_temperature(work, md)
                 apply_min_p(work, md)
-                apply_top_k_top_p(work, md)
-                q = _exponentials(md, (work.shape[0], work.shape[1]), work.device)
-                # Exponential race: argmax(p / q) with q ~ Exp(1) is an exact sample from p. The
-                # per-row normalizer of p cannot change the argmax, so exp(l - max) stands in for
-                # softmax, in place.
-                probs = work.sub_(work.amax(dim=-1, keepdim=True)).exp_()
-                sampled = row_argmax(probs.div_(q))
+                threshold = top_k_top_p_threshold(work, md, self.scratch)
+                if threshold is None and (md.min_p is not None or md.min_tokens_rows is not None):
+                    threshold = torch.full_like(work[:, 0], float("-inf"))  # -inf logits to 0
+                sampled = _sample_rows(_probabilities(work, threshold, self.scratch), md)
                 if greedy_rows is not None and greedy_tokens is not None:
                     sampled[greedy_rows] = greedy_tokens
         sampled = sampled.to(torch.int64)
