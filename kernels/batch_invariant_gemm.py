@@ -39,7 +39,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 # M is not specialized: the kernel compiled for one row count serves every other.
 @triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(
+def _batch_invariant_gemm_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
@@ -107,7 +107,7 @@ def batch_invariant_linear(
     if not triton_usable(x):
         out.copy_(reference(x2, weight, bias))
         return out.reshape(*lead, n)
-    _gemm_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))](
+    _batch_invariant_gemm_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))](
         x2,
         weight,
         weight if bias is None else bias,  # a dummy pointer, never read without a bias
