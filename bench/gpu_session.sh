@@ -28,10 +28,11 @@ case "$stage" in
         # backend tests go along unfiltered: on a GPU their tensors sit on it (helpers.DEVICE),
         # so their interpreter shapes then run through the compiled kernels.
         python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors \
-            tests/test_kernels_*.py tests/test_triton_backend.py tests/test_fp8.py 2>&1 \
+            tests/test_kernels_*.py tests/test_triton_backend.py tests/test_fp8.py tests/test_batch_invariant_cuda.py 2>&1 \
             | tee "$out/tests.log"
         python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors -m gpu tests \
             --ignore-glob="tests/test_kernels_*.py" --ignore=tests/test_triton_backend.py --ignore=tests/test_fp8.py \
+            --ignore=tests/test_batch_invariant_cuda.py \
             2>&1 | tee -a "$out/tests.log"
         ;;
     kernels)

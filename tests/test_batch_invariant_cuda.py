@@ -207,12 +207,12 @@ def test_row_wise_layer_ops_do_not_depend_on_m(dtype: torch.dtype) -> None:
 
 def test_backend_captures_one_unsplit_graph_per_batch_size() -> None:
     spec = AttentionSpec(8, 2, 16, 0.25)
-    cpu = torch.device("cpu")
-    default = create_attention_backend("triton", spec, 16, cpu)
-    invariant = create_attention_backend("triton", spec, 16, cpu, batch_invariant=True)
-    assert len(default.graph_variants(1, 4096, cpu)) > 1  # split-KV counts for long contexts
-    assert invariant.graph_variants(1, 4096, cpu) == [1]
-    assert invariant.pick_graph_variant(1, 4096, [1], cpu) == 1
+    device = torch.device(DEVICE)
+    default = create_attention_backend("triton", spec, 16, device)
+    invariant = create_attention_backend("triton", spec, 16, device, batch_invariant=True)
+    assert len(default.graph_variants(1, 4096, device)) > 1  # split-KV counts for long contexts
+    assert invariant.graph_variants(1, 4096, device) == [1]
+    assert invariant.pick_graph_variant(1, 4096, [1], device) == 1
     with pytest.raises(ValueError, match="needs the triton attention backend"):
         create_attention_backend("torch", spec, 16, torch.device("cuda"), batch_invariant=True)
 
