@@ -5,12 +5,13 @@
 #   bash bench/gpu_session.sh tests     # the test files that hold CUDA tests (CPU CI skips those)
 #   bash bench/gpu_session.sh kernels   # bench/kernels.py quant + attention sections, quick sizes
 #   bash bench/gpu_session.sh decode    # bench/gpu_decode.py at Llama-8B shapes, graphs only
+#   bash bench/gpu_session.sh invariant # what --batch-invariant costs at batch 1/16/64 (gpu_decode.py)
 #
 # The device machine has torch and triton but no pip index: `gguf` comes from a wheel in
 # .whl/ (carry it: `pip download gguf --no-deps -d .whl` here first), installed into
 # /tmp/site, and this checkout is imported as `cadence` through a symlink in /tmp/pkg.
 set -euo pipefail
-stage="${1:?usage: gpu_session.sh tests|kernels|decode}"
+stage="${1:?usage: gpu_session.sh tests|kernels|decode|invariant}"
 out="${OUT:-/tmp/gpu_session}"
 mkdir -p "$out" /tmp/pkg
 if compgen -G ".whl/gguf*.whl" >/dev/null; then
@@ -27,10 +28,11 @@ case "$stage" in
         # backend tests go along unfiltered: on a GPU their tensors sit on it (helpers.DEVICE),
         # so their interpreter shapes then run through the compiled kernels.
         python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors \
-            tests/test_kernels_*.py tests/test_triton_backend.py tests/test_fp8.py 2>&1 \
+            tests/test_kernels_*.py tests/test_triton_backend.py tests/test_fp8.py tests/test_batch_invariant_cuda.py 2>&1 \
             | tee "$out/tests.log"
         python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors -m gpu tests \
             --ignore-glob="tests/test_kernels_*.py" --ignore=tests/test_triton_backend.py --ignore=tests/test_fp8.py \
+            --ignore=tests/test_batch_invariant_cuda.py \
             2>&1 | tee -a "$out/tests.log"
         ;;
     kernels)
@@ -40,6 +42,13 @@ case "$stage" in
     decode)
         python3 bench/gpu_decode.py --no-eager --quantize-lm-head --layers 32 --hidden 4096 --intermediate 14336 \
             2>&1 | tee "$out/decode.log"
+        ;;
+    invariant)
+        # Its own stage: six engines of an 8B-shaped model do not fit beside the decode stage's
+        # runs in one call. 1B-shaped first, so a call cut short still reports something.
+        python3 bench/gpu_decode.py --batch-invariant --new-tokens 64 2>&1 | tee "$out/invariant.log"
+        python3 bench/gpu_decode.py --batch-invariant --new-tokens 64 --layers 32 --hidden 4096 --intermediate 14336 \
+            2>&1 | tee -a "$out/invariant.log"
         ;;
     *)
         echo "unknown stage: $stage" >&2

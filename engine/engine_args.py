@@ -52,6 +52,10 @@ class EngineArgs:
     # "fastest" picks per batch size, "packed"/"dequant"/"dense" fix one, or a .json path
     # holds the measured table.
     cpu_kernels: str = "auto"
+    # Greedy tokens independent of the batch a request runs in (engine/batch_invariant.py):
+    # on CUDA every linear and attention kernel keeps one configuration for every batch,
+    # at a cost in speed. CPU paths are batch invariant already under cpu_kernels="auto".
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         # Imported here so building EngineArgs (the CLI does, early) stays light.

@@ -89,6 +89,7 @@ class EngineCore:
             enforce_eager=args.enforce_eager,
             max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len,
+            batch_invariant=args.batch_invariant,
         )
         self.eos_token_ids = generation_eos_ids(args.model, config)
         self.vocab_size = config.vocab_size

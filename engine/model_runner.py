@@ -22,6 +22,7 @@ from cadence.engine.attention.backend import (
     split_kv_cache,
 )
 from cadence.engine.attention.selector import create_attention_backend
+from cadence.engine.batch_invariant import make_batch_invariant
 from cadence.engine.cuda_graphs import DecodeGraphs
 from cadence.engine.input_batch import InputBatch, RequestState, StepInputs
 from cadence.engine.models.causal_lm import CausalLM
@@ -77,12 +78,19 @@ class ModelRunner:
         enforce_eager: bool = False,
         max_num_seqs: int = 256,
         max_model_len: int = 2048,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         spec = model.attention_spec()
-        self.backend: AttentionBackend = create_attention_backend(attention_backend, spec, block_size, device)
+        self.backend: AttentionBackend = create_attention_backend(
+            attention_backend, spec, block_size, device, batch_invariant=batch_invariant
+        )
+        # Where Triton kernels run (CUDA, or the interpreter's Triton backend in tests) they
+        # take their batch-invariant configurations; CPU's torch paths are invariant as they are.
+        if batch_invariant and (device.type == "cuda" or attention_backend == "triton"):
+            make_batch_invariant(model)
         cache_shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches: list[KVCache] = [
             allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device) for _ in range(model.config.num_hidden_layers)

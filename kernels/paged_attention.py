@@ -301,10 +301,17 @@ def paged_attention(
     num_sms: int | None = None,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of `q [T, num_heads, head_dim]` over the paged cache; see `reference`.
 
     With `kv_scales` the cache holds int8 or fp8 values, dequantized tile by tile.
+
+    `batch_invariant` gives every query row the same bits whatever else is in the batch
+    and however its sequence's prompt was chunked: decodes take the prefill tiles, and the
+    KV range is never split (`num_splits` must be None or 1). A row then always walks the
+    same TILE_N tiles from position 0 in the same order; tiles past its own position are
+    masked to exact no-ops of the online softmax.
 
     `seq_lens` and `query_start_loc` are int32/int64 device tensors, `block_tables` is
     `[num_seqs, max_blocks]` int32/int64. `num_splits=None` picks it with
@@ -323,11 +330,16 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
+    if batch_invariant:
+        if num_splits not in (None, 1):
+            raise ValueError(f"batch-invariant attention does not split the KV range (num_splits={num_splits})")
+        num_splits = 1
+    prefill_tiles = max_query_len > 1 or batch_invariant
     # Rows of a tile = BLOCK_Q tokens x GROUP heads; tl.dot wants at least 16 of them.
-    block_m = 64 if max_query_len > 1 else 16
+    block_m = 64 if prefill_tiles else 16
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
-    tile_n = 32 if max_query_len > 1 else 16
+    tile_n = 32 if prefill_tiles else 16
     head_pad = max(16, triton.next_power_of_2(head_dim))
     num_q_programs = num_tokens // block_q + num_seqs
     if num_splits is None:

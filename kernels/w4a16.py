@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from cadence.kernels import split_k
+from cadence.kernels.batch_invariant_gemm import BLOCK_M as INVARIANT_BLOCK_M
 from cadence.kernels.dequant import DEQUANT_MIN_M, int4_to_dense
 from cadence.kernels.launch import as_rows, check_activations, num_sms, tiled_split_k, triton_usable
 from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
@@ -163,6 +164,7 @@ def w4a16_matmul(
     dequant_min_m: int = DEQUANT_MIN_M,
     block_n: int | None = None,
     k_splits: int | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``x [..., K]`` (fp16/fp32) @ dequant(weight).T -> ``[..., N]`` in x's dtype.
 
@@ -171,7 +173,9 @@ def w4a16_matmul(
     tiled GEMM splits K into ``k_splits`` slices (default: ``launch.tiled_split_k``; 1
     turns it off; the GEMV and dequantize paths choose their own). CPU tensors without
     ``TRITON_INTERPRET=1`` take :func:`reference`. ``out`` (optional, ``[M, N]``, x's
-    dtype) lets tests pre-fill it with NaN to catch unwritten elements.
+    dtype) lets tests pre-fill it with NaN to catch unwritten elements. ``batch_invariant``
+    runs every M through the tiled GEMM with one M tile and no split, so a row's bits do not
+    depend on the other rows (``batch_invariant_gemm.py``).
     """
     k, n, group = weight.in_features, weight.out_features, weight.group_size
     if x.shape[-1] != k:
@@ -187,6 +191,8 @@ def w4a16_matmul(
         out.copy_(reference(x2, weight))
         return out.reshape(*lead, n)
 
+    if batch_invariant:
+        small_m_threshold, dequant_min_m, k_splits = 0, m + 1, 1
     if m >= dequant_min_m:
         torch.matmul(x2, int4_to_dense(weight, x2.dtype), out=out)
         return out.reshape(*lead, n)
@@ -202,7 +208,7 @@ def w4a16_matmul(
         bk = _block_k_for(group)
         if bk < 16:
             raise ValueError(f"group_size {group} must be a multiple of 16 for the tiled kernel")
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        bm = INVARIANT_BLOCK_M if batch_invariant else 16 if m <= 16 else 32 if m <= 32 else 64
         bn = block_n or 64
         m_blocks, n_blocks = triton.cdiv(m, bm), triton.cdiv(n, bn)
         splits = tiled_split_k(m, m_blocks, n_blocks, k // bk, k // 2, out, k_splits)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from cadence.kernels import split_k
+from cadence.kernels.batch_invariant_gemm import BLOCK_M as INVARIANT_BLOCK_M
 from cadence.kernels.dequant import DEQUANT_MIN_M, int8_to_dense
 from cadence.kernels.launch import (
     GEMV_PROGRAMS_PER_SM,
@@ -202,6 +203,7 @@ def w8a16_matmul(
     gemv_block_n: int = 16,
     gemv_block_k: int = 256,
     k_splits: int | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``x [..., K]`` (fp16/fp32) @ dequant(``qweight int8 [N, K]``, ``scale [N]``).T -> ``[..., N]``.
 
@@ -211,6 +213,8 @@ def w8a16_matmul(
     1 turns it off; the GEMV and dequantize paths choose their own). CPU tensors without
     ``TRITON_INTERPRET=1`` take :func:`reference` (Triton cannot run).
     ``out`` (optional, ``[M, N]`` contiguous, x's dtype) lets callers and tests pre-fill it.
+    ``batch_invariant`` runs every M through the tiled kernel with one M tile and no
+    split, so a row's bits do not depend on the other rows (``batch_invariant_gemm.py``).
     """
     n, k = qweight.shape
     if x.shape[-1] != k or scale.shape != (n,):
@@ -225,6 +229,8 @@ def w8a16_matmul(
     if not triton_usable(x):
         out.copy_(reference(x2, qweight, scale))
         return out.reshape(*lead, n)
+    if batch_invariant:
+        small_m_threshold, dequant_min_m, block_m, k_splits = 0, m + 1, INVARIANT_BLOCK_M, 1
     if m >= dequant_min_m:
         torch.matmul(x2, int8_to_dense(qweight, scale, x2.dtype).t(), out=out)
         return out.reshape(*lead, n)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cadence.kernels.batch_invariant_gemm import BLOCK_M as INVARIANT_BLOCK_M
 from cadence.kernels.fp8_bits import FP16_DECODE_DIVISOR, e4m3_bits_to_fp16
 from cadence.kernels.fp8_format import quantize_fp8_per_token
 from cadence.kernels.launch import check_activations, has_fp8_hardware, triton_usable
@@ -131,12 +132,16 @@ def fp8_matmul(
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``x [..., K]`` (fp16/bf16/fp32), quantized per token, @ (``wq`` e4m3 ``[N, K]`` * ``w_scale [N]``).T.
 
     Returns ``[..., N]`` in x's dtype. ``out`` (optional, ``[M, N]`` contiguous, x's
     dtype) lets tests pre-fill it; ``allow_scaled_mm=False`` forces the Triton kernel
-    where ``_scaled_mm`` would otherwise run (tests compare the two).
+    where ``_scaled_mm`` would otherwise run (tests compare the two). ``batch_invariant``
+    takes the Triton kernel with one M tile for every M (``_scaled_mm`` picks its kernel by
+    M), so a row's bits do not depend on the other rows; the activations are quantized per
+    token either way.
     """
     n, k = wq.shape
     if x.shape[-1] != k or w_scale.shape != (n,):
@@ -150,6 +155,8 @@ def fp8_matmul(
     if m == 0:
         return (x.new_empty((0, n)) if out is None else out).reshape(*lead, n)
     xq, x_scale = quantize_fp8_per_token(x2)
+    if batch_invariant:
+        allow_scaled_mm, block_m = False, INVARIANT_BLOCK_M
     if allow_scaled_mm and scaled_mm_usable(x2, n, k):
         y = _scaled_mm_rowwise(xq, x_scale, wq, w_scale).to(x.dtype)
         return (y if out is None else out.copy_(y)).reshape(*lead, n)

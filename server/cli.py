@@ -80,6 +80,14 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on a GPU, launch decode steps kernel by kernel instead of replaying CUDA graphs",
     )
+    flag(
+        "--batch-invariant",
+        action="store_true",
+        help="CUDA: greedy tokens that do not depend on the batch a request runs in: every linear and "
+        "attention kernel keeps one configuration (no split-K, no split-KV, no cuBLAS) for every batch "
+        "size, which costs speed (bench/gpu_decode.py --batch-invariant measures it). CPU is always "
+        "batch invariant under --cpu-kernels auto",
+    )
     flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help="reuse KV of shared prefixes")
     flag(
         "--cpu-kernels",

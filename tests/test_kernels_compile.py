@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from cadence.kernels import (
+    batch_invariant_gemm,
     dequant,
     fused_moe,
     kv_cache_write,
@@ -80,6 +81,14 @@ def quant_cases() -> dict[str, Callable[[], object]]:
             if dtype in HALF:
                 for wname, weight in (("g128 sym", sym), ("g32 zeros", asym), ("g32 float zeros", float_zeros)):
                     cases[f"w4a16 {wname} {name}"] = partial(w4a16.w4a16_matmul, x, weight)
+        # --batch-invariant: one configuration for every M, so M = 1 stands for all.
+        x, name = torch.randn(1, k, dtype=dtype), f"{str(dtype)[6:]} M=1"
+        dense, bias = w.to(dtype), torch.randn(n, dtype=dtype)
+        cases[f"invariant dense {name}"] = partial(batch_invariant_gemm.batch_invariant_linear, x, dense, bias)
+        cases[f"invariant w8a16 {name}"] = partial(w8a16.w8a16_matmul, x, q8, s8.to(dtype), batch_invariant=True)
+        cases[f"invariant fp8 {name}"] = partial(w8a8_fp8.fp8_matmul, x, wq, ws, batch_invariant=True)
+        if dtype in HALF:
+            cases[f"invariant w4a16 g128 sym {name}"] = partial(w4a16.w4a16_matmul, x, sym, batch_invariant=True)
     return cases
 
 
@@ -107,6 +116,7 @@ def attention_cases() -> dict[str, Callable[[], object]]:
                 scales: torch.Tensor | None = scales,
                 heads: int = heads,
                 head_dim: int = head_dim,
+                batch_invariant: bool = False,
             ) -> object:
                 starts = torch.tensor([0, query_lens[0], sum(query_lens)], dtype=torch.int32)
                 q = torch.randn(sum(query_lens), heads, head_dim, dtype=dtype)
@@ -123,9 +133,11 @@ def attention_cases() -> dict[str, Callable[[], object]]:
                     max_seq_len=128,
                     num_sms=132,
                     kv_scales=scales,
+                    batch_invariant=batch_invariant,
                 )
 
             cases[f"attention decode {tag}"] = partial(run, [1, 1], 1, None)
+            cases[f"attention decode invariant {tag}"] = partial(run, [1, 1], None, None, batch_invariant=True)
             cases[f"attention decode split {tag}"] = partial(run, [1, 1], 4, None)
             cases[f"attention prefill+decode window {tag}"] = partial(run, [37, 1], None, 64)
             k = torch.randn(5, kv_heads, head_dim, dtype=dtype)
@@ -199,6 +211,7 @@ def test_every_wrapper_launch_was_recorded(compiled) -> None:
     launches, _ = compiled
     kernels = {launch.kernel for launch in launches}
     assert kernels == {
+        "_batch_invariant_gemm_kernel",
         "_w8a16_kernel",
         "_w8a16_gemv_kernel",
         "_w4a16_gemv_kernel",

@@ -14,6 +14,7 @@ import torch
 
 from cadence.engine.attention.backend import (
     AttentionBackend,
+    AttentionSpec,
     DecodeGraphInputs,
     KVCache,
     StepBatch,
@@ -55,10 +56,17 @@ class TritonAttentionBackend(AttentionBackend):
     in, so each padded decode batch size is captured once per count on `split_ladder`; a
     step replays the largest one not above what the kernel would choose for its real
     longest context (splits past a sequence's length do no work, so any count is
-    correct, only the speed differs).
+    correct, only the speed differs). With `batch_invariant` nothing splits: a split
+    count chosen from the batch would change a sequence's sum over its KV range.
     """
 
     supports_cuda_graphs = True
+
+    def __init__(self, spec: AttentionSpec, block_size: int, *, batch_invariant: bool = False) -> None:
+        super().__init__(spec, block_size)
+        # Every query row's bits independent of the batch (paged_attention's
+        # batch_invariant): no split-KV, so one graph per batch size.
+        self.batch_invariant = batch_invariant
 
     def build_metadata(self, batch: StepBatch) -> TritonMetadata:
         device = batch.block_tables.device
@@ -75,11 +83,15 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def graph_variants(self, batch_size: int, max_seq_len: int, device: torch.device) -> list[int]:
+        if self.batch_invariant:
+            return [1]
         return split_ladder(batch_size, self.spec.num_kv_heads, max_seq_len, num_sms(device))
 
     def pick_graph_variant(
         self, batch_size: int, longest_seq_len: int, variants: list[int], device: torch.device
     ) -> int:
+        if self.batch_invariant:
+            return 1
         wanted = choose_num_splits(batch_size, self.spec.num_kv_heads, longest_seq_len, num_sms(device))
         return max(s for s in variants if s <= wanted)
 
@@ -116,4 +128,5 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits=metadata.num_splits,
             max_seq_len=metadata.max_seq_len,
             kv_scales=scales,
+            batch_invariant=self.batch_invariant,
         )

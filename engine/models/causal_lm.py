@@ -27,6 +27,9 @@ class CausalLM(Protocol):
     """
 
     config: ModelConfig
+    # A dense head tied to the embedding (no LinearLayer of its own) runs the batch-invariant
+    # GEMM; the engine sets it with every LinearLayer's flag (engine/batch_invariant.py).
+    batch_invariant: bool
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor: ...
 

@@ -27,6 +27,7 @@ from cadence.engine.quantization.method import (
     DenseMethod,
     LinearLayer,
     QuantConfig,
+    batch_invariant_dense,
 )
 
 
@@ -186,6 +187,8 @@ class LlamaForCausalLM(nn.Module):
         # + to_empty()). A quantized head is a layer of its own; an int8 one tied to the
         # embedding also serves the lookups (Int8Embedding), and the dense table is dropped.
         self.lm_head: LinearLayer | None = None
+        # Whether a dense tied head runs the batch-invariant GEMM (engine/batch_invariant.py).
+        self.batch_invariant = False
         head = quant.lm_head
         if head is not None or not config.tie_word_embeddings:
             self.lm_head = LinearLayer(
@@ -218,6 +221,8 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         embedding = self.model.embed_tokens
         assert isinstance(embedding, nn.Embedding)  # an Int8Embedding always comes with its head
+        if self.batch_invariant:
+            return batch_invariant_dense(hidden, embedding.weight).float()
         return F.linear(hidden, embedding.weight).float()
 
     @torch.no_grad()

@@ -78,7 +78,7 @@ class Fp8Method(QuantizedMethod):
             fp8_matmul,  # imports triton: only when used
         )
 
-        return fp8_matmul(x2, layer.qweight, layer.weight_scale)
+        return fp8_matmul(x2, layer.qweight, layer.weight_scale, batch_invariant=layer.batch_invariant)
 
     def cpu_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         dtype = cpu_policy().fp8_matmul_dtype()

@@ -156,7 +156,7 @@ class Int8Method(QuantizedMethod):
     def cuda_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         from cadence.kernels.w8a16 import w8a16_matmul  # imports triton: only when used
 
-        return w8a16_matmul(x2, layer.qweight, layer.scale)
+        return w8a16_matmul(x2, layer.qweight, layer.scale, batch_invariant=layer.batch_invariant)
 
     def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:
         return KERNELS
@@ -267,7 +267,7 @@ class Int4Method(QuantizedMethod):
     def cuda_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         from cadence.kernels.w4a16 import w4a16_matmul  # imports triton: only when used
 
-        return w4a16_matmul(x2, self.int4_weight(layer))
+        return w4a16_matmul(x2, self.int4_weight(layer), batch_invariant=layer.batch_invariant)
 
     def cpu_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         if layer.cpu_packed is None:

@@ -130,6 +130,10 @@ class LinearLayer(nn.Module):
         method.create_weights(self, input_size, self.output_sizes, dtype, device)
         self.loaded: set[tuple[int, str]] = set()  # (shard, tensor name) seen while loading
         self.cpu_plan, self.cpu_dense, self.cpu_dense_dtype = None, None, None
+        # Where Triton kernels serve the layer: one kernel configuration for every batch
+        # size, so a row's bits do not depend on the batch (set by the engine,
+        # engine/batch_invariant.py).
+        self.batch_invariant = False
         self.processed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,10 +226,20 @@ class DenseMethod(QuantMethod):
         pass
 
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
+        if layer.batch_invariant:
+            return batch_invariant_dense(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def dequantized_weight(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
         return layer.weight.detach().to(dtype)
+
+
+def batch_invariant_dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through the Triton GEMM with one configuration for every M, where cuBLAS
+    would choose by M (``kernels/batch_invariant_gemm.py``)."""
+    from cadence.kernels.batch_invariant_gemm import batch_invariant_linear  # imports triton: only when used
+
+    return batch_invariant_linear(x, weight, bias)
 
 
 def take_dense_weight(layer: LinearLayer) -> torch.Tensor:
