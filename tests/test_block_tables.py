@@ -89,6 +89,7 @@ class _NoForwardModel(nn.Module):
     """Just enough of a ``CausalLM`` for DecodeGraphs to hold (without graphs, it never calls it)."""
 
     config: ModelConfig  # never read
+    batch_invariant = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         raise AssertionError("no forward in this test")
