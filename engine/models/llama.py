@@ -28,6 +28,7 @@ from cadence.engine.quantization.method import (
     LinearLayer,
     QuantConfig,
 )
+from cadence.kernels.batch_invariant import invariant_linear
 
 
 class RMSNorm(nn.Module):
@@ -218,7 +219,9 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         embedding = self.model.embed_tokens
         assert isinstance(embedding, nn.Embedding)  # an Int8Embedding always comes with its head
-        return F.linear(hidden, embedding.weight).float()
+        if hidden.is_cuda:
+            return F.linear(hidden, embedding.weight).float()
+        return invariant_linear(hidden, embedding.weight).float()  # as DenseMethod on CPU
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cadence.kernels.batch_invariant import invariant_linear
+
 
 class QuantMethod(ABC):
     """How one format creates, loads, finalises and applies a ``LinearLayer``'s weight."""
@@ -211,7 +213,10 @@ class DenseMethod(QuantMethod):
         pass
 
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        if x.is_cuda:
+            return F.linear(x, layer.weight, layer.bias)
+        # CPU BLAS sums a row differently at different batch sizes; greedy tokens must not.
+        return invariant_linear(x, layer.weight, layer.bias)
 
     def dequantized_weight(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
         return layer.weight.detach().to(dtype)
