@@ -82,7 +82,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         spec = model.attention_spec()
-        self.backend: AttentionBackend = create_attention_backend(attention_backend, spec, block_size, device)
+        self.backend: AttentionBackend = create_attention_backend(attention_backend, spec, block_size, device, dtype)
         cache_shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches: list[KVCache] = [
             allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device) for _ in range(model.config.num_hidden_layers)

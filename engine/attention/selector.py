@@ -12,18 +12,21 @@ from cadence.engine.attention.torch_sdpa import TorchSDPABackend
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-def create_attention_backend(name: str, spec: AttentionSpec, block_size: int, device: torch.device) -> AttentionBackend:
+def create_attention_backend(
+    name: str, spec: AttentionSpec, block_size: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
     """`auto` picks Triton on CUDA and torch SDPA on CPU; `torch` / `triton` force one.
 
     Triton on CPU tensors only runs in Triton's interpreter (TRITON_INTERPRET=1), which
-    is how the tests exercise it; it is far too slow to serve with.
+    is how the tests exercise it; it is far too slow to serve with. ``dtype`` is the
+    model's (the torch backend's CPU path measures its batch-invariant shapes for it).
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; use one of {ATTENTION_BACKENDS}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchSDPABackend(spec, block_size)
+        return TorchSDPABackend(spec, block_size, dtype)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the Triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 in tests)")
     # Imported here: triton is only needed where this backend runs.
