@@ -26,8 +26,9 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 # Candidate tile row counts. Larger tiles run prefill near full GEMM speed; the smallest
-# verified one bounds what a batch-1 decode pays for padding.
-TILE_LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
+# verified one bounds what a batch-1 decode pays for padding. 15 and 16: BLAS often
+# changes kernels between them.
+TILE_LADDER = (1, 2, 4, 8, 15, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def measure_tile_plan(
     (each of those also from a fresh copy), so every row is seen at two neighbouring
     positions and at other memory alignments; a size whose rows move is dropped. The
     rest fall into classes by the bits of their common rows, and the class whose tiling
-    costs least over decode and prefill batch sizes wins (``_relative_cost``).
+    costs least over decode and prefill batch sizes wins (``_modelled_cost``).
     """
     gen = torch.Generator().manual_seed(0)
     largest = TILE_LADDER[-1]
@@ -143,20 +144,24 @@ def measure_tile_plan(
             classes.append([size])
     if not classes:
         return TilePlan(())
-    return min((TilePlan(tuple(members)) for members in classes), key=_relative_cost)
+    plans = [TilePlan(tuple(members)) for members in classes]
+    costs = [[_modelled_cost(plan, m) for m in _RANKED_ROWS] for plan in plans]
+    best = [min(column) for column in zip(*costs)]
+    # Each batch size counts relative to the best plan for it, so batch 1 weighs as much
+    # as a long prefill.
+    return min(zip(plans, costs), key=lambda pc: sum(c / b for c, b in zip(pc[1], best)))[0]
 
 
-# What a GEMM call costs beyond its rows, in rows: reading (and packing) the weight once.
-# A rough figure; it only ranks the classes of tile sizes against each other.
-_CALL_COST_ROWS = 32
-# Batch sizes the plan is ranked on: decode at 1 and at a few, prefill chunks.
-_RANKED_ROWS = (1, 16, 64, 256, 2048)
+# Batch sizes the plans are ranked on. A server runs one decode step per token and one
+# prefill per prompt, so decode batches (1 to 16) hold most of the weight.
+_RANKED_ROWS = (1, 2, 4, 8, 16, 64, 256, 2048)
+# What a GEMM call costs beyond its rows, in rows (reading the weight once). A modelled
+# figure rather than a timing, so the choice does not change with the machine's load.
+_CALL_COST_ROWS = 8
 
 
-def _relative_cost(plan: TilePlan) -> float:
-    """The plan's modelled cost over the ranked batch sizes, each relative to one call of
-    exactly that many rows, so batch 1 counts as much as a long prefill."""
-    return sum(sum(size + _CALL_COST_ROWS for _, size in plan.tiles(m)) / (m + _CALL_COST_ROWS) for m in _RANKED_ROWS)
+def _modelled_cost(plan: TilePlan, m: int) -> int:
+    return sum(size + _CALL_COST_ROWS for _, size in plan.tiles(m))
 
 
 def ordered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
