@@ -85,7 +85,7 @@ class ModelRunner:
         self.block_size = block_size
         spec = model.attention_spec()
         self.backend: AttentionBackend = create_attention_backend(
-            attention_backend, spec, block_size, device, batch_invariant=batch_invariant
+            attention_backend, spec, block_size, device, dtype, batch_invariant=batch_invariant
         )
         # Where Triton kernels run (CUDA, or the interpreter's Triton backend in tests) they
         # take their batch-invariant configurations; CPU's torch paths are invariant as they are.

@@ -2,14 +2,13 @@
 
 RoPE: the per-pass factors and the roll-based rotation (kernels/layer_ops_reference.py,
 engine/models/rotary.py) against the per-half formula they replaced. Decode attention
-(engine/attention/torch_sdpa.py): a group without padding or a window cut runs without
-a mask, and that changes no output; groups that need a mask keep it; each KV head's query
-heads go in as its query rows, checked head by head against fp64.
+(engine/attention/torch_sdpa.py): a CPU group's float mask over its padded keys, a row
+that reads the same beside a longer one, and each KV head's query heads going in as its
+query rows, checked head by head against fp64.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 from cadence.engine.attention import torch_sdpa
 from cadence.engine.attention.backend import AttentionSpec, StepBatch
+from cadence.engine.attention.invariant_sdpa import padded_kv_len
 from cadence.engine.attention.torch_sdpa import TorchSDPABackend
 from cadence.engine.models.rotary import RotaryEmbedding
 from cadence.kernels import layer_ops_reference as reference
@@ -110,25 +110,28 @@ def _backend(window: int | None = None) -> TorchSDPABackend:
 
 
 def _expected_mask(context_lens: list[int], window: int | None) -> torch.Tensor:
+    """Which keys each decode sees, over the padded key length (padding is never seen)."""
     lens = torch.tensor(context_lens)[:, None] + 1
-    positions = torch.arange(int(lens.max()))[None, :]
+    positions = torch.arange(padded_kv_len(int(lens.max())))[None, :]
     mask = positions < lens
     if window is not None:
         mask &= positions >= lens - window
     return mask[:, None, None, :]
 
 
-@pytest.mark.parametrize("context_lens,window", [([40], None), ([7, 7, 7], None), ([40], 41), ([30, 30], 64)])
-def test_decode_group_attending_everywhere_has_no_mask(context_lens: list[int], window: int | None) -> None:
+@pytest.mark.parametrize(
+    "context_lens,window",
+    [([40], None), ([7, 7, 7], None), ([5, 8], None), ([20, 33, 33], None), ([40], 40), ([12, 20], 10), ([300], None)],
+)
+def test_cpu_decode_group_mask_is_additive_over_the_padded_keys(context_lens: list[int], window: int | None) -> None:
+    """Every CPU decode group carries a float mask (0 = attend, -inf = not) over its keys
+    padded to ``padded_kv_len``, and gathers that many slots."""
     (group,) = _backend(window).build_metadata(_decode_batch(context_lens)).decode_groups
-    assert group.attn_mask is None
-
-
-@pytest.mark.parametrize("context_lens,window", [([5, 8], None), ([20, 33, 33], None), ([40], 40), ([12, 20], 10)])
-def test_padded_or_windowed_decode_group_keeps_its_mask(context_lens: list[int], window: int | None) -> None:
-    (group,) = _backend(window).build_metadata(_decode_batch(context_lens)).decode_groups
-    assert group.attn_mask is not None
-    assert torch.equal(group.attn_mask, _expected_mask(context_lens, window))
+    expected = _expected_mask(context_lens, window)
+    assert group.attn_mask.dtype == torch.float32
+    assert torch.equal(group.attn_mask == 0, expected)
+    assert bool((group.attn_mask[~expected] == float("-inf")).all())
+    assert group.gather_slots.shape == (len(context_lens), expected.shape[-1])
 
 
 def _decode_inputs(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -142,16 +145,17 @@ def _decode_inputs(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("context_lens", [[40], [17, 17]])
-def test_mask_free_decode_attends_exactly_as_the_all_true_mask(dtype: torch.dtype, context_lens: list[int]) -> None:
-    backend = _backend()
-    metadata = backend.build_metadata(_decode_batch(context_lens))
-    (group,) = metadata.decode_groups
-    all_true = _expected_mask(context_lens, None)
-    assert group.attn_mask is None and bool(all_true.all())
-    masked = dataclasses.replace(metadata, decode_groups=[dataclasses.replace(group, attn_mask=all_true)])
-    cache, query, key, value = _decode_inputs(len(context_lens), dtype)
-    without = backend.forward(query, key, value, cache.clone(), metadata)
-    assert torch.equal(without, backend.forward(query, key, value, cache.clone(), masked))
+def test_decode_reads_the_same_alone_and_beside_a_longer_row(dtype: torch.dtype, context_lens: list[int]) -> None:
+    """A longer row in the group pads the keys further; no bit of the others changes."""
+    backend = TorchSDPABackend(AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5), BLOCK_SIZE, dtype)
+    cache, query, key, value = _decode_inputs(len(context_lens) + 1, dtype)
+    alone = backend.forward(
+        query[:-1], key[:-1], value[:-1], cache.clone(), backend.build_metadata(_decode_batch(context_lens))
+    )
+    together = backend.forward(
+        query, key, value, cache.clone(), backend.build_metadata(_decode_batch([*context_lens, 70]))
+    )
+    assert torch.equal(alone, together[:-1])
 
 
 def test_cpu_attention_skips_the_cuda_backend_context(monkeypatch: pytest.MonkeyPatch) -> None:

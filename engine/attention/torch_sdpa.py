@@ -15,33 +15,45 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cadence.engine.attention.backend import AttentionBackend, KVCache, StepBatch, split_kv_cache
+from cadence.engine.attention.backend import AttentionBackend, AttentionSpec, KVCache, StepBatch, split_kv_cache
+from cadence.engine.attention.invariant_sdpa import (
+    PREFILL_SEGMENT,
+    InvariantShape,
+    decode_attention,
+    decode_mask,
+    invariant_shape,
+    padded_kv_len,
+    prefill_attention,
+    prefill_mask,
+)
 from cadence.kernels.kv_quant import dequantize_rows, quantize_rows
 
 
 @dataclass
 class PrefillChunk:
-    """One multi-token chunk: its rows in the flat batch and what it attends to."""
+    """One multi-token chunk (on CPU, a segment of one): its rows in the flat batch and what
+    it attends to."""
 
     query_start: int
     query_len: int
-    # None when the chunk starts the sequence: it then attends to its own new K/V only.
+    # None on CUDA when the chunk starts the sequence: it then attends to its own new K/V only.
     gather_slots: torch.Tensor | None
-    attn_mask: torch.Tensor | None  # [query_len, kv_len] bool, True = attend; None = causal
+    # CUDA: [query_len, kv_len] bool, True = attend, or None = causal. CPU: always a float
+    # mask, its rows and keys padded as invariant_sdpa.prefill_mask makes them.
+    attn_mask: torch.Tensor | None
 
 
 @dataclass
 class DecodeGroup:
-    """Decode rows [start, end) of the flat batch, padded to the longest of them."""
+    """Decode rows [start, end) of the flat batch, padded to the longest of them (on CPU,
+    further to ``padded_kv_len``)."""
 
     start: int
     end: int
     gather_slots: torch.Tensor  # [rows, max_len] slots, padded
-    # [rows, 1, 1, max_len] bool, True = attend. None on a CPU when every row attends to
-    # all max_len positions (no padding, no window cut), as in any batch-1 decode: SDPA
-    # would convert the all-True mask on every call for nothing. CUDA keeps it, because
-    # there a mask also decides which SDPA kernel runs (flash takes none).
-    attn_mask: torch.Tensor | None
+    # [rows, 1, 1, max_len]: bool, True = attend, on CUDA (where a mask also keeps SDPA
+    # off the flash kernel); the additive float mask of invariant_sdpa.decode_mask on CPU.
+    attn_mask: torch.Tensor
 
 
 @dataclass
@@ -120,9 +132,25 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 class TorchSDPABackend(AttentionBackend):
-    """The reference paged attention: exact, portable, and fast enough on CPU."""
+    """The reference paged attention: exact, portable, and fast enough on CPU, where every
+    row's output is also batch-invariant (``invariant_sdpa``). ``dtype`` is the model's:
+    the query padding that keeps rows invariant is measured for it."""
+
+    def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(spec, block_size)
+        self.dtype = dtype
+        self._invariant: InvariantShape | None = None
+
+    @property
+    def invariant(self) -> InvariantShape:
+        """The CPU calls' query padding, measured on the first CPU step (never on CUDA)."""
+        if self._invariant is None:
+            self._invariant = invariant_shape(self.spec, self.dtype)
+        return self._invariant
 
     def build_metadata(self, batch: StepBatch) -> TorchSDPAMetadata:
+        if batch.slot_mapping.device.type == "cpu":
+            return self._invariant_metadata(batch)
         device = batch.slot_mapping.device
         window = self.spec.sliding_window
         num_decodes = batch.num_decodes
@@ -134,15 +162,12 @@ class TorchSDPABackend(AttentionBackend):
             lens = decode_lens[start:end]
             max_len = max(lens)
             slots = leading_slots(tables[start:end], max_len, self.block_size)
-            mask = None
-            if device.type == "cuda" or min(lens) < max_len or (window is not None and max_len > window):
-                positions = torch.arange(max_len, device=device).expand(end - start, max_len)
-                seq_lens = torch.tensor(lens, device=device)[:, None]
-                mask = positions < seq_lens
-                if window is not None:
-                    mask &= positions >= seq_lens - window
-                mask = mask[:, None, None, :]
-            decode_groups.append(DecodeGroup(start, end, slots, mask))
+            positions = torch.arange(max_len, device=device).expand(end - start, max_len)
+            seq_lens = torch.tensor(lens, device=device)[:, None]
+            mask = positions < seq_lens
+            if window is not None:
+                mask &= positions >= seq_lens - window
+            decode_groups.append(DecodeGroup(start, end, slots, mask[:, None, None, :]))
 
         prefills = []
         for i in range(num_decodes, batch.num_seqs):
@@ -160,6 +185,36 @@ class TorchSDPABackend(AttentionBackend):
                     chunk_mask &= key_pos > query_pos - window
             prefills.append(PrefillChunk(batch.query_starts[i], query_len, chunk_slots, chunk_mask))
         return TorchSDPAMetadata(batch.slot_mapping, decode_groups, prefills)
+
+    def _invariant_metadata(self, batch: StepBatch) -> TorchSDPAMetadata:
+        """The CPU's batch-invariant calls (``invariant_sdpa``): key lengths padded by
+        ``padded_kv_len`` and gathered through slot 0 past a sequence's end, float masks
+        always, and each prefill chunk cut into segments that see keys up to their own end."""
+        device = batch.slot_mapping.device
+        window = self.spec.sliding_window
+        num_decodes = batch.num_decodes
+        tables = batch.block_tables
+        decode_lens = [n + 1 for n in batch.context_lens[:num_decodes]]
+        decode_groups = []
+        for start, end in group_by_length([padded_kv_len(n) for n in decode_lens]):
+            lens = decode_lens[start:end]
+            mask = decode_mask(lens, window, self.dtype, device)
+            slots = self._padded_slots(tables[start:end], max(lens), mask.shape[-1])
+            decode_groups.append(DecodeGroup(start, end, slots, mask))
+        prefills = []
+        for i in range(num_decodes, batch.num_seqs):
+            context_len, query_len = batch.context_lens[i], batch.query_lens[i]
+            for offset in range(0, query_len, PREFILL_SEGMENT):
+                start, end = context_len + offset, context_len + min(offset + PREFILL_SEGMENT, query_len)
+                mask = prefill_mask(start, end, self.invariant.query_multiple, window, self.dtype, device)
+                slots = self._padded_slots(tables[i], end, mask.shape[-1])
+                prefills.append(PrefillChunk(batch.query_starts[i] + offset, end - start, slots, mask))
+        return TorchSDPAMetadata(batch.slot_mapping, decode_groups, prefills)
+
+    def _padded_slots(self, table: torch.Tensor, length: int, padded: int) -> torch.Tensor:
+        """``leading_slots`` of ``length`` positions, then slot 0 up to ``padded``: a cache
+        row that is always finite (the cache starts zeroed), read under a -inf mask."""
+        return F.pad(leading_slots(table, length, self.block_size), (0, padded - length))
 
     def forward(
         self,
@@ -197,6 +252,9 @@ class TorchSDPABackend(AttentionBackend):
         metadata: TorchSDPAMetadata,
     ) -> torch.Tensor:
         out = torch.empty_like(query)
+        if not query.is_cuda:
+            self._attend_invariant(query, out, key_cache, value_cache, metadata)
+            return out
         scale = self.spec.scale
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         for group in metadata.decode_groups:
@@ -242,3 +300,36 @@ class TorchSDPABackend(AttentionBackend):
             )
             out[chunk_rows] = attended[0].transpose(0, 1)
         return out
+
+    def _attend_invariant(
+        self,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        key_cache: _SlotRows,
+        value_cache: _SlotRows,
+        metadata: TorchSDPAMetadata,
+    ) -> None:
+        """The CPU path: every call shaped by ``invariant_sdpa``, every K/V read from the
+        cache as stored (so a prompt reads the same fresh, chunked or cached)."""
+        num_kv_heads, head_dim = key_cache.rows.shape[1], key_cache.rows.shape[2]
+        for group in metadata.decode_groups:
+            rows = group.end - group.start
+            decoded = decode_attention(
+                query[group.start : group.end].view(rows, num_kv_heads, -1, head_dim),
+                key_cache.gather(group.gather_slots).transpose(1, 2),
+                value_cache.gather(group.gather_slots).transpose(1, 2),
+                group.attn_mask,
+                self.spec.scale,
+                self.invariant.decode_rows,
+            )
+            out[group.start : group.end].view(rows, num_kv_heads, -1, head_dim).copy_(decoded)
+        for chunk in metadata.prefills:
+            assert chunk.gather_slots is not None and chunk.attn_mask is not None
+            chunk_rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[chunk_rows] = prefill_attention(
+                query[chunk_rows],
+                key_cache.gather(chunk.gather_slots),
+                value_cache.gather(chunk.gather_slots),
+                chunk.attn_mask,
+                self.spec.scale,
+            )

@@ -29,6 +29,7 @@ from cadence.engine.quantization.method import (
     QuantConfig,
     batch_invariant_dense,
 )
+from cadence.kernels.batch_invariant import invariant_linear
 
 
 class RMSNorm(nn.Module):
@@ -223,7 +224,9 @@ class LlamaForCausalLM(nn.Module):
         assert isinstance(embedding, nn.Embedding)  # an Int8Embedding always comes with its head
         if self.batch_invariant:
             return batch_invariant_dense(hidden, embedding.weight).float()
-        return F.linear(hidden, embedding.weight).float()
+        if hidden.is_cuda:
+            return F.linear(hidden, embedding.weight).float()
+        return invariant_linear(hidden, embedding.weight).float()  # as DenseMethod on CPU
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -7,7 +7,8 @@ Three ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
   bound by weight bytes (small M), and is compute-bound and slow at large M.
 * ``dequant``: the weight is made dense in the activation dtype for this call only, a
   chunk of output rows at a time (``DEQUANT_CHUNK_ELEMENTS``), and multiplied with the
-  dense BLAS matmul. Memory stays quantized.
+  dense BLAS matmul at batch-invariant tile sizes (``kernels/batch_invariant.py``, as
+  dense layers are). Memory stays quantized.
 * ``dense``: the same dense chunks, made once after loading and kept. Fastest at large M,
   at the cost of the dense weight's memory.
 
@@ -23,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from cadence.kernels.batch_invariant import invariant_linear
 
 PACKED, DEQUANT, DENSE = "packed", "dequant", "dense"
 KERNELS = (PACKED, DEQUANT, DENSE)
@@ -75,7 +78,7 @@ class KernelPlan:
 # Upper M of each bucket but the last: the geometric midpoints between neighbours.
 _BOUNDS = tuple(int((a * b) ** 0.5) for a, b in zip(BUCKETS, BUCKETS[1:]))
 
-ChunkMaker = Callable[[int, int], torch.Tensor]  # (start, stop) -> W[start:stop].T, dense
+ChunkMaker = Callable[[int, int], torch.Tensor]  # (start, stop) -> W[start:stop], dense and contiguous
 
 
 def chunk_bounds(n: int, k: int, row_multiple: int) -> list[tuple[int, int]]:
@@ -86,12 +89,13 @@ def chunk_bounds(n: int, k: int, row_multiple: int) -> list[tuple[int, int]]:
 
 
 def chunked_matmul(x: torch.Tensor, n: int, bounds: Sequence[tuple[int, int]], chunk: ChunkMaker) -> torch.Tensor:
-    """``x [M, K] @ W.T`` with ``W.T``'s column ranges ``bounds`` made by ``chunk``."""
+    """``x [M, K] @ W.T`` with ``W``'s row ranges ``bounds`` made by ``chunk``, each through
+    ``invariant_linear``: a row's bits do not depend on the batch."""
     if len(bounds) == 1:
-        return torch.matmul(x, chunk(*bounds[0]))
+        return invariant_linear(x, chunk(*bounds[0]))
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
     for start, stop in bounds:
-        out[:, start:stop] = torch.matmul(x, chunk(start, stop))
+        out[:, start:stop] = invariant_linear(x, chunk(start, stop))
     return out
 
 

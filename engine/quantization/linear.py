@@ -120,7 +120,7 @@ class QuantizedMethod(DenseMethod):
         return chunk_bounds(layer.out_features, layer.in_features, 1)
 
     def dense_chunk_maker(self, layer: LinearLayer, dtype: torch.dtype) -> ChunkMaker:
-        """``(start, stop) -> W[start:stop].T`` dense in ``dtype``, the same bits every call."""
+        """``(start, stop) -> W[start:stop]`` dense in ``dtype``, contiguous, the same bits every call."""
         raise NotImplementedError
 
 
@@ -171,7 +171,7 @@ class Int8Method(QuantizedMethod):
 
         def chunk(start: int, stop: int) -> torch.Tensor:
             # The product is exact in fp32 (8 x 24 bits); one rounding to dtype.
-            return (qweight[start:stop].float() * scale[start:stop, None]).to(dtype).t()
+            return (qweight[start:stop].float() * scale[start:stop, None]).to(dtype)
 
         return chunk
 
@@ -296,7 +296,7 @@ class Int4Method(QuantizedMethod):
         group = layer.cpu_group_size
 
         def chunk(start: int, stop: int) -> torch.Tensor:
-            return dequantize_cpu_int4_transposed(
+            transposed = dequantize_cpu_int4_transposed(
                 packed_bytes[start * k // 2 : stop * k // 2],
                 scales_zeros[:, start:stop],
                 stop - start,
@@ -305,6 +305,7 @@ class Int4Method(QuantizedMethod):
                 block_n,
                 dtype,
             )
+            return transposed.t().contiguous()
 
         return chunk
 

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cadence.kernels.batch_invariant import invariant_linear
+
 if TYPE_CHECKING:
     from cadence.engine.quantization.cpu_kernels import KernelPlan
 
@@ -228,7 +230,10 @@ class DenseMethod(QuantMethod):
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         if layer.batch_invariant:
             return batch_invariant_dense(x, layer.weight, layer.bias)
-        return F.linear(x, layer.weight, layer.bias)
+        if x.is_cuda:
+            return F.linear(x, layer.weight, layer.bias)
+        # CPU BLAS sums a row differently at different batch sizes; greedy tokens must not.
+        return invariant_linear(x, layer.weight, layer.bias)
 
     def dequantized_weight(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
         return layer.weight.detach().to(dtype)

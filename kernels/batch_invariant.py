@@ -1,0 +1,176 @@
+"""A dense linear whose rows do not depend on the batch: ``invariant_linear(x, weight, bias)``.
+
+A BLAS GEMM picks its blocking, and with it the order of each output's sum over K, from
+the number of rows M: on CPU, a row of ``F.linear`` can read differently at M = 1, at a
+few rows and at many, and for some shapes at particular M only. Greedy decoding must not
+depend on what else runs in the step, so this runs every GEMM at one of a few row counts
+(tile sizes) that were checked, on this machine, to give every row the same bits: at
+each tile size, at each position inside a tile, at another memory offset, and at every
+other tile size of the set. M is split into such tiles and the last one padded with
+zero rows. Which sizes agree is BLAS-internal, so it is measured once per weight shape
+(dtype, bias, thread count) and cached, never assumed. When no size passes the check,
+the product is taken one K column at a time with separate multiplies and adds, whose
+order is fixed by construction (and which is slow).
+
+Plain torch, no triton: the CPU's path.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# Candidate tile row counts. Larger tiles run prefill near full GEMM speed; the smallest
+# verified one bounds what a batch-1 decode pays for padding. 15 and 16: BLAS often
+# changes kernels between them.
+TILE_LADDER = (1, 2, 4, 8, 15, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """The verified tile sizes of one weight shape, ascending; empty means the fixed-order
+    fallback."""
+
+    sizes: tuple[int, ...]
+
+    def tiles(self, m: int) -> list[tuple[int, int]]:
+        """(rows taken from the input, rows the GEMM runs at) per tile, covering ``m`` rows:
+        the largest size as often as it fits, then the largest that fits the rest, and a
+        last short tile padded up to the smallest size."""
+        out: list[tuple[int, int]] = []
+        rest = m
+        while rest > 0:
+            fitting = [s for s in self.sizes if s <= rest]
+            size = fitting[-1] if fitting else self.sizes[0]
+            out.append((min(size, rest), size))
+            rest -= size
+        return out
+
+
+@dataclass(frozen=True)
+class _ShapeKey:
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+    device: str
+    has_bias: bool
+    num_threads: int
+
+
+_plans: dict[_ShapeKey, TilePlan] = {}
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose every row has the bits it would have alone."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    plan = tile_plan(weight, bias)
+    if not plan.sizes:
+        out = ordered_linear(rows, weight, bias)
+    else:
+        parts = []
+        start = 0
+        for taken, size in plan.tiles(rows.shape[0]):
+            tile = rows[start : start + taken]
+            if taken < size:
+                tile = F.pad(tile, (0, 0, 0, size - taken))
+            parts.append(F.linear(tile, weight, bias)[:taken])
+            start += taken
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def tile_plan(weight: torch.Tensor, bias: torch.Tensor | None = None) -> TilePlan:
+    """The cached plan for this weight's shape, measured on first use."""
+    key = _ShapeKey(
+        weight.shape[0], weight.shape[1], weight.dtype, str(weight.device), bias is not None, torch.get_num_threads()
+    )
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = measure_tile_plan(
+            key.out_features, key.in_features, weight.dtype, weight.device, key.has_bias
+        )
+        if not plan.sizes:
+            logger.warning(
+                "no GEMM tile size keeps rows batch-invariant for a %dx%d %s weight; "
+                "using the slow fixed-order product",
+                key.out_features,
+                key.in_features,
+                weight.dtype,
+            )
+    return plan
+
+
+def measure_tile_plan(
+    out_features: int, in_features: int, dtype: torch.dtype, device: torch.device | str, has_bias: bool
+) -> TilePlan:
+    """Which ladder sizes give every row the same bits, on random data of this shape.
+
+    At each size, the tile is run at offset 0 and again one and three rows further on
+    (each of those also from a fresh copy), so every row is seen at two neighbouring
+    positions and at other memory alignments; a size whose rows move is dropped. The
+    rest fall into classes by the bits of their common rows, and the class whose tiling
+    costs least over decode and prefill batch sizes wins (``_modelled_cost``).
+    """
+    gen = torch.Generator().manual_seed(0)
+    largest = TILE_LADDER[-1]
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype=dtype, device=device)
+    bias = torch.randn(out_features, generator=gen).to(dtype=dtype, device=device) if has_bias else None
+    x = torch.randn(largest + 3, in_features, generator=gen).to(dtype=dtype, device=device)
+    results: dict[int, torch.Tensor] = {}
+    for size in TILE_LADDER:
+        at_zero = F.linear(x[:size], weight, bias)
+        steady = True
+        for shift in (1, 3):
+            view = x[shift : shift + size]
+            moved = F.linear(view, weight, bias)
+            steady &= torch.equal(moved, F.linear(view.clone(), weight, bias))  # another alignment
+            steady &= torch.equal(moved[: max(size - shift, 0)], at_zero[shift:])  # another position
+        if steady:
+            results[size] = at_zero
+    classes: list[list[int]] = []
+    for size, rows in results.items():
+        for members in classes:
+            first = members[0]  # the smaller size: its rows are the common ones
+            if torch.equal(results[first], rows[:first]):
+                members.append(size)
+                break
+        else:
+            classes.append([size])
+    if not classes:
+        return TilePlan(())
+    plans = [TilePlan(tuple(members)) for members in classes]
+    costs = [[_modelled_cost(plan, m) for m in _RANKED_ROWS] for plan in plans]
+    best = [min(column) for column in zip(*costs)]
+    # Each batch size counts relative to the best plan for it, so batch 1 weighs as much
+    # as a long prefill.
+    return min(zip(plans, costs), key=lambda pc: sum(c / b for c, b in zip(pc[1], best)))[0]
+
+
+# Batch sizes the plans are ranked on. A server runs one decode step per token and one
+# prefill per prompt, so decode batches (1 to 16) hold most of the weight.
+_RANKED_ROWS = (1, 2, 4, 8, 16, 64, 256, 2048)
+# What a GEMM call costs beyond its rows, in rows (reading the weight once). A modelled
+# figure rather than a timing, so the choice does not change with the machine's load.
+_CALL_COST_ROWS = 8
+
+
+def _modelled_cost(plan: TilePlan, m: int) -> int:
+    return sum(size + _CALL_COST_ROWS for _, size in plan.tiles(m))
+
+
+def ordered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` summed over K in index order, every product and sum rounded
+    on its own: no reduction kernel is involved, so no row depends on another."""
+    out = torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    columns = weight.t()
+    for k in range(x.shape[1]):
+        out.add_(x[:, k : k + 1] * columns[k])
+    if bias is not None:
+        out.add_(bias)
+    return out
