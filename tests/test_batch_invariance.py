@@ -20,6 +20,7 @@ import pytest
 
 from cadence import LLM
 from cadence.engine.protocol import EngineCoreRequest
+from cadence.engine.quantization import cpu_planner
 from helpers import greedy, needs_smollm2, smollm2_path
 
 MAX_TOKENS = 10
@@ -105,24 +106,21 @@ def _assert_all_alike(outputs: dict[str, Generated]) -> None:
 
 
 @pytest.mark.parametrize(
-    "kind,quantization",
+    "kind,quantization,cpu_kernels",
     [
-        ("llama", None),
-        ("tied", None),
-        ("llama_bias", None),
-        ("mistral", None),
-        # The int8 CPU dispatch dequantizes the weight above 32 rows (without fast bf16) and
-        # runs a plain dense matmul there, whose rows depend on M; that matmul should be
-        # invariant_linear (engine/quantization/linear.py, outside this change).
-        pytest.param(
-            "llama", "int8", marks=pytest.mark.xfail(strict=True, reason="int8 dequantized matmul above 32 rows")
-        ),
-        ("llama", "int4"),
+        ("llama", None, "auto"),
+        ("tied", None, "auto"),
+        ("llama_bias", None, "auto"),
+        ("mistral", None, "auto"),
+        # Quantized layers: the planner's own choice, and each kernel it can choose.
+        *[("llama", q, k) for q in ("int8", "int4") for k in ("auto", "packed", "dequant", "dense")],
     ],
 )
-def test_greedy_request_is_the_same_in_any_batch(tiny_model_dir, kind: str, quantization: str | None) -> None:
+def test_greedy_request_is_the_same_in_any_batch(
+    tiny_model_dir, tmp_path, monkeypatch, kind: str, quantization: str | None, cpu_kernels: str
+) -> None:
     path = tiny_model_dir(kind)
-    options = {**ENGINE, "quantization": quantization}
+    options = {**ENGINE, "quantization": quantization, "cpu_kernels": _shared_table(cpu_kernels, tmp_path, monkeypatch)}
 
     def make(**overrides: object) -> LLM:
         return LLM(path, **{**options, **overrides})
@@ -131,14 +129,26 @@ def test_greedy_request_is_the_same_in_any_batch(tiny_model_dir, kind: str, quan
     _assert_all_alike(_scenarios(make, target, others))
 
 
+def _shared_table(cpu_kernels: str, tmp_path, monkeypatch) -> str:
+    """``auto`` as a table every engine of one test reads, measured by the first and saved
+    however busy the machine is: each engine here is a separate start, and starts that
+    measured apart could choose different kernels (as two server starts could, unless the
+    first saved its table)."""
+    if cpu_kernels != "auto":
+        return cpu_kernels
+    monkeypatch.setattr(cpu_planner, "MIN_CORE_SHARE", 0.0)
+    return str(tmp_path / "cpu_kernels.json")
+
+
 @pytest.mark.slow
 @needs_smollm2
-def test_default_model_greedy_request_is_the_same_in_any_batch() -> None:
+def test_default_model_greedy_request_is_the_same_in_any_batch(tmp_path, monkeypatch) -> None:
     """SmolLM2 as served by default (its GGUF's own int4/int8 blocks, an int8 head)."""
     smollm2_path()  # skips without the package
+    table = _shared_table("auto", tmp_path, monkeypatch)
 
     def make(**overrides: object) -> LLM:
-        return LLM(None, **{**ENGINE, "dtype": "auto", **overrides})
+        return LLM(None, **{**ENGINE, "dtype": "auto", "cpu_kernels": table, **overrides})
 
     # Shorter than the tiny models' runs: 30 layers of 576 wide on a CPU.
     target, others = _prompts(
