@@ -103,8 +103,12 @@ def engine_spec(name: str, args: argparse.Namespace, hf_folder: str) -> EngineSp
     if not os.path.isfile(args.llama_server):
         raise FileNotFoundError(f"{args.llama_server} is missing (run bench/install_peers.sh)")
     gguf = default_model_gguf() if name == "llama.cpp-q4_1" else f16_gguf(args, hf_folder)
+    # The setting (-np 64 -c 16384: 256 tokens a slot), grown only when the flags ask for more.
+    slots = max(64, *args.concurrency)
+    context = slots * max(256, args.prompt_len + args.max_tokens)
     threads = str(args.llama_threads)
-    flags = ["-np", "64", "-t", threads, "-tb", threads, "-c", "16384", "--host", "127.0.0.1", "--port", "{port}"]
+    flags = ["-np", str(slots), "-t", threads, "-tb", threads, "-c", str(context)]
+    flags += ["--host", "127.0.0.1", "--port", "{port}"]
     return EngineSpec(LABELS[name], [args.llama_server, "-m", gguf, *flags])
 
 
