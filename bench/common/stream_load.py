@@ -98,7 +98,9 @@ async def _one_stream(
 
 async def _run(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> LoadRun:
     gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    # A connection per request: llama-server may close a kept-alive connection just as the next
+    # request goes out on it, which fails that request; a fresh loopback connection costs little.
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(1800.0), limits=limits) as client:
         start = time.perf_counter()
         results = await asyncio.gather(*(_one_stream(client, model, p, max_tokens, gate) for p in prompts))
