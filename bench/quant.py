@@ -1,6 +1,6 @@
 """Quantization on CPU: memory, perplexity and speed of SmolLM2 in each weight format.
 
-    python bench/quant.py                  # every format, then the int8 CPU crossover table
+    python bench/quant.py                  # every format
     python bench/quant.py --gptq           # and GPTQ (`cadence quantize`) against rounding (minutes)
     python bench/quant.py --quick          # three formats, few tokens: a smoke run of this script
 

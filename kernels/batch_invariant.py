@@ -152,12 +152,14 @@ def measure_tile_plan(
     return min(zip(plans, costs), key=lambda pc: sum(c / b for c, b in zip(pc[1], best)))[0]
 
 
-# Batch sizes the plans are ranked on. A server runs one decode step per token and one
-# prefill per prompt, so decode batches (1 to 16) hold most of the weight.
-_RANKED_ROWS = (1, 2, 4, 8, 16, 64, 256, 2048)
+# Batch sizes the plans are ranked on, each counting as much as the others: batch-1
+# decode, the batched decodes of a loaded server, and prefill chunks. Weighting small
+# batches more picked tiles of under 16 rows, which slowed batched decode and prefill
+# more than larger tiles slow batch 1 (bench/RESULTS.md, "Batch-invariant CPU linears").
+_RANKED_ROWS = (1, 16, 64, 256, 2048)
 # What a GEMM call costs beyond its rows, in rows (reading the weight once). A modelled
 # figure rather than a timing, so the choice does not change with the machine's load.
-_CALL_COST_ROWS = 8
+_CALL_COST_ROWS = 32
 
 
 def _modelled_cost(plan: TilePlan, m: int) -> int:

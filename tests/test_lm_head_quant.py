@@ -95,8 +95,9 @@ def test_a_tied_embedding_reads_the_heads_int8_rows(tiny_model_dir) -> None:
 def test_int8_head_on_a_quantized_body_serves_end_to_end(tiny_model_dir) -> None:
     path = tiny_model_dir("tied")
     dense = greedy_tokens(tiny_llm(path, None), TINY_PROMPTS, max_tokens=8)
-    # The packed kernels at every batch size, as this agreement bound was set for: on this
-    # random model, the kernel choice alone moves it by about a tenth either way.
+    # The body's packed kernels at every batch size, as this agreement bound was set for
+    # (the head has no packed kernel): on this random model, the body's kernel choice alone
+    # moves it by about a tenth either way.
     llm = LLM(
         path,
         dtype="float32",

@@ -15,7 +15,8 @@ Three ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
 ``dense`` and ``dequant`` run the same matmul calls on bit-identical chunks, so they give
 the same bits; ``packed`` rounds activations to bf16 and gives different ones. Which kernel
 serves which M is measured on the machine (``cpu_planner.py``) and held per layer as a
-``KernelPlan``. A layer with no plan runs ``packed`` at every M.
+``KernelPlan``. A layer with no plan runs its format's first kernel at every M (``packed``;
+the int8 LM head, whose logits must not be rounded to bf16, has no ``packed``).
 """
 
 from __future__ import annotations

@@ -215,8 +215,8 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
                 measured += 1
         plan = choose(times, mode if mode in ("fastest", *KERNELS) else "auto", hold)
         if plan.kernels[0] not in group.kernels:
-            logger.warning("%s cannot run %s on CPU; it runs packed", group.key, plan.kernels[0])
-            plan = KernelPlan.fixed(PACKED)
+            logger.warning("%s does not run %s on CPU; it runs %s", group.key, plan.kernels[0], group.kernels[0])
+            plan = KernelPlan.fixed(group.kernels[0])
         keeps_dense = DENSE in plan.kernels
         if hold and not keeps_dense:
             for layer in group.layers:

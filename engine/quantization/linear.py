@@ -87,12 +87,14 @@ class QuantizedMethod(DenseMethod):
 
     def cpu_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         plan = layer.cpu_plan
-        return self.run_cpu_kernel(layer, x2, PACKED if plan is None else plan.kernel_for(x2.shape[0]))
+        kernel = self.cpu_kernels(layer)[0] if plan is None else plan.kernel_for(x2.shape[0])
+        return self.run_cpu_kernel(layer, x2, kernel)
 
     # ---- the CPU kernels (cpu_kernels.py): what the planner times and the plan picks from
 
     def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:
-        """The kernels of ``cpu_kernels.py`` this layer can run; () when its format has one CPU path."""
+        """The kernels of ``cpu_kernels.py`` this layer can run, the one for a layer without a
+        plan first; () when its format has one CPU path."""
         return ()
 
     def run_cpu_kernel(self, layer: LinearLayer, x2: torch.Tensor, kernel: str) -> torch.Tensor:
