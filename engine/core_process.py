@@ -9,6 +9,7 @@ forward pass.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import traceback
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from cadence.engine.engine_args import EngineArgs
+from cadence.engine.engine_args import LOG_FORMAT, EngineArgs
 from cadence.engine.engine_core import EngineCore
 from cadence.engine.protocol import (
     AbortRequests,
@@ -98,8 +99,12 @@ class EngineCoreLoop:
         self.outputs.send(encode(message), copy=False)
 
 
-def run_engine_core(args: EngineArgs, addresses: EngineAddresses) -> None:
-    """Process entry point: build the engine, say it is ready, and serve until told to stop."""
+def run_engine_core(args: EngineArgs, addresses: EngineAddresses, log_level: int = logging.WARNING) -> None:
+    """Process entry point: build the engine, say it is ready, and serve until told to stop.
+
+    ``log_level`` is the server's: what loading decides (the CPU kernels, the quantized
+    layers) is logged from this process."""
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
     # Ctrl-C reaches the whole process group; the server decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     context = zmq.Context()

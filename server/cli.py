@@ -14,7 +14,7 @@ import re
 import signal
 import sys
 
-from cadence.engine.engine_args import ENGINE_OPTIONS, EngineArgs, engine_args_for
+from cadence.engine.engine_args import ENGINE_OPTIONS, LOG_FORMAT, EngineArgs, engine_args_for
 
 logger = logging.getLogger("cadence")
 
@@ -159,7 +159,7 @@ def quantize(args: argparse.Namespace) -> None:
     from cadence.engine.default_model import resolve_model_path
     from cadence.tools.gptq_model import quantize_checkpoint
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     source = resolve_model_path(args.model)
     done = quantize_checkpoint(
         source,
@@ -189,7 +189,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from cadence.server.api_server import ServerConfig, build_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     engine_args = engine_args_from(args)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     config = ServerConfig(

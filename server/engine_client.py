@@ -149,7 +149,10 @@ class AsyncEngineClient:
         # spawn, not fork: the engine must not inherit this process's event loop and threads.
         context = multiprocessing.get_context("spawn")
         self._process = context.Process(
-            target=run_engine_core, args=(args, addresses), name="cadence-engine-core", daemon=True
+            target=run_engine_core,
+            args=(args, addresses, logging.getLogger().getEffectiveLevel()),
+            name="cadence-engine-core",
+            daemon=True,
         )
         self._process.start()
 
