@@ -15,6 +15,8 @@ from cadence.engine.quantization import cpu_planner
 from cadence.engine.quantization.cpu_kernels import BUCKETS, KernelPlan
 from cadence.engine.quantization.cpu_planner import choose, group_summary, plan_cpu_kernels, validate_cpu_kernels
 from cadence.engine.quantization.linear import Int8Linear
+from cadence.engine.quantization.lm_head import Int8HeadMethod
+from cadence.engine.quantization.method import LinearLayer
 from cadence.kernels.quant_formats import quantize_int8
 from cadence.server.cli import build_parser, engine_args_from
 from helpers import load_llama
@@ -133,3 +135,44 @@ def test_every_kernel_gives_the_layer_its_values() -> None:
         outputs[kernel] = layer(x)
         assert torch.allclose(outputs[kernel], exact, rtol=2e-2, atol=2e-2)
     assert torch.equal(outputs["dense"], outputs["dequant"])
+
+
+def test_a_malformed_or_stale_table_is_measured_again(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    table = tmp_path / "kernels.json"
+    monkeypatch.setattr(cpu_planner, "MIN_CORE_SHARE", 0.0)
+    table.write_text("[1, 2, 3]")  # JSON, but not a table
+    model = _int8_model(tiny_model_dir, str(table))
+    assert sum(group_summary(model.modules()).values()) == 4 * len(model.model.layers)
+    saved = json.loads(table.read_text())
+    group = next(iter(saved[cpu_planner.machine_key()]))
+    # Lists of the wrong length, and a kernel the group does not run, are dropped and timed again.
+    saved[cpu_planner.machine_key()][group] = {"packed": [1.0, 2.0], "fast": [1.0] * len(BUCKETS)}
+    table.write_text(json.dumps(saved))
+    calls: list[str] = []
+    real = cpu_planner.time_cell
+
+    def counting(group: cpu_planner.LayerGroup, kernel: str, m: int, dtype: torch.dtype) -> float:
+        calls.append(kernel)
+        return real(group, kernel, m, dtype)
+
+    monkeypatch.setattr(cpu_planner, "time_cell", counting)
+    _int8_model(tiny_model_dir, str(table))
+    assert sorted(set(calls)) == ["dense", "dequant", "packed"] and len(calls) == 3 * len(BUCKETS)
+    assert sorted(json.loads(table.read_text())[cpu_planner.machine_key()][group]) == ["dense", "dequant", "packed"]
+
+
+def test_the_int8_head_never_runs_the_packed_op(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """Its bf16 logits would tie greedy candidates; a table naming packed for it is ignored."""
+    monkeypatch.setattr(cpu_planner, "time_cell", lambda g, k, m, d: 1.0 if k == "packed" else 50.0)
+    for mode in ("auto", "fastest", "packed", str(tmp_path / "kernels.json")):
+        model = load_llama(tiny_model_dir("tied"), torch.float32, "cpu", "int8", True, cpu_kernels=mode)
+        layers = [m for m in model.modules() if isinstance(m, LinearLayer)]
+        heads = [m.cpu_plan for m in layers if isinstance(m.method, Int8HeadMethod)]
+        assert len(heads) == 1 and heads[0] is not None and "packed" not in heads[0].kernels, mode
+        body = [m.cpu_plan for m in layers if not isinstance(m.method, Int8HeadMethod)]
+        assert body and all(plan == KernelPlan.fixed("packed") for plan in body), mode
+
+
+def test_a_table_path_with_a_tilde_is_expanded(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert validate_cpu_kernels("~/kernels.json") == str(tmp_path / "kernels.json")

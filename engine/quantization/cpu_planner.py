@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 CPU_KERNEL_MODES = ("auto", "fastest", *KERNELS)
 DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left after this
 MIN_CORE_SHARE = 0.6  # below this share of the cores while measuring, the times are not saved
+# Part of the table's key: raise it when the kernels change what they cost, so older times
+# are measured again rather than trusted.
+KERNELS_VERSION = 2
 # Each (kernel, M) cell is timed over the group's layers in turn until _CELL_SECONDS have
 # passed and _MIN_CALLS calls were made (two calls, once _CELL_CAP_SECONDS are spent), at
 # most two passes (or _MAX_CALLS_FLOOR calls). The fastest call counts: other work on the
@@ -72,7 +75,7 @@ def validate_cpu_kernels(mode: str) -> str:
             f"cpu_kernels must be one of {', '.join(CPU_KERNEL_MODES)} or a .json table path "
             f"in an existing folder, got {mode!r}"
         )
-    return mode
+    return os.path.abspath(os.path.expanduser(mode))
 
 
 def default_table_path() -> str:
@@ -93,7 +96,8 @@ def machine_key() -> str:
     except OSError:
         pass
     digest = hashlib.sha1(flags.encode()).hexdigest()[:12]
-    return f"{model} | flags {digest} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    return f"{model} | flags {digest} | torch {torch.__version__} | {threads} threads | kernels v{KERNELS_VERSION}"
 
 
 @dataclass
@@ -172,12 +176,27 @@ class KernelTable:
         if os.path.isfile(path):
             try:
                 with open(path, encoding="utf-8") as f:
-                    self.entries = json.load(f)
+                    loaded = json.load(f)
+                if not isinstance(loaded, dict) or not all(isinstance(v, dict) for v in loaded.values()):
+                    raise ValueError("not a table of machines")
+                self.entries = loaded
             except (OSError, ValueError) as exc:
                 logger.warning("ignoring unreadable CPU kernel table %s (%s); measuring again", path, exc)
 
-    def times(self, group_key: str) -> dict[str, list[float]]:
-        return self.entries.setdefault(self.machine, {}).setdefault(group_key, {})
+    def times(self, group_key: str, kernels: tuple[str, ...]) -> dict[str, list[float]]:
+        """The group's measured times, kept only for ``kernels`` and only where well formed."""
+        machine = self.entries.setdefault(self.machine, {})
+        stored = machine.get(group_key)
+        valid = {
+            kernel: values
+            for kernel, values in (stored.items() if isinstance(stored, dict) else ())
+            if kernel in kernels
+            and isinstance(values, list)
+            and len(values) == len(BUCKETS)
+            and all(isinstance(t, (int, float)) and t > 0 for t in values)
+        }
+        machine[group_key] = valid
+        return valid
 
     def save(self) -> None:
         try:
@@ -200,54 +219,93 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
     fixed = mode in KERNELS
     table = None if fixed else KernelTable(mode if mode.endswith(".json") else default_table_path())
     budget = int(available_host_memory() * DENSE_MEMORY_FRACTION)
-    started, cpu_started, measured = time.perf_counter(), time.process_time(), 0
+    clock = _MeasuringClock()
     for group in groups:
-        times = {} if table is None else table.times(group.key)
+        times = {} if table is None else table.times(group.key, group.kernels)
         need = group.dense_bytes(dtype)
         # Fixed "dense" keeps its copy whatever the memory; otherwise only within the budget.
-        hold = DENSE in group.kernels and (mode == DENSE or (not fixed and need <= budget))
-        if hold:
-            for layer in group.layers:
-                group.method.hold_dense(layer, dtype)
-        for kernel in group.kernels:
-            if not fixed and kernel not in times and (kernel != DENSE or hold):
+        affordable = DENSE in group.kernels and (mode == DENSE or (not fixed and need <= budget))
+        missing = [] if fixed else [k for k in group.kernels if k not in times and (k != DENSE or affordable)]
+        held = affordable and (mode == DENSE or DENSE in missing)  # timing dense needs the copies
+        if held:
+            _hold(group, dtype)
+        for kernel in missing:
+            with clock:
                 times[kernel] = [round(time_cell(group, kernel, m, dtype), 1) for m in BUCKETS]
-                measured += 1
-        plan = choose(times, mode if mode in ("fastest", *KERNELS) else "auto", hold)
-        if plan.kernels[0] not in group.kernels:
-            logger.warning("%s does not run %s on CPU; it runs %s", group.key, plan.kernels[0], group.kernels[0])
+        plan = choose(times, mode if mode in ("fastest", *KERNELS) else "auto", affordable)
+        if not set(plan.kernels) <= set(group.kernels):
+            logger.warning("%s does not run %s on CPU; it runs %s", group.key, plan.describe(), group.kernels[0])
             plan = KernelPlan.fixed(group.kernels[0])
         keeps_dense = DENSE in plan.kernels
-        if hold and not keeps_dense:
+        if keeps_dense and not held:
+            _hold(group, dtype)
+        elif held and not keeps_dense:
             for layer in group.layers:
                 group.method.drop_dense(layer)
         if keeps_dense:
             budget -= need
         for layer in group.layers:
             layer.cpu_plan = plan
-        _log_choice(group, plan, times, need if keeps_dense else 0, hold or mode == DENSE)
-    if table is None or not measured:
+        short_of_memory = not fixed and DENSE in group.kernels and not affordable
+        _log_choice(group, plan, times, need if keeps_dense else 0, short_of_memory)
+    if table is None or not clock.cells:
         return
-    elapsed = time.perf_counter() - started
-    # The share of the cores our threads had while measuring: other work on the machine
-    # takes it away, and times measured then would be kept for every later start.
-    share = (time.process_time() - cpu_started) / (elapsed * torch.get_num_threads())
+    share = clock.core_share()
     if share < MIN_CORE_SHARE:
         logger.warning(
-            "the machine was busy while measuring CPU kernels (this process had %.0f%% of %d cores): "
+            "the machine was busy while measuring CPU kernels (this process had %.0f%% of its cores): "
             "the choices stand for this run, but the times are not saved",
             100 * share,
-            torch.get_num_threads(),
         )
         return
     table.save()
-    logger.info("measured %d CPU kernel timings in %.1f s (cached in %s)", measured, elapsed, table.path)
+    logger.info(
+        "timed %d CPU kernels at %d batch sizes in %.1f s (cached in %s)",
+        clock.cells,
+        len(BUCKETS),
+        clock.wall,
+        table.path,
+    )
 
 
-def _log_choice(group: LayerGroup, plan: KernelPlan, times: dict[str, list[float]], held: int, fits: bool) -> None:
+def _hold(group: LayerGroup, dtype: torch.dtype) -> None:
+    for layer in group.layers:
+        group.method.hold_dense(layer, dtype)
+
+
+class _MeasuringClock:
+    """Wall and process CPU time spent timing kernels, and how many kernels were timed.
+
+    The share of the cores our threads had meanwhile tells whether other work on the
+    machine took them: times measured then would be kept for every later start."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+        self.cells = 0
+
+    def __enter__(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall += time.perf_counter() - self._wall
+        self.cpu += time.process_time() - self._cpu
+        self.cells += 1
+
+    def core_share(self) -> float:
+        cores = min(torch.get_num_threads(), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+        return self.cpu / max(self.wall * max(cores, 1), 1e-9)
+
+
+def _log_choice(
+    group: LayerGroup, plan: KernelPlan, times: dict[str, list[float]], held: int, short_of_memory: bool
+) -> None:
     measured = "; ".join(f"{k} {'/'.join(f'{t:.0f}' for t in v)}" for k, v in times.items())
     why = f"µs per call at M={'/'.join(map(str, BUCKETS))}: {measured}" if measured else "fixed by --cpu-kernels"
-    memory = f", dense copies {held / 2**20:.0f} MiB" if held else ("" if fits else ", no memory for dense copies")
+    memory = (
+        f", dense copies {held / 2**20:.0f} MiB"
+        if held
+        else (", no memory for dense copies" if short_of_memory else "")
+    )
     invariant = "batch-invariant" if plan.batch_invariant else "not batch-invariant"
     logger.info("CPU kernels for %s: %s (%s%s; %s)", group.key, plan.describe(), invariant, memory, why)
 

@@ -30,12 +30,12 @@ in the activation dtype; bias is added in it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.engine.quantization.linear import QuantizedMethod, _ready_tensors, check_shape
 from cadence.engine.quantization.method import LinearLayer, take_dense_weight
+from cadence.kernels.batch_invariant import invariant_linear
 from cadence.kernels.fp8_format import (
     FP8_DTYPE,
     FP16_DECODE_DIVISOR,
@@ -86,11 +86,11 @@ class Fp8Method(QuantizedMethod):
         x_codes = fp8_as_fp16_divided(xq).to(dtype)
         w_codes = fp8_as_fp16_divided(layer.qweight).to(dtype)  # per call, freed after: memory stays 1 byte/weight
         if dtype != torch.float16 or layer.in_features <= _FP16_SAFE_K:
-            y = F.linear(x_codes, w_codes).float()
+            y = invariant_linear(x_codes, w_codes).float()  # a row's bits must not follow the batch
         else:
             y = torch.zeros(x2.shape[0], layer.out_features)
             for x_part, w_part in zip(x_codes.split(_FP16_SAFE_K, 1), w_codes.split(_FP16_SAFE_K, 1)):
-                y += F.linear(x_part, w_part).float()
+                y += invariant_linear(x_part, w_part.contiguous()).float()
         return y.mul_(x_scale[:, None]).mul_(layer.cpu_output_scale).to(x2.dtype)  # y is ours: in place
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cadence.engine.quantization.cpu_int4_layout import (
@@ -44,6 +43,7 @@ from cadence.engine.quantization.method import (
     LinearLayer,
     take_dense_weight,
 )
+from cadence.kernels.batch_invariant import invariant_linear
 from cadence.kernels.quant_formats import (
     SYMMETRIC_ZERO,
     Int4Weight,
@@ -276,7 +276,7 @@ class Int4Method(QuantizedMethod):
             # Shapes the CPU op refuses (N % 16, odd groups): dequantize per call. Slow but
             # rare (no Llama-family projection we serve has such a shape). Plain torch:
             # a CPU install need not have triton.
-            return F.linear(x2, dequantize_int4(self.int4_weight(layer), x2.dtype))
+            return invariant_linear(x2, dequantize_int4(self.int4_weight(layer), x2.dtype))
         return super().cpu_matmul(layer, x2)
 
     def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:

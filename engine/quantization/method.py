@@ -103,7 +103,7 @@ class LinearLayer(nn.Module):
     dense_dtype: torch.dtype  # the dtype the staged dense weight was loaded in
     pending: list[dict[str, torch.Tensor]]  # packed checkpoint tensors per shard, until processed
     # CPU, quantized methods: which kernel serves each batch size (cpu_kernels.py; None:
-    # the packed op at every M), and the dense copy the "dense" kernel reads, if held.
+    # the format's first kernel at every M), and the dense copy the "dense" kernel reads, if held.
     cpu_plan: KernelPlan | None
     cpu_dense: Callable[[int, int], torch.Tensor] | None
     cpu_dense_dtype: torch.dtype | None
