@@ -49,7 +49,7 @@ class EngineArgs:
     # every kernel from Python instead, as vLLM's flag of the same name does.
     enforce_eager: bool = False
     # CPU: how quantized layers pick their kernels (engine/quantization/cpu_planner.py):
-    # "auto" measures them on this machine and keeps greedy decoding batch invariant,
+    # "auto" measures them where the engine runs and keeps greedy decoding batch invariant,
     # "fastest" picks per batch size, "packed"/"dequant"/"dense" fix one, or a .json path
     # holds the measured table.
     cpu_kernels: str = "auto"

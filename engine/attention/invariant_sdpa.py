@@ -124,7 +124,8 @@ _shapes: dict[tuple[int, int, int, int | None, torch.dtype, int], InvariantShape
 
 
 def invariant_shape(spec: AttentionSpec, dtype: torch.dtype) -> InvariantShape:
-    """The cached query padding for this attention shape on this machine, measured on first use."""
+    """The cached query padding for this attention shape, measured on first use on the
+    machine the process runs on (it follows the CPU's SDPA kernel)."""
     key = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_window, dtype, torch.get_num_threads())
     shape = _shapes.get(key)
     if shape is None:

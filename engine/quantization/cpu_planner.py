@@ -44,7 +44,7 @@ from cadence.engine.quantization.cpu_kernels import (
     PACKED,
     KernelPlan,
 )
-from cadence.engine.quantization.linear import QuantizedMethod
+from cadence.engine.quantization.linear import QuantizedMethod, dense_bytes
 from cadence.engine.quantization.method import LinearLayer
 
 logger = logging.getLogger(__name__)
@@ -110,8 +110,7 @@ class LayerGroup:
     kernels: tuple[str, ...]
 
     def dense_bytes(self, dtype: torch.dtype) -> int:
-        first = self.layers[0]
-        return len(self.layers) * first.out_features * first.in_features * torch.empty((), dtype=dtype).element_size()
+        return len(self.layers) * dense_bytes(self.layers[0], dtype)
 
 
 def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype) -> list[LayerGroup]:

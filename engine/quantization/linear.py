@@ -105,11 +105,10 @@ class QuantizedMethod(DenseMethod):
         maker = maker or self.dense_chunk_maker(layer, x2.dtype)
         return chunked_matmul(x2, layer.out_features, self.chunk_bounds(layer), maker)
 
-    def hold_dense(self, layer: LinearLayer, dtype: torch.dtype) -> int:
-        """Make and keep the ``dense`` kernel's chunks in ``dtype``; returns their bytes."""
+    def hold_dense(self, layer: LinearLayer, dtype: torch.dtype) -> None:
+        """Make and keep the ``dense`` kernel's chunks in ``dtype`` (``dense_bytes`` of memory)."""
         layer.cpu_dense = held_chunks(self.chunk_bounds(layer), self.dense_chunk_maker(layer, dtype))
         layer.cpu_dense_dtype = dtype
-        return dense_bytes(layer, dtype)
 
     @staticmethod
     def drop_dense(layer: LinearLayer) -> None:
