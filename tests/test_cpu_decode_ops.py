@@ -16,7 +16,6 @@ import torch
 
 from cadence.engine.attention import torch_sdpa
 from cadence.engine.attention.backend import AttentionSpec, StepBatch
-from cadence.engine.attention.invariant_sdpa import padded_kv_len
 from cadence.engine.attention.torch_sdpa import TorchSDPABackend
 from cadence.engine.models.rotary import RotaryEmbedding
 from cadence.kernels import layer_ops_reference as reference
@@ -109,10 +108,10 @@ def _backend(window: int | None = None) -> TorchSDPABackend:
     return TorchSDPABackend(AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, window), BLOCK_SIZE)
 
 
-def _expected_mask(context_lens: list[int], window: int | None) -> torch.Tensor:
+def _expected_mask(backend: TorchSDPABackend, context_lens: list[int], window: int | None) -> torch.Tensor:
     """Which keys each decode sees, over the padded key length (padding is never seen)."""
     lens = torch.tensor(context_lens)[:, None] + 1
-    positions = torch.arange(padded_kv_len(int(lens.max())))[None, :]
+    positions = torch.arange(backend.invariant.kv_len(int(lens.max())))[None, :]
     mask = positions < lens
     if window is not None:
         mask &= positions >= lens - window
@@ -125,9 +124,10 @@ def _expected_mask(context_lens: list[int], window: int | None) -> torch.Tensor:
 )
 def test_cpu_decode_group_mask_is_additive_over_the_padded_keys(context_lens: list[int], window: int | None) -> None:
     """Every CPU decode group carries a float mask (0 = attend, -inf = not) over its keys
-    padded to ``padded_kv_len``, and gathers that many slots."""
-    (group,) = _backend(window).build_metadata(_decode_batch(context_lens)).decode_groups
-    expected = _expected_mask(context_lens, window)
+    padded to ``InvariantShape.kv_len``, and gathers that many slots."""
+    backend = _backend(window)
+    (group,) = backend.build_metadata(_decode_batch(context_lens)).decode_groups
+    expected = _expected_mask(backend, context_lens, window)
     assert group.attn_mask.dtype == torch.float32
     assert torch.equal(group.attn_mask == 0, expected)
     assert bool((group.attn_mask[~expected] == float("-inf")).all())

@@ -7,19 +7,23 @@ with the other decodes of its group (their padding sets the key length), with wh
 prompt was chunked, and between a one-token chunk (a decode) and a longer one. Three
 rules keep every row's arithmetic the same; none touches the kernel:
 
-- keys: a call's key length is padded (masked) to a multiple of 16 up to 256, and to a
-  multiple of 512 beyond, so that every key block a row reaches holds the same keys at
-  the same offsets, with masked zeros after them, whatever the other rows need;
+- keys: a call's key length is padded (masked) to a multiple of 16 up to a short-key
+  limit, and to a multiple of 512 beyond, so that every key block a row reaches holds
+  the same keys at the same offsets, with masked zeros after them, whatever the other
+  rows need. Where a short block of keys sums like the first keys of a 512-key block
+  depends on the BLAS and the CPU (on some, blocks of 208 to 368 keys do not), so the
+  limit is measured too;
 - queries: a prefill's queries are padded to a multiple of ``query_multiple`` rows, and a
   decode's query heads of one KV head to ``decode_rows`` rows, so no query block is one
   of the small ones BLAS sums differently;
 - masks: always an additive float mask, built once per step, never ``is_causal``, whose
   key blocks would end where the query block does.
 
-How many query rows suffice is BLAS's business, so ``invariant_shape`` measures it once per
-attention shape, running these very functions on random data (whole prompt, chunked
-prompt, decodes alone and padded among longer ones) and taking the first candidate under
-which every row agrees.
+How many query rows suffice, and up to how many keys a block may be short, is BLAS's
+business, so ``invariant_shape`` measures both once per attention shape, running these
+very functions on random data (whole prompt, chunked prompt, decodes of every padded
+length alone and among longer ones) and taking the first candidate under which every
+row agrees.
 """
 
 from __future__ import annotations
@@ -34,9 +38,7 @@ from cadence.engine.attention.backend import AttentionSpec
 
 logger = logging.getLogger(__name__)
 
-# Up to here a call's keys are one block of their own length; from the flash kernel's
-# block size on, they are padded to whole blocks.
-_SHORT_KEYS = 256
+# From the flash kernel's block size on, a call's keys are padded to whole blocks.
 _KEY_BLOCK = 512
 _KEY_MULTIPLE = 16
 # A long prefill chunk attends in query segments of this many tokens, each to the keys up
@@ -44,9 +46,10 @@ _KEY_MULTIPLE = 16
 PREFILL_SEGMENT = 512
 
 
-def padded_kv_len(length: int) -> int:
-    """The key length a call that must see ``length`` keys runs at (see the module doc)."""
-    multiple = _KEY_MULTIPLE if length <= _SHORT_KEYS else _KEY_BLOCK
+def padded_kv_len(length: int, short_keys: int) -> int:
+    """The key length a call that must see ``length`` keys runs at: a multiple of 16 up to
+    ``short_keys`` (``InvariantShape.short_keys``), whole key blocks beyond."""
+    multiple = _KEY_MULTIPLE if length <= short_keys else _KEY_BLOCK
     return -(-length // multiple) * multiple
 
 
@@ -64,10 +67,15 @@ def additive_mask(
 
 @dataclass(frozen=True)
 class InvariantShape:
-    """Query padding under which every row's attention is batch-invariant."""
+    """Query and key padding under which every row's attention is batch-invariant."""
 
     decode_rows: int  # a decode's query rows per KV head (its query heads, zero-padded)
     query_multiple: int  # a prefill segment's query rows are padded to a multiple of this
+    short_keys: int  # the most keys a call may run at without padding them to a whole block
+
+    def kv_len(self, length: int) -> int:
+        """``padded_kv_len`` under this shape's short-key limit."""
+        return padded_kv_len(length, self.short_keys)
 
 
 def decode_attention(
@@ -103,42 +111,47 @@ def prefill_attention(
 
 
 def prefill_mask(
-    start: int, end: int, multiple: int, window: int | None, dtype: torch.dtype, device: torch.device
+    start: int, end: int, shape: InvariantShape, window: int | None, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """The mask of query positions ``[start, end)`` of a sequence, padded as ``prefill_attention`` wants."""
-    num_rows = -(-(end - start) // multiple) * multiple
+    num_rows = -(-(end - start) // shape.query_multiple) * shape.query_multiple
     positions = torch.arange(start, start + num_rows, device=device)
     limits = torch.where(positions < end, positions + 1, 1)
-    return additive_mask(positions, padded_kv_len(end), limits, window, dtype)
+    return additive_mask(positions, shape.kv_len(end), limits, window, dtype)
 
 
-def decode_mask(lengths: list[int], window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def decode_mask(
+    lengths: list[int], shape: InvariantShape, window: int | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """``[rows, 1, 1, L]`` for decodes whose sequences hold ``lengths`` tokens (the new one included)."""
     limits = torch.tensor(lengths, device=device)
-    return additive_mask(limits - 1, padded_kv_len(max(lengths)), limits, window, dtype)[:, None, None, :]
+    return additive_mask(limits - 1, shape.kv_len(max(lengths)), limits, window, dtype)[:, None, None, :]
 
 
 _CANDIDATE_ROWS = (4, 8, 16, 32)
 _CANDIDATE_MULTIPLES = (16, 32, 64)
+# Short-key limits, longest first; 0 pads every call's keys to whole blocks.
+_CANDIDATE_SHORT_KEYS = (256, 192, 128, 64, 32, 0)
 _shapes: dict[tuple[int, int, int, int | None, torch.dtype, int], InvariantShape] = {}
 
 
 def invariant_shape(spec: AttentionSpec, dtype: torch.dtype) -> InvariantShape:
-    """The cached query padding for this attention shape, measured on first use on the
-    machine the process runs on (it follows the CPU's SDPA kernel)."""
+    """The cached padding for this attention shape, measured on first use on the machine
+    the process runs on (it follows the CPU's SDPA kernel and BLAS)."""
     key = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_window, dtype, torch.get_num_threads())
     shape = _shapes.get(key)
     if shape is None:
         group = spec.num_heads // spec.num_kv_heads
         candidates = [
-            InvariantShape(rows, multiple)
+            InvariantShape(rows, multiple, short_keys)
+            for short_keys in _CANDIDATE_SHORT_KEYS
             for multiple in _CANDIDATE_MULTIPLES
             for rows in sorted({group, *(r for r in _CANDIDATE_ROWS if r > group)})
         ]
         shape = next((c for c in candidates if rows_agree(spec, dtype, c)), None)
         if shape is None:
             shape = candidates[-1]
-            logger.warning("no query padding makes CPU attention batch-invariant for %s; using %s", spec, shape)
+            logger.warning("no padding makes CPU attention batch-invariant for %s; using %s", spec, shape)
         _shapes[key] = shape
     return shape
 
@@ -146,22 +159,23 @@ def invariant_shape(spec: AttentionSpec, dtype: torch.dtype) -> InvariantShape:
 def rows_agree(spec: AttentionSpec, dtype: torch.dtype, shape: InvariantShape, length: int = 700) -> bool:
     """Whether, under ``shape``, each position's output is the same from a whole prompt, a
     prompt cut into chunks (one-token chunks are decodes), and a decode alone or grouped
-    with longer and shorter rows. ``length`` spans more than one key block."""
+    with longer and shorter rows, at every padded key length up to a whole key block and
+    beyond it. ``length`` spans more than one key block."""
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     query = torch.randn(length, heads, dim, generator=gen).to(dtype)
     longest = 2 * length  # a decode grouped with a longer row
-    keys, values = (torch.randn(padded_kv_len(longest), kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(shape.kv_len(longest), kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
     device = query.device
 
     def prefill(start: int, end: int) -> torch.Tensor:
-        kv = padded_kv_len(end)
-        mask = prefill_mask(start, end, shape.query_multiple, spec.sliding_window, dtype, device)
+        kv = shape.kv_len(end)
+        mask = prefill_mask(start, end, shape, spec.sliding_window, dtype, device)
         return prefill_attention(query[start:end], keys[:kv], values[:kv], mask, spec.scale)
 
     def decode(position: int, lengths: list[int]) -> torch.Tensor:
         # Row 0 is the position's token; the others read the same keys at other lengths.
-        mask = decode_mask([position + 1, *lengths], spec.sliding_window, dtype, device)
+        mask = decode_mask([position + 1, *lengths], shape, spec.sliding_window, dtype, device)
         kv = mask.shape[-1]
         rows = 1 + len(lengths)
         q = torch.randn(rows, kv_heads, heads // kv_heads, dim, generator=gen).to(dtype)
@@ -170,13 +184,15 @@ def rows_agree(spec: AttentionSpec, dtype: torch.dtype, shape: InvariantShape, l
         return decode_attention(q, k, v, mask, spec.scale, shape.decode_rows)[0].reshape(heads, dim)
 
     whole = torch.cat([prefill(s, min(s + PREFILL_SEGMENT, length)) for s in range(0, length, PREFILL_SEGMENT)])
-    cuts = [0, 1, 2, 19, 300, 530, length - 1, length]
+    # Every padded key length up to a whole block (the last position of each), and some beyond.
+    ends_of_lengths = range(_KEY_MULTIPLE - 1, _KEY_BLOCK, _KEY_MULTIPLE)
+    for position in (*ends_of_lengths, 0, 17, 256, 300, 530, length - 1):
+        for others in ([], [position + 20], [longest - 50, 3], [max(position - 200, 1)]):
+            if not torch.equal(decode(position, others), whole[position]):
+                return False
+    cuts = [0, 1, 2, 19, 200, 300, 530, length - 1, length]
     for start, end in zip(cuts, cuts[1:]):
         chunk = decode(start, []).unsqueeze(0) if end - start == 1 else prefill(start, end)
         if not torch.equal(chunk, whole[start:end]):
             return False
-    for position in (0, 17, 255, 256, 300, 511, 530, length - 1):
-        for others in ([], [position + 20], [longest - 50, 3], [max(position - 200, 1)]):
-            if not torch.equal(decode(position, others), whole[position]):
-                return False
     return True

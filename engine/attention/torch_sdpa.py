@@ -22,7 +22,6 @@ from cadence.engine.attention.invariant_sdpa import (
     decode_attention,
     decode_mask,
     invariant_shape,
-    padded_kv_len,
     prefill_attention,
     prefill_mask,
 )
@@ -46,7 +45,7 @@ class PrefillChunk:
 @dataclass
 class DecodeGroup:
     """Decode rows [start, end) of the flat batch, padded to the longest of them (on CPU,
-    further to ``padded_kv_len``)."""
+    further to ``InvariantShape.kv_len``)."""
 
     start: int
     end: int
@@ -143,7 +142,7 @@ class TorchSDPABackend(AttentionBackend):
 
     @property
     def invariant(self) -> InvariantShape:
-        """The CPU calls' query padding, measured on the first CPU step (never on CUDA)."""
+        """The CPU calls' query and key padding, measured on the first CPU step (never on CUDA)."""
         if self._invariant is None:
             self._invariant = invariant_shape(self.spec, self.dtype)
         return self._invariant
@@ -188,7 +187,7 @@ class TorchSDPABackend(AttentionBackend):
 
     def _invariant_metadata(self, batch: StepBatch) -> TorchSDPAMetadata:
         """The CPU's batch-invariant calls (``invariant_sdpa``): key lengths padded by
-        ``padded_kv_len`` and gathered through slot 0 past a sequence's end, float masks
+        ``InvariantShape.kv_len`` and gathered through slot 0 past a sequence's end, float masks
         always, and each prefill chunk cut into segments that see keys up to their own end."""
         device = batch.slot_mapping.device
         window = self.spec.sliding_window
@@ -196,9 +195,10 @@ class TorchSDPABackend(AttentionBackend):
         tables = batch.block_tables
         decode_lens = [n + 1 for n in batch.context_lens[:num_decodes]]
         decode_groups = []
-        for start, end in group_by_length([padded_kv_len(n) for n in decode_lens]):
+        shape = self.invariant
+        for start, end in group_by_length([shape.kv_len(n) for n in decode_lens]):
             lens = decode_lens[start:end]
-            mask = decode_mask(lens, window, self.dtype, device)
+            mask = decode_mask(lens, shape, window, self.dtype, device)
             slots = self._padded_slots(tables[start:end], max(lens), mask.shape[-1])
             decode_groups.append(DecodeGroup(start, end, slots, mask))
         prefills = []
@@ -206,7 +206,7 @@ class TorchSDPABackend(AttentionBackend):
             context_len, query_len = batch.context_lens[i], batch.query_lens[i]
             for offset in range(0, query_len, PREFILL_SEGMENT):
                 start, end = context_len + offset, context_len + min(offset + PREFILL_SEGMENT, query_len)
-                mask = prefill_mask(start, end, self.invariant.query_multiple, window, self.dtype, device)
+                mask = prefill_mask(start, end, shape, window, self.dtype, device)
                 slots = self._padded_slots(tables[i], end, mask.shape[-1])
                 prefills.append(PrefillChunk(batch.query_starts[i] + offset, end - start, slots, mask))
         return TorchSDPAMetadata(batch.slot_mapping, decode_groups, prefills)
