@@ -98,20 +98,24 @@ def _old_sample_rows(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 @contextlib.contextmanager
 def old_sampler() -> Iterator[None]:
-    """Sampler.__call__ runs the old top_k/top_p and the old per-token race meanwhile."""
-    saved = (sampler_mod.top_k_top_p_threshold, sampler_mod._probabilities, sampler_mod._sample_rows)
+    """Sampler.__call__ runs the old top_k/top_p and the old per-token race meanwhile (and
+    computes no shared mass, which the old stages did not use)."""
+    names = ("top_k_top_p_threshold", "_mass", "_probabilities", "_sample_rows")
+    saved = {name: getattr(sampler_mod, name) for name in names}
 
-    def threshold(logits: torch.Tensor, md: SamplingMetadata, scratch: object = None) -> None:
+    def threshold(logits: torch.Tensor, md: SamplingMetadata, *_: object) -> None:
         _old_apply_top_k_top_p(logits, md)
         return None
 
     sampler_mod.top_k_top_p_threshold = threshold  # type: ignore[assignment]
+    sampler_mod._mass = lambda logits, *_: logits  # type: ignore[assignment]
     sampler_mod._probabilities = lambda logits, *_: logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # type: ignore[assignment]
     sampler_mod._sample_rows = _old_sample_rows  # type: ignore[assignment]
     try:
         yield
     finally:
-        sampler_mod.top_k_top_p_threshold, sampler_mod._probabilities, sampler_mod._sample_rows = saved
+        for name, value in saved.items():
+            setattr(sampler_mod, name, value)
 
 
 # ---------------------------------------------------------------- logits

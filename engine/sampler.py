@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cadence.engine.sampling_params import SamplingParams
-from cadence.engine.truncation import BLOCK, EXP_FLOOR, Scratch, top_k_top_p_thresholds
+from cadence.engine.truncation import BLOCK, Scratch, shifted_mass, top_k_top_p_thresholds
 
 
 def _pad(rows: list[list[int]], pad: list[int], device: torch.device) -> torch.Tensor:
@@ -241,16 +241,17 @@ _TOP_P_WINDOW = 16384
 
 
 def top_k_top_p_threshold(
-    logits: torch.Tensor, md: SamplingMetadata, scratch: Scratch | None = None
+    logits: torch.Tensor, md: SamplingMetadata, scratch: Scratch | None = None, mass: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """Per-row logit threshold [B] for top_k then top_p (-inf for rows with neither), or None
-    when no row uses them. A row's threshold depends on that row alone (engine/truncation.py)."""
+    when no row uses them. A row's threshold depends on that row alone (engine/truncation.py).
+    mass: the logits' ``shifted_mass``, if the caller has it."""
     if md.top_k is None and md.top_p is None:
         return None
     batch = logits.shape[0]
     k = md.top_k if md.top_k is not None else torch.zeros(batch, dtype=torch.int64, device=logits.device)
     p = md.top_p if md.top_p is not None else torch.ones(batch, dtype=torch.float32, device=logits.device)
-    return top_k_top_p_thresholds(logits, k, p.to(logits.dtype), _TOP_P_WINDOW, scratch)
+    return top_k_top_p_thresholds(logits, k, p.to(logits.dtype), _TOP_P_WINDOW, scratch, mass)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -265,22 +266,23 @@ def apply_top_k_top_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
     return logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
 
 
-def _probabilities(logits: torch.Tensor, threshold: torch.Tensor | None, scratch: Scratch) -> torch.Tensor:
-    """In place: exp(logit - row max), the softmax without its per-row normalizer (neither
-    sampling step needs it); with a threshold, exactly 0 below it and for -inf logits.
+def _mass(logits: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """exp(logit - row max) ([B, V], a scratch buffer): the softmax without its per-row
+    normalizer, which neither truncation nor sampling needs (``truncation.shifted_mass``)."""
+    return shifted_mass(logits, logits.amax(dim=-1, keepdim=True), scratch.take("probs", logits))
 
-    With a threshold the exponents are floored at EXP_FLOOR, since exp of -inf or of anything
-    with a denormal result takes a slow path on CPU: a kept token that far below the row's max
-    gets probability 1e-38 of the max's instead of less.
-    """
-    top = logits.amax(dim=-1, keepdim=True)
+
+def _probabilities(
+    logits: torch.Tensor, mass: torch.Tensor, threshold: torch.Tensor | None, scratch: Scratch
+) -> torch.Tensor:
+    """In place in ``mass`` (the logits' ``_mass``): with a threshold, exactly 0 below it and
+    for -inf logits (whose mass is floored, not 0)."""
     if threshold is None:
-        return logits.sub_(top).exp_()
+        return mass
     # The mask as 1.0 / 0.0 floats and a multiply: a bool mask and masked_fill_ branch per
     # token, which is several times slower on CPU when kept and dropped tokens interleave.
     floor = threshold.clamp(min=torch.finfo(logits.dtype).min).unsqueeze(1)  # -inf logits too
-    keep = torch.ge(logits, floor, out=scratch.take("keep", logits))
-    return logits.sub_(top).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
+    return mass.mul_(torch.ge(logits, floor, out=scratch.take("keep", logits)))
 
 
 def _sample_rows(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -364,10 +366,11 @@ class Sampler:
                 greedy_tokens = row_argmax(work[greedy_rows]) if greedy_rows is not None else None
                 apply_temperature(work, md)
                 apply_min_p(work, md)
-                threshold = top_k_top_p_threshold(work, md, self.scratch)
+                mass = _mass(work, self.scratch)
+                threshold = top_k_top_p_threshold(work, md, self.scratch, mass)
                 if threshold is None and (md.min_p is not None or md.min_tokens_rows is not None):
                     threshold = torch.full_like(work[:, 0], float("-inf"))  # -inf logits to 0
-                sampled = _sample_rows(_probabilities(work, threshold, self.scratch), md)
+                sampled = _sample_rows(_probabilities(work, mass, threshold, self.scratch), md)
                 if greedy_rows is not None and greedy_tokens is not None:
                     sampled[greedy_rows] = greedy_tokens
         sampled = sampled.to(torch.int64)

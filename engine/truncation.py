@@ -8,16 +8,24 @@ row gets one value and the caller keeps `logits >= threshold`.
 On CPU a full sort costs milliseconds per row, so nothing here sorts a whole row:
 - top_k rows: the k-th largest token is at least the k-th largest block maximum, so the k
   blocks with the largest maxima hold every token of the top_k set; only those are searched.
-- top_p rows: one histogram of the row's mass over value bins finds the bin where the
-  nucleus ends; only that bin's few tokens are sorted. The bins come from the float bits of a
-  stretched exp(logit - max), so they are monotone in the logit and need no division.
+- top_p rows: a language model's nucleus is mostly a few dozen tokens. The row's
+  `_CANDIDATE_TOKENS` largest tokens lie in the blocks with that many largest maxima, so
+  only those blocks are searched; where the candidates' mass reaches p of the row's, the
+  cutoff is among them. Other rows take one histogram of the row's mass over value bins,
+  which finds the bin where the nucleus ends; only that bin's few tokens are sorted. The
+  bins come from the float bits of a stretched exp(logit - max), so they are monotone in
+  the logit and need no division.
 Rows the histogram cannot split (a bin holding thousands of distinct values) fall back to a
 full sort, as every row does on other devices, where sorting is cheap.
 
+Masses are exp(logit - max), computed as exp2 of the difference times log2(e), which torch
+runs several times faster than exp on CPU; the sampler computes them once per step
+(`shifted_mass`) and draws from the same tensor.
+
 Batch invariance: a row's threshold depends on that row alone, bit for bit. Everything is
-elementwise, a max/min, a per-row sequential scan (cumsum), a sort within the row, or a
-histogram whose bins belong to one row and are filled in the row's own order. No float sum
-runs over the whole row as one reduction, since torch splits those across threads differently
+elementwise, a max/min, a sum over one block's tokens, a per-row sequential scan (cumsum),
+a sort within the row, or a histogram whose bins belong to one row and are filled in the
+row's own order. No float sum runs over the whole row as one reduction, since torch splits those across threads differently
 for one row than for many.
 """
 
@@ -33,7 +41,10 @@ BLOCK = 64  # tokens per block whose maximum stands in for the block
 _STRETCH = 60.0
 _SHIFT = 18  # keep 8 exponent and 5 mantissa bits: 32 bins per octave
 _BINS = (0x3F800000 >> _SHIFT) + 1  # float bits of 1.0, the largest stretched weight
-EXP_FLOOR = -87.0  # exp of anything lower is a float32 denormal
+_LOG2_E = 1.4426950408889634
+_EXP2_FLOOR = -126.0  # exp2 of anything lower is a float32 denormal
+# How many of a row's largest tokens are searched for the nucleus before its histogram is.
+_CANDIDATE_TOKENS = 64
 _COPIES = 4  # interleaved copies of each bin, so most rows' tails do not all add into one
 
 
@@ -54,14 +65,29 @@ class Scratch:
         return buf[:size].view(like.shape)
 
 
+def shifted_mass(logits: torch.Tensor, top: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``exp(logits - top)`` into ``out`` ([B, V]; top: [B, 1]), as exp2 of the difference in
+    base 2, with the exponent floored where the result would be a denormal (a slow path on
+    CPU): a token that far below the top gets 1e-38 of its mass instead of less, and -inf
+    logits get that too, so callers that must drop them mask them."""
+    torch.add(top * -_LOG2_E, logits, alpha=_LOG2_E, out=out)
+    return out.clamp_(min=_EXP2_FLOOR).exp2_()
+
+
 def top_k_top_p_thresholds(
-    logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, window: int, scratch: Scratch | None = None
+    logits: torch.Tensor,
+    k: torch.Tensor,
+    p: torch.Tensor,
+    window: int,
+    scratch: Scratch | None = None,
+    mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row threshold: keep `logits >= threshold`. k: [B] int64 (0 = off), p: [B] (1.0 = off).
 
     logits: [B, V] float32; rows with neither step get -inf. window: how many tokens the blocks
     around a top_p row's crossing bin may hold before that row is sorted whole instead.
-    scratch: buffers to reuse across calls (none: fresh ones).
+    scratch: buffers to reuse across calls (none: fresh ones). mass: the rows'
+    ``shifted_mass`` from their maxima, if the caller has it (else it is computed).
     """
     scratch = scratch if scratch is not None else Scratch()
     batch, vocab = logits.shape
@@ -78,19 +104,27 @@ def top_k_top_p_thresholds(
         padded = _pad_to_blocks(logits)
         if k_rows.numel():
             threshold[k_rows] = _top_k_thresholds(padded[k_rows], k[k_rows], p[k_rows])
-        if p_rows.numel() == batch:  # the usual batch: no copy of the rows
-            threshold = _top_p_thresholds(padded, p, window, scratch)
-        elif p_rows.numel():
-            threshold[p_rows] = _top_p_thresholds(padded[p_rows], p[p_rows], window, scratch)
+        if p_rows.numel():
+            every = p_rows.numel() == batch  # the usual batch: no copy of the rows
+            rows = padded if every else padded[p_rows]
+            if mass is None:
+                mass = shifted_mass(logits, logits.amax(dim=-1, keepdim=True), scratch.take("shifted", logits))
+            row_mass = _pad_to_blocks(mass, 0.0)
+            cut = _top_p_candidates(rows, row_mass if every else row_mass[p_rows], p[p_rows], window, scratch)
+            if every:
+                threshold = cut
+            else:
+                threshold[p_rows] = cut
     return threshold
 
 
-def _pad_to_blocks(logits: torch.Tensor) -> torch.Tensor:
-    """The rows widened with -inf (no mass, never in a top_k set of finite tokens) to whole blocks."""
+def _pad_to_blocks(logits: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
+    """The rows widened to whole blocks with ``fill``: -inf for logits (no mass, never in a
+    top_k set of finite tokens), 0 for masses."""
     extra = -logits.shape[1] % BLOCK
     if not extra:
         return logits
-    return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+    return torch.nn.functional.pad(logits, (0, extra), value=fill)
 
 
 def _prefix_thresholds(
@@ -160,21 +194,18 @@ def _top_k_thresholds(rows: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> t
     return _prefix_thresholds(vals, k, p, z)[0]
 
 
-def _stretched_bins(
-    rows: torch.Tensor, top: torch.Tensor, low: torch.Tensor, scratch: Scratch
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mass, bins): mass = exp(rows - top); bins = stretched weights exp((rows - top) * a) with
-    a = _STRETCH / (top - low), in [0, 1], whose float bits >> _SHIFT are the histogram bin.
+def _stretched_bins(rows: torch.Tensor, top: torch.Tensor, low: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """Stretched weights exp((rows - top) * a) with a = _STRETCH / (top - low), in [0, 1],
+    whose float bits >> _SHIFT are the histogram bin (exp2 in base 2, as ``shifted_mass``).
 
-    Exponents are floored at EXP_FLOOR: a denormal result costs a CPU hundreds of cycles. Only
-    tokens far below `low` reach the floor; their mass is off by under 1e-38 of the top token's.
+    Exponents are floored where the result would be a denormal (a slow path on CPU): only
+    tokens far below `low` reach the floor, and they share the lowest bin.
     """
-    shifted = torch.sub(rows, top, out=scratch.take("bins", rows)).clamp_(min=EXP_FLOOR)
-    mass = torch.exp(shifted, out=scratch.take("mass", rows))
     spread = top - low
     # A row of one value has no spread (and needs no bins): 1 keeps its weights finite.
-    stretch = torch.where(spread > 0, _STRETCH / spread, 1.0)
-    return mass, shifted.mul_(stretch).clamp_(min=EXP_FLOOR).exp_()
+    stretch = torch.where(spread > 0, _STRETCH * _LOG2_E / spread, 1.0)
+    bins = torch.addcmul(top * -stretch, rows, stretch, out=scratch.take("bins", rows))
+    return bins.clamp_(min=_EXP2_FLOOR).exp2_()
 
 
 def _bin_of(weights: torch.Tensor) -> torch.Tensor:
@@ -201,7 +232,43 @@ def _histogram(bins: torch.Tensor, mass: torch.Tensor) -> tuple[torch.Tensor, to
     return total, index
 
 
-def _top_p_thresholds(rows: torch.Tensor, p: torch.Tensor, window: int, scratch: Scratch) -> torch.Tensor:
+def _top_p_candidates(
+    rows: torch.Tensor, mass: torch.Tensor, p: torch.Tensor, window: int, scratch: Scratch
+) -> torch.Tensor:
+    """Rows with top_p alone: the cutoff from each row's `_CANDIDATE_TOKENS` largest tokens
+    where their mass reaches p of the row's (``mass``: its ``shifted_mass``), else from the
+    histogram (`_top_p_thresholds`)."""
+    n_rows, width = rows.shape
+    n_blocks = width // BLOCK
+    block_max = _block_view(rows).amax(dim=-1)
+    count = min(_CANDIDATE_TOKENS, n_blocks)
+    # The row's `count` largest tokens are in the blocks whose maxima are among its `count`
+    # largest (those maxima are `count` tokens at least that large), and so is every token
+    # tied with one of them.
+    floor = block_max.topk(count, dim=-1).values[:, -1:]
+    chosen = block_max >= floor
+    if int(chosen.sum(dim=-1).max()) * 4 > n_blocks:  # a small vocabulary, or a flat row
+        candidates, candidate_mass = rows, mass
+    else:
+        candidates = _gather_blocks(rows, chosen, float("-inf"))
+        candidate_mass = _gather_blocks(mass, chosen, 0.0)
+    vals, order = candidates.topk(count, dim=-1)
+    # Each token's mass as the row's total has it, so the two sums agree to the last bit.
+    cumulative = candidate_mass.gather(1, order).double().cumsum(dim=-1)
+    total = _block_view(mass).sum(dim=-1).double().cumsum(dim=-1)[:, -1]
+    target = p.double() * total
+    # The nucleus ends at the first token whose cumulative mass reaches the target.
+    last = (cumulative < target.unsqueeze(1)).sum(dim=-1)
+    threshold = vals.gather(1, last.clamp(max=count - 1).unsqueeze(1)).squeeze(1)
+    wider = (last == count).nonzero().squeeze(1)
+    if wider.numel():
+        threshold[wider] = _top_p_thresholds(rows[wider], mass[wider], p[wider], window, scratch)
+    return threshold
+
+
+def _top_p_thresholds(
+    rows: torch.Tensor, mass: torch.Tensor, p: torch.Tensor, window: int, scratch: Scratch
+) -> torch.Tensor:
     """Rows with top_p alone: a mass histogram finds the nucleus's last bin, whose tokens are sorted."""
     n_rows, width = rows.shape
     top = rows.amax(dim=-1, keepdim=True)
@@ -209,7 +276,7 @@ def _top_p_thresholds(rows: torch.Tensor, p: torch.Tensor, window: int, scratch:
     # weigh less than 1 - p of the row. A nat of margin keeps rounding away from that bound.
     bound = top + torch.log((1.0 - p.double()) / width).to(rows.dtype).unsqueeze(1) - 1.0
     low = torch.maximum(rows.amin(dim=-1, keepdim=True), bound)
-    mass, bins = _stretched_bins(rows, top, low, scratch)
+    bins = _stretched_bins(rows, top, low, scratch)
     hist, row_bin = _histogram(bins, mass)
     at_or_above = hist.flip(-1).cumsum(-1).flip(-1)
     target = p.double() * at_or_above[:, 0]

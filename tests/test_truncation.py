@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cadence.engine import truncation
 from cadence.engine.sampler import Sampler, SamplingMetadata, _sample_by_block
 from cadence.engine.sampling_params import SamplingParams
 from cadence.engine.truncation import BLOCK, top_k_top_p_thresholds
@@ -65,6 +66,28 @@ def test_thresholds_match_full_sort_reference(vocab: int) -> None:
                 kept = int((logits[i] >= got[i]).sum())
                 expected = int((logits[i] >= reference_threshold(logits[i], k, p)).sum())
                 assert kept == expected, (name, k, p, i)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.99])
+@pytest.mark.parametrize("candidates", [truncation._CANDIDATE_TOKENS, 1])  # 1: nearly every row by histogram
+def test_language_model_rows_match_reference(top_p: float, candidates: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A Gumbel bulk with a few dozen strong tokens per row, from peaked to flat: some rows'
+    # nucleus lies within the candidate tokens (found in the blocks gathered around them),
+    # the others' beyond it (found by the histogram).
+    monkeypatch.setattr(truncation, "_CANDIDATE_TOKENS", candidates)
+    g = torch.Generator().manual_seed(11)
+    rows, vocab = 16, 49152
+    logits = -torch.empty(rows, vocab).exponential_(generator=g).log()
+    strong = torch.randint(0, vocab, (rows, 40), generator=g)
+    logits.scatter_add_(1, strong, torch.rand(rows, 40, generator=g) * torch.linspace(3.0, 16.0, rows)[:, None])
+    got = top_k_top_p_thresholds(logits, torch.zeros(rows, dtype=torch.int64), torch.full((rows,), top_p), WINDOW)
+    sizes = []
+    for i in range(rows):
+        kept = int((logits[i] >= got[i]).sum())
+        assert kept == int((logits[i] >= reference_threshold(logits[i], 0, top_p)).sum()), i
+        sizes.append(kept)
+    if top_p == 0.5:
+        assert min(sizes) <= truncation._CANDIDATE_TOKENS < max(sizes), sizes  # both ways were taken
 
 
 @pytest.mark.parametrize("name", ["random", "spike over ties", "dense cluster", "tied"])
