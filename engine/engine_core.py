@@ -91,6 +91,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             batch_invariant=args.batch_invariant,
         )
+        if self.device.type == "cpu":
+            self.runner.warm_up()
         self.eos_token_ids = generation_eos_ids(args.model, config)
         self.vocab_size = config.vocab_size
         self.timings = StepTimings()

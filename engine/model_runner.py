@@ -141,6 +141,26 @@ class ModelRunner:
             self._sample([step.requests[i] for i in sampling], logits, result)
         return result
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One token through the model and its head, so that what the CPU's batch-invariant
+        paths measure on first use (each weight shape's GEMM tiles, the attention padding)
+        is measured at start rather than in the first request's time to first token. The
+        token's K/V lands in slot 0, which is only read under a -inf mask or after a
+        request's own token has replaced it."""
+        device = self.device
+        batch = StepBatch(
+            query_starts=[0],
+            query_lens=[1],
+            context_lens=[0],
+            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=device),
+            num_decodes=1,
+            slot_mapping=torch.zeros(1, dtype=torch.int64, device=device),
+        )
+        ctx = AttentionContext(self.backend, self.kv_caches, self.backend.build_metadata(batch))
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
+        self.model.compute_logits(self.model(zero, zero, ctx))
+
     def _row_selector(self, rows: list[int]) -> slice | torch.Tensor:
         """``rows`` of the hidden states as a slice when they run consecutively, as in
         every decode step: an index tensor would be a host-to-device copy the host waits

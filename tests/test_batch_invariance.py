@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import pytest
 
 from cadence import LLM
+from cadence.engine.attention import invariant_sdpa
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.quantization import cpu_planner
+from cadence.kernels import batch_invariant
 from helpers import greedy, needs_smollm2, smollm2_path
 
 MAX_TOKENS = 10
-# Long enough to cross the attention's key padding steps (16 up to 256, then 512) while
+# Long enough to cross the attention's key padding steps (16 up to a measured limit, then 512) while
 # decoding, so decodes alone and beside longer rows run at different padded lengths.
 TARGET_LEN = 250
 ENGINE = {"dtype": "float32", "block_size": 16, "max_model_len": 320, "num_gpu_blocks": 400}
@@ -127,6 +129,29 @@ def test_greedy_request_is_the_same_in_any_batch(
 
     target, others = _prompts(seed=len(kind), vocab=500)
     _assert_all_alike(_scenarios(make, target, others))
+
+
+@pytest.mark.parametrize("kind,quantization", [("llama", None), ("tied", None), ("llama", "int8")])
+def test_cpu_engine_measures_its_invariant_shapes_at_start(
+    tiny_model_dir, monkeypatch, kind: str, quantization: str | None
+) -> None:
+    """What the invariant paths measure on first use (each weight's GEMM tiles, the attention
+    padding) is measured while the engine starts, not in the first request's time."""
+    monkeypatch.setattr(batch_invariant, "_plans", {})
+    monkeypatch.setattr(invariant_sdpa, "_shapes", {})
+    llm = LLM(tiny_model_dir(kind), **{**ENGINE, "quantization": quantization, "cpu_kernels": "dense"})
+    measured: list[str] = []
+    real_tiles, real_rows = batch_invariant.measure_tile_plan, invariant_sdpa.rows_agree
+    monkeypatch.setattr(
+        batch_invariant, "measure_tile_plan", lambda *a, **k: measured.append("tiles") or real_tiles(*a, **k)
+    )
+    monkeypatch.setattr(
+        invariant_sdpa, "rows_agree", lambda *a, **k: measured.append("attention") or real_rows(*a, **k)
+    )
+    target, others = _prompts(seed=1, vocab=500, target_len=40)
+    _run(llm, [(0, target), (1, others[0])])
+    assert measured == []
+    assert batch_invariant._plans and invariant_sdpa._shapes  # measured, and kept
 
 
 def _shared_table(cpu_kernels: str, tmp_path, monkeypatch) -> str:
