@@ -25,8 +25,8 @@ runs several times faster than exp on CPU; the sampler computes them once per st
 Batch invariance: a row's threshold depends on that row alone, bit for bit. Everything is
 elementwise, a max/min, a sum over one block's tokens, a per-row sequential scan (cumsum),
 a sort within the row, or a histogram whose bins belong to one row and are filled in the
-row's own order. No float sum runs over the whole row as one reduction, since torch splits those across threads differently
-for one row than for many.
+row's own order. No float sum runs over the whole row as one reduction, since torch splits
+those across threads differently for one row than for many.
 """
 
 from __future__ import annotations

@@ -141,13 +141,16 @@ def test_cpu_engine_measures_its_invariant_shapes_at_start(
     monkeypatch.setattr(invariant_sdpa, "_shapes", {})
     llm = LLM(tiny_model_dir(kind), **{**ENGINE, "quantization": quantization, "cpu_kernels": "dense"})
     measured: list[str] = []
-    real_tiles, real_rows = batch_invariant.measure_tile_plan, invariant_sdpa.rows_agree
-    monkeypatch.setattr(
-        batch_invariant, "measure_tile_plan", lambda *a, **k: measured.append("tiles") or real_tiles(*a, **k)
-    )
-    monkeypatch.setattr(
-        invariant_sdpa, "rows_agree", lambda *a, **k: measured.append("attention") or real_rows(*a, **k)
-    )
+
+    def counted(name: str, measure: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object, **kwargs: object) -> object:
+            measured.append(name)
+            return measure(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(batch_invariant, "measure_tile_plan", counted("tiles", batch_invariant.measure_tile_plan))
+    monkeypatch.setattr(invariant_sdpa, "rows_agree", counted("attention", invariant_sdpa.rows_agree))
     target, others = _prompts(seed=1, vocab=500, target_len=40)
     _run(llm, [(0, target), (1, others[0])])
     assert measured == []
