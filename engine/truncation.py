@@ -71,7 +71,17 @@ def shifted_mass(logits: torch.Tensor, top: torch.Tensor, out: torch.Tensor) -> 
     CPU): a token that far below the top gets 1e-38 of its mass instead of less, and -inf
     logits get that too, so callers that must drop them mask them."""
     torch.add(top * -_LOG2_E, logits, alpha=_LOG2_E, out=out)
-    return out.clamp_(min=_EXP2_FLOOR).exp2_()
+    return _exp2_rows(out.clamp_(min=_EXP2_FLOOR, max=0.0))
+
+
+def _exp2_rows(exponents: torch.Tensor) -> torch.Tensor:
+    """``exp2_`` in place, one row at a time. torch's CPU exp2 runs a loop's last few
+    elements through scalar code whose results can differ in the last bit from the vector
+    code's; on a whole [B, V] tensor where those elements fall depends on B, on a row only
+    on V and the thread count, so each row's bits stay its own."""
+    for row in exponents:
+        row.exp2_()
+    return exponents
 
 
 def top_k_top_p_thresholds(
@@ -205,7 +215,8 @@ def _stretched_bins(rows: torch.Tensor, top: torch.Tensor, low: torch.Tensor, sc
     # A row of one value has no spread (and needs no bins): 1 keeps its weights finite.
     stretch = torch.where(spread > 0, _STRETCH * _LOG2_E / spread, 1.0)
     bins = torch.addcmul(top * -stretch, rows, stretch, out=scratch.take("bins", rows))
-    return bins.clamp_(min=_EXP2_FLOOR).exp2_()
+    # A fused multiply-add can leave the top token a hair above 0, and its weight above 1.
+    return _exp2_rows(bins.clamp_(min=_EXP2_FLOOR, max=0.0))
 
 
 def _bin_of(weights: torch.Tensor) -> torch.Tensor:
@@ -246,14 +257,16 @@ def _top_p_candidates(
     # largest (those maxima are `count` tokens at least that large), and so is every token
     # tied with one of them.
     floor = block_max.topk(count, dim=-1).values[:, -1:]
-    chosen = block_max >= floor
+    # Blocks of -inf alone hold no candidate, also where a row has fewer than `count` others
+    # (as min_p leaves it): choosing them would send the whole batch down the wide search.
+    chosen = (block_max >= floor) & (block_max > float("-inf"))
     if int(chosen.sum(dim=-1).max()) * 4 > n_blocks:  # a small vocabulary, or a flat row
         candidates, candidate_mass = rows, mass
     else:
         candidates = _gather_blocks(rows, chosen, float("-inf"))
         candidate_mass = _gather_blocks(mass, chosen, 0.0)
     vals, order = candidates.topk(count, dim=-1)
-    # Each token's mass as the row's total has it, so the two sums agree to the last bit.
+    # Each token's mass read from the very tensor the row's total is summed from.
     cumulative = candidate_mass.gather(1, order).double().cumsum(dim=-1)
     total = _block_view(mass).sum(dim=-1).double().cumsum(dim=-1)[:, -1]
     target = p.double() * total

@@ -68,6 +68,58 @@ def test_thresholds_match_full_sort_reference(vocab: int) -> None:
                 assert kept == expected, (name, k, p, i)
 
 
+def _count_histogram_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one entry per row the top_p histogram is run on."""
+    rows: list[int] = []
+    histogram = truncation._top_p_thresholds
+
+    def counted(logits: torch.Tensor, *args: object) -> torch.Tensor:
+        rows.extend(range(logits.shape[0]))
+        return histogram(logits, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(truncation, "_top_p_thresholds", counted)
+    return rows
+
+
+def test_sparse_rows_of_a_wide_vocabulary_take_the_candidate_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As min_p leaves rows: most tokens -inf, and some rows with fewer finite blocks than
+    # candidate tokens; a vocabulary that is not whole blocks.
+    histogram_rows = _count_histogram_rows(monkeypatch)
+    gathered: list[int] = []
+    gather = truncation._gather_blocks
+
+    def counted_gather(rows: torch.Tensor, *args: object) -> torch.Tensor:
+        gathered.append(rows.shape[0])
+        return gather(rows, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(truncation, "_gather_blocks", counted_gather)
+    g = torch.Generator().manual_seed(12)
+    rows, vocab = 8, 49152 + 37
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    keep = torch.rand(rows, vocab, generator=g) < torch.linspace(0.0002, 0.01, rows)[:, None]
+    keep[:, 5] = True
+    logits = logits.masked_fill(~keep, NEG_INF)
+    p = torch.full((rows,), 0.9)
+    got = top_k_top_p_thresholds(logits, torch.zeros(rows, dtype=torch.int64), p, WINDOW)
+    for i in range(rows):
+        assert int((logits[i] >= got[i]).sum()) == int((logits[i] >= reference_threshold(logits[i], 0, 0.9)).sum()), i
+    assert histogram_rows == []
+    assert gathered  # blocks of -inf alone did not send the batch to a whole-row search
+
+
+@pytest.mark.parametrize("vocab", [500, 151936])
+def test_shifted_mass_of_a_row_does_not_depend_on_the_batch(vocab: int) -> None:
+    # Elementwise kernels run a loop's last elements through scalar code: where those fall
+    # in a [B, V] tensor depends on B, and must not change a row's bits.
+    g = torch.Generator().manual_seed(13)
+    logits = torch.randn(8, vocab, generator=g) * 5
+    top = logits.amax(dim=-1, keepdim=True)
+    together = truncation.shifted_mass(logits, top, torch.empty_like(logits))
+    for batch in range(1, 8):
+        part = truncation.shifted_mass(logits[:batch].clone(), top[:batch], torch.empty(batch, vocab))
+        assert torch.equal(part, together[:batch]), batch
+
+
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.99])
 @pytest.mark.parametrize("candidates", [truncation._CANDIDATE_TOKENS, 1])  # 1: nearly every row by histogram
 def test_language_model_rows_match_reference(top_p: float, candidates: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,6 +127,7 @@ def test_language_model_rows_match_reference(top_p: float, candidates: int, monk
     # nucleus lies within the candidate tokens (found in the blocks gathered around them),
     # the others' beyond it (found by the histogram).
     monkeypatch.setattr(truncation, "_CANDIDATE_TOKENS", candidates)
+    histogram_rows = _count_histogram_rows(monkeypatch)
     g = torch.Generator().manual_seed(11)
     rows, vocab = 16, 49152
     logits = -torch.empty(rows, vocab).exponential_(generator=g).log()
@@ -88,6 +141,7 @@ def test_language_model_rows_match_reference(top_p: float, candidates: int, monk
         sizes.append(kept)
     if top_p == 0.5:
         assert min(sizes) <= truncation._CANDIDATE_TOKENS < max(sizes), sizes  # both ways were taken
+    assert len(histogram_rows) == sum(size > candidates for size in sizes)  # the others were resolved before it
 
 
 @pytest.mark.parametrize("name", ["random", "spike over ties", "dense cluster", "tied"])

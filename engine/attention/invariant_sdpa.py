@@ -38,7 +38,8 @@ from cadence.engine.attention.backend import AttentionSpec
 
 logger = logging.getLogger(__name__)
 
-# From the flash kernel's block size on, a call's keys are padded to whole blocks.
+# Beyond the measured short-key limit, a call's keys are padded to whole blocks of the
+# flash kernel's block size.
 _KEY_BLOCK = 512
 _KEY_MULTIPLE = 16
 # A long prefill chunk attends in query segments of this many tokens, each to the keys up

@@ -142,7 +142,7 @@ class TorchSDPABackend(AttentionBackend):
 
     @property
     def invariant(self) -> InvariantShape:
-        """The CPU calls' query and key padding, measured on the first CPU step (never on CUDA)."""
+        """The CPU calls' query and key padding, measured on first use: the engine's warm-up on CPU (never on CUDA)."""
         if self._invariant is None:
             self._invariant = invariant_shape(self.spec, self.dtype)
         return self._invariant
@@ -213,7 +213,8 @@ class TorchSDPABackend(AttentionBackend):
 
     def _padded_slots(self, table: torch.Tensor, length: int, padded: int) -> torch.Tensor:
         """``leading_slots`` of ``length`` positions, then slot 0 up to ``padded``: a cache
-        row that is always finite (the cache starts zeroed), read under a -inf mask."""
+        row that is always finite (the cache starts zeroed, and only model K/V is written to
+        it), read under a -inf mask."""
         return F.pad(leading_slots(table, length, self.block_size), (0, padded - length))
 
     def forward(
