@@ -171,15 +171,35 @@ def _block_view(rows: torch.Tensor) -> torch.Tensor:
     return rows.view(rows.shape[0], -1, BLOCK)
 
 
-def _gather_blocks(rows: torch.Tensor, chosen: torch.Tensor, fill: float) -> torch.Tensor:
-    """[R, W]: each row's chosen blocks ([R, NBLK] bool) side by side in block order, then `fill`."""
+def _gather_blocks(rows: torch.Tensor, chosen: torch.Tensor, fill: float, min_width: int = BLOCK) -> torch.Tensor:
+    """[R, W]: each row's chosen blocks ([R, NBLK] bool) side by side in block order, then `fill`,
+    W at least ``min_width``."""
     pairs = chosen.nonzero()
     counts = chosen.sum(dim=-1)
-    width = int(counts.max()) * BLOCK if pairs.numel() else BLOCK
+    width = max(int(counts.max()) * BLOCK if pairs.numel() else 0, -(-min_width // BLOCK) * BLOCK)
     out = torch.full((rows.shape[0], width // BLOCK, BLOCK), fill, dtype=rows.dtype, device=rows.device)
     slot = torch.arange(pairs.shape[0], device=rows.device) - (counts.cumsum(0) - counts)[pairs[:, 0]]
     out[pairs[:, 0], slot] = _block_view(rows)[pairs[:, 0], pairs[:, 1]]
     return out.view(rows.shape[0], width)
+
+
+def _candidate_blocks(rows: torch.Tensor, counts: torch.Tensor, most: int) -> torch.Tensor | None:
+    """[R, NBLK] bool: the blocks holding each row's ``counts`` largest tokens (``most`` is
+    the largest count), and every token tied with them; None where for some row they would
+    be over a quarter of the row (a small vocabulary, or blocks tied at the floor in a flat
+    row), which is then searched whole.
+
+    The n-th largest token is at least the n-th largest block maximum (n blocks reach it), so
+    the n largest tokens lie in blocks whose maximum is at least that. Blocks of -inf alone
+    hold none of them that counts, also where a row has fewer than n others (as min_p leaves
+    it): choosing them would send the whole batch to the whole-row search.
+    """
+    block_max = _block_view(rows).amax(dim=-1)
+    floor = block_max.topk(most, dim=-1).values.gather(1, (counts - 1).unsqueeze(1))
+    chosen = (block_max >= floor) & (block_max > float("-inf"))
+    if int(chosen.sum(dim=-1).max()) > block_max.shape[1] // 4:
+        return None
+    return chosen
 
 
 def _top_k_thresholds(rows: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -188,14 +208,8 @@ def _top_k_thresholds(rows: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> t
     k_max = int(k.max())
     if k_max > n_blocks // 4:  # the candidate blocks would be most of the row
         return _sorted_thresholds(rows, k, p)
-    block_max = _block_view(rows).amax(dim=-1)
-    # The k-th largest token is >= the k-th largest block maximum (k blocks reach it), so
-    # every token of the top_k set lies in a block whose maximum is >= that value.
-    floor = block_max.topk(k_max, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-    chosen = block_max >= floor
-    # Blocks tied at the floor (a flat row) can make that most of the row: search it whole.
-    spread_out = int(chosen.sum(dim=-1).max()) > n_blocks // 4
-    candidates = rows if spread_out else _gather_blocks(rows, chosen, float("-inf"))
+    chosen = _candidate_blocks(rows, k, k_max)
+    candidates = rows if chosen is None else _gather_blocks(rows, chosen, float("-inf"), k_max)
     vals = candidates.topk(k_max, dim=-1).values
     kth = vals.gather(1, (k - 1).unsqueeze(1))
     # The top_k mass counts every token tied with the k-th, also those past k_max.
@@ -250,17 +264,9 @@ def _top_p_candidates(
     where their mass reaches p of the row's (``mass``: its ``shifted_mass``), else from the
     histogram (`_top_p_thresholds`)."""
     n_rows, width = rows.shape
-    n_blocks = width // BLOCK
-    block_max = _block_view(rows).amax(dim=-1)
-    count = min(_CANDIDATE_TOKENS, n_blocks)
-    # The row's `count` largest tokens are in the blocks whose maxima are among its `count`
-    # largest (those maxima are `count` tokens at least that large), and so is every token
-    # tied with one of them.
-    floor = block_max.topk(count, dim=-1).values[:, -1:]
-    # Blocks of -inf alone hold no candidate, also where a row has fewer than `count` others
-    # (as min_p leaves it): choosing them would send the whole batch down the wide search.
-    chosen = (block_max >= floor) & (block_max > float("-inf"))
-    if int(chosen.sum(dim=-1).max()) * 4 > n_blocks:  # a small vocabulary, or a flat row
+    count = min(_CANDIDATE_TOKENS, width // BLOCK)
+    chosen = _candidate_blocks(rows, torch.full((n_rows,), count, device=rows.device), count)
+    if chosen is None:
         candidates, candidate_mass = rows, mass
     else:
         candidates = _gather_blocks(rows, chosen, float("-inf"))

@@ -104,6 +104,14 @@ def test_sparse_rows_of_a_wide_vocabulary_take_the_candidate_search(monkeypatch:
     for i in range(rows):
         assert int((logits[i] >= got[i]).sum()) == int((logits[i] >= reference_threshold(logits[i], 0, 0.9)).sum()), i
     assert histogram_rows == []
+    # top_k over more tokens than the rows' finite blocks hold (one token in one block, alone).
+    logits[0] = NEG_INF
+    logits[0, 5] = 1.0
+    for batch, k in [(rows, 300), (1, 100)]:
+        got = top_k_top_p_thresholds(logits[:batch], torch.full((batch,), k), p[:batch], WINDOW)
+        for i in range(batch):
+            expected = reference_threshold(logits[i], k, 0.9)
+            assert int((logits[i] >= got[i]).sum()) == int((logits[i] >= expected).sum()), (batch, i)
     assert gathered  # blocks of -inf alone did not send the batch to a whole-row search
 
 

@@ -47,13 +47,6 @@ _KEY_MULTIPLE = 16
 PREFILL_SEGMENT = 512
 
 
-def padded_kv_len(length: int, short_keys: int) -> int:
-    """The key length a call that must see ``length`` keys runs at: a multiple of 16 up to
-    ``short_keys`` (``InvariantShape.short_keys``), whole key blocks beyond."""
-    multiple = _KEY_MULTIPLE if length <= short_keys else _KEY_BLOCK
-    return -(-length // multiple) * multiple
-
-
 def additive_mask(
     query_pos: torch.Tensor, kv_len: int, limits: torch.Tensor, window: int | None, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -75,8 +68,10 @@ class InvariantShape:
     short_keys: int  # the most keys a call may run at without padding them to a whole block
 
     def kv_len(self, length: int) -> int:
-        """``padded_kv_len`` under this shape's short-key limit."""
-        return padded_kv_len(length, self.short_keys)
+        """The key length a call that must see ``length`` keys runs at: a multiple of 16 up
+        to ``short_keys``, whole key blocks beyond (see the module doc)."""
+        multiple = _KEY_MULTIPLE if length <= self.short_keys else _KEY_BLOCK
+        return -(-length // multiple) * multiple
 
 
 def decode_attention(

@@ -142,7 +142,8 @@ class TorchSDPABackend(AttentionBackend):
 
     @property
     def invariant(self) -> InvariantShape:
-        """The CPU calls' query and key padding, measured on first use: the engine's warm-up on CPU (never on CUDA)."""
+        """The CPU calls' query and key padding, measured on first use: the engine's warm-up
+        on CPU (never on CUDA)."""
         if self._invariant is None:
             self._invariant = invariant_shape(self.spec, self.dtype)
         return self._invariant
