@@ -43,3 +43,37 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
         return made[kind]
 
     return make
+
+
+@pytest.fixture
+def rowwise_interpreter_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the Triton interpreter, make `tl.dot` multiply each row of a tile on its own.
+
+    The interpreter's dot is numpy's matmul, and OpenBLAS's Haswell kernels sum a row in
+    an order that depends on the row's position in the matrix: the same row gives other
+    bits one row lower. A GPU's MMA has no such dependence, and batch-invariance tests
+    assert what the kernels' tiling does on a GPU, so they run with this model of it. On
+    CUDA (no interpreter) this does nothing.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+        rows = [
+            original(
+                self,
+                interpreter.TensorHandle(a.data[..., i : i + 1, :], a.dtype),
+                b,
+                interpreter.TensorHandle(d.data[..., i : i + 1, :], d.dtype),
+                input_precision,
+                max_num_imprecise_acc,
+            ).data
+            for i in range(a.data.shape[-2])
+        ]
+        return interpreter.TensorHandle(np.concatenate(rows, axis=-2), d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

@@ -35,6 +35,9 @@ ROW_COUNTS = (1, 2, 3, 7, 16)
 DTYPES = [torch.float16, torch.float32]
 Matmul = Callable[[torch.Tensor, bool], torch.Tensor]
 
+# Without a GPU these kernels run in the interpreter, modelled as a GPU multiplies (conftest).
+pytestmark = pytest.mark.usefixtures("rowwise_interpreter_dot")
+
 
 def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=gen(seed)).to(DEVICE, dtype)
