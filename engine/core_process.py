@@ -19,6 +19,7 @@ import zmq
 
 from cadence.engine.engine_args import LOG_FORMAT, EngineArgs
 from cadence.engine.engine_core import EngineCore
+from cadence.engine.process_name import ENGINE, name_this_process
 from cadence.engine.protocol import (
     AbortRequests,
     EngineCoreOutputs,
@@ -104,6 +105,7 @@ def run_engine_core(args: EngineArgs, addresses: EngineAddresses, log_level: int
 
     ``log_level`` is the server's: what loading decides (the CPU kernels, the quantized
     layers) is logged from this process."""
+    name_this_process(ENGINE)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     # Ctrl-C reaches the whole process group; the server decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -9,6 +10,9 @@ MAX_LOGPROBS = 20
 # uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
 INT64_MAX = 2**63 - 1
+# The sampler computes in float32: a larger float64 would become infinity there.
+FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass
@@ -54,6 +58,12 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
 
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            check(
+                math.isfinite(value) and abs(value) <= FLOAT32_MAX,
+                f"{name} must be a finite number no larger than {FLOAT32_MAX:.4g} in magnitude, got {value}",
+            )
         check(self.n >= 1, f"n must be at least 1, got {self.n}")
         check(
             self.max_tokens is None or self.max_tokens >= 1,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from cadence.engine.sampling_params import INT64_MAX, MAX_LOGPROBS
+from cadence.engine.sampling_params import FLOAT32_MAX, INT64_MAX, MAX_LOGPROBS
 
 # Enough for any sane use, small enough that one request cannot fill the server alone.
 MAX_N = 128
@@ -21,8 +21,36 @@ MAX_N = 128
 MAX_STOPS = 64
 MAX_STOP_LENGTH = 512
 
-NonNegativeFloat = Annotated[float, Field(ge=0.0)]
-StopString = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
+
+def _no_lone_surrogates(text: str) -> str:
+    # JSON's \ud800 escapes decode to halves of UTF-16 pairs that no UTF-8 text holds;
+    # the tokenizer would refuse them with a TypeError deep inside. Encoding finds the
+    # first one faster than a regular expression would.
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"the text holds a lone UTF-16 surrogate (U+{ord(text[error.start]):04X}) at character {error.start}, "
+            "which is not a Unicode character"
+        ) from None
+    return text
+
+
+def _finite_for_float32(value: float) -> float:
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(f"must be a finite number no larger than {FLOAT32_MAX:.4g} in magnitude")
+    return value
+
+
+# Every string a client sends is checked: each one reaches a tokenizer or a JSON answer.
+Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
+# NaN and infinity are refused (JSON parsers accept NaN and Infinity), and so are
+# numbers that only float64 can hold.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False), AfterValidator(_finite_for_float32)]
+NonNegativeFloat = Annotated[FiniteFloat, Field(ge=0.0)]
+StopString = Annotated[Text, Field(max_length=MAX_STOP_LENGTH)]
 
 
 class _Lenient(BaseModel):
@@ -46,15 +74,15 @@ class StreamOptions(_Lenient):
 class SamplingFields(_Lenient):
     """Fields shared by completions and chat, including vLLM's sampling extensions."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: NonNegativeFloat | None = None
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_p: FiniteFloat | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: FiniteFloat | None = Field(None, gt=0.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(None, max_length=MAX_STOPS)
@@ -65,7 +93,7 @@ class SamplingFields(_Lenient):
     priority: int = Field(0, ge=-INT64_MAX - 1, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
@@ -85,11 +113,11 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
     @model_validator(mode="after")
@@ -114,13 +142,26 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(_Lenient):
     type: Literal["text"]
-    text: str
+    text: Text
+
+
+def _part_kind(part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "text part" if kind == "text" else "other part"
+
+
+# A part that says it is text is validated as text (a bad one is refused with its path),
+# never accepted as some other kind of part. The tags hold a space, which tells the error
+# handler they are not field names.
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text part")] | Annotated[dict[str, Any], Tag("other part")], Discriminator(_part_kind)
+]
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | dict[str, Any]] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         """The message's text; non-text parts (images, audio) are refused."""
@@ -165,8 +206,8 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(_Lenient):
     """POST /tokenize: either a prompt or chat messages."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -181,5 +222,5 @@ class TokenizeRequest(_Lenient):
 class DetokenizeRequest(_Lenient):
     """POST /detokenize."""
 
-    model: str | None = None
+    model: Text | None = None
     tokens: TokenIds

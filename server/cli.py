@@ -107,13 +107,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (not on /health, /version, "
+        "and /metrics unless --protect-metrics)",
+    )
+    serve.add_argument("--protect-metrics", action="store_true", help="with --api-key, /metrics needs the key too")
     serve.add_argument("--served-model-name", nargs="+", default=None, help="names clients use in 'model'")
     add_engine_flags(serve)
     serve.add_argument(
         "--max-waiting", type=int, default=1024, help="sequences that may wait beyond max-num-seqs before 429s"
     )
     serve.add_argument("--max-request-body-bytes", type=parse_size, default=16 << 20)
+    serve.add_argument(
+        "--engine-restart",
+        choices=["always", "never"],
+        default="always",
+        help="when the engine process dies: start it again with backoff (always), or answer 503 until the "
+        "server is restarted (never, for orchestrators that restart the pod)",
+    )
+    serve.add_argument(
+        "--engine-restart-limit",
+        type=int,
+        default=5,
+        help="failed engine starts in a row after which the server exits with status 1",
+    )
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_quantize_command(commands)
@@ -197,8 +216,19 @@ def serve(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         max_request_body_bytes=args.max_request_body_bytes,
+        protect_metrics=args.protect_metrics,
+        engine_restart=args.engine_restart == "always",
+        engine_restart_limit=args.engine_restart_limit,
     )
-    app = build_app(engine_args, config)
+    fatal: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        if server is not None:
+            server.should_exit = True  # drain, stop the engine, then exit 1 below
+
+    app = build_app(engine_args, config, on_fatal)
     logger.info(
         "serving %s as %s on http://%s:%d (quantization: %s)",
         engine_args.model,
@@ -209,13 +239,19 @@ def serve(args: argparse.Namespace) -> None:
     )
     # uvicorn drains on SIGTERM, then re-raises it under the handler it found; make that a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
     )
+    server.run()
+    if fatal:
+        logger.error("exiting: %s", fatal[0])
+        sys.exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:

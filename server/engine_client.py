@@ -1,25 +1,30 @@
-"""The server's handle on the EngineCore process: start it, feed it, and fan out its outputs.
+"""The server's handle on the EngineCore process: start it, feed it, fan out its outputs,
+and start it again when it dies.
 
 All front-end work that is not the HTTP protocol lives here: one asyncio task reads the
 engine's per-step outputs, runs the `OutputProcessor` (detokenization, stop strings,
 logprob dicts) and wakes the `RequestStream` of every request that changed. Handlers
 only ever await their own stream, so a slow client never delays anyone else.
+
+When the engine process dies, what was in flight fails (503, or an error event), and
+the engine is started again after a backoff (`RestartPolicy`); until it is ready, new
+requests get 503 with Retry-After. Starts that keep failing end the server (`on_fatal`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import multiprocessing
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
-from cadence.engine.core_process import EngineAddresses, run_engine_core
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
@@ -30,16 +35,12 @@ from cadence.engine.protocol import (
     EngineDead,
     EngineReady,
     EngineStats,
-    Shutdown,
-    decode,
-    encode,
 )
+from cadence.server.engine_process import EngineDeadError, EngineProcess
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine process is gone; nothing more can be served."""
+__all__ = ["AsyncEngineClient", "EngineDeadError", "EngineOverloadedError", "RequestRejectedError", "RequestStream"]
 
 
 class EngineOverloadedError(RuntimeError):
@@ -100,6 +101,27 @@ class RequestCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+    engine_restarts: int = 0
+    # Engine counters of engines that died, so the exported totals never go back.
+    steps_before: int = 0
+    preemptions_before: int = 0
+
+
+@dataclass
+class RestartPolicy:
+    """When a dead engine is started again, and when the server stops trying."""
+
+    enabled: bool = True
+    # Failed starts in a row (an engine that dies within `stable_after` of being ready
+    # counts as one) before the server exits for its supervisor to act.
+    max_failures: int = 5
+    first_delay: float = 1.0
+    max_delay: float = 30.0
+    stable_after: float = 60.0
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait before start number `failures` (1-based) of a series."""
+        return min(self.max_delay, self.first_delay * 2 ** (failures - 1))
 
 
 @dataclass
@@ -111,9 +133,16 @@ class _InFlight:
 class AsyncEngineClient:
     """Starts the EngineCore process and talks to it over ZMQ with msgpack."""
 
-    def __init__(self, max_waiting: int) -> None:
+    def __init__(
+        self,
+        max_waiting: int,
+        restart: RestartPolicy | None = None,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
         self.processor = OutputProcessor(tokenizer=None)  # wait_ready() sets the tokenizer
         self.max_waiting = max_waiting
+        self.restart_policy = restart or RestartPolicy()
+        self.on_fatal = on_fatal
         self.info: EngineReady | None = None
         self.stats = EngineStats()
         self.counters = RequestCounters()
@@ -121,18 +150,16 @@ class AsyncEngineClient:
         self._in_flight: dict[str, _InFlight] = {}
         self._num_sequences = 0
         self._socket_dir = tempfile.mkdtemp(prefix="cadence-")
-        # A plain (blocking-API) socket for sends: with no high-water mark a send never
-        # waits, and an error is raised right here instead of in a Future nobody reads.
         self._send_context = zmq.Context()
-        self._inputs = self._send_context.socket(zmq.PUSH)
         self._context = zmq.asyncio.Context()
-        self._outputs = self._context.socket(zmq.PULL)
-        # No high-water marks: admission control bounds the traffic, and a send must
-        # never wait or drop (an abort that waited could arrive after its request ended).
-        self._inputs.setsockopt(zmq.SNDHWM, 0)
-        self._outputs.setsockopt(zmq.RCVHWM, 0)
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._args: EngineArgs | None = None
+        self._engine: EngineProcess | None = None
+        self._generation = 0
+        self._start_timeout = 600.0
         self._output_task: asyncio.Task[None] | None = None
+        self._restart_task: asyncio.Task[None] | None = None
+        self._ready_at = 0.0
+        self._failures = 0  # failed starts in the current series
         self._stopping = False
 
     # ----- lifecycle -----------------------------------------------------------------
@@ -141,26 +168,20 @@ class AsyncEngineClient:
 
         Split in two so the server can load its tokenizer while the engine loads the model.
         """
-        addresses = EngineAddresses(
-            inputs=f"ipc://{self._socket_dir}/inputs", outputs=f"ipc://{self._socket_dir}/outputs"
-        )
-        self._inputs.bind(addresses.inputs)
-        self._outputs.bind(addresses.outputs)
-        # spawn, not fork: the engine must not inherit this process's event loop and threads.
-        context = multiprocessing.get_context("spawn")
-        self._process = context.Process(
-            target=run_engine_core,
-            args=(args, addresses, logging.getLogger().getEffectiveLevel()),
-            name="cadence-engine-core",
-            daemon=True,
-        )
-        self._process.start()
+        self._args = args
+        self._engine = self._new_engine()
+
+    def _new_engine(self) -> EngineProcess:
+        assert self._args is not None
+        self._generation += 1
+        return EngineProcess(self._args, self._socket_dir, self._generation, self._send_context, self._context)
 
     async def wait_ready(self, timeout: float, tokenizer: PreTrainedTokenizerBase | None) -> EngineReady:
-        """Wait for the engine's EngineReady, then start reading its outputs."""
-        assert self._process is not None, "spawn() first"
+        """Wait for the engine's first EngineReady, then start reading its outputs."""
+        assert self._engine is not None, "spawn() first"
         self.processor.tokenizer = tokenizer
-        self.info = await self._wait_ready(timeout)
+        self._start_timeout = timeout
+        self.info = await self._engine.wait_ready(timeout)
         logger.info(
             "engine ready on %s (%s): %d KV blocks, max_model_len %d, max_num_seqs %d",
             self.info.device,
@@ -169,56 +190,92 @@ class AsyncEngineClient:
             self.info.max_model_len,
             self.info.max_num_seqs,
         )
-        self._output_task = asyncio.create_task(self._read_outputs(), name="cadence-engine-outputs")
-        asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_process_exit)
+        self._attach(self._engine)
         return self.info
 
-    async def _wait_ready(self, timeout: float) -> EngineReady:
-        assert self._process is not None
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            if await self._outputs.poll(200):
-                message = decode(await self._outputs.recv())
-                if isinstance(message, EngineReady):
-                    return message
-                if isinstance(message, EngineDead):
-                    raise EngineDeadError(message.message)
-                raise EngineDeadError(f"unexpected first message {type(message).__name__}")
-            if not self._process.is_alive():
-                raise EngineDeadError(f"the engine process exited with code {self._process.exitcode} while starting")
-            if asyncio.get_running_loop().time() > deadline:
-                raise EngineDeadError(f"the engine did not start within {timeout:.0f} s")
+    def _attach(self, engine: EngineProcess) -> None:
+        """Serve from a ready engine: read its outputs and watch for its exit."""
+        loop = asyncio.get_running_loop()
+        self._ready_at = loop.time()
+        self.dead_reason = None
+        self._output_task = asyncio.create_task(self._read_outputs(engine), name="cadence-engine-outputs")
+        loop.add_reader(engine.sentinel, self._on_process_exit, engine)
+
+    async def _retire(self, engine: EngineProcess, timeout: float) -> None:
+        """Stop reading from an engine, stop it if it still runs, and close its sockets."""
+        asyncio.get_running_loop().remove_reader(engine.sentinel)
+        if self._output_task is not None:
+            self._output_task.cancel()
+            self._output_task = None
+        await engine.stop(timeout)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Tell the engine to stop, wait for it, and kill it if it will not."""
         self._stopping = True
-        process = self._process
-        if process is not None and process.is_alive():
-            self._inputs.send(encode(Shutdown()))
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, process.join, timeout)
-            if process.is_alive():
-                process.kill()
-                await loop.run_in_executor(None, process.join, 5.0)
-        if process is not None:
-            asyncio.get_running_loop().remove_reader(process.sentinel)
-        if self._output_task is not None:
-            self._output_task.cancel()
-        self._inputs.close(linger=0)
-        self._outputs.close(linger=0)
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._restart_task
+        if self._engine is not None:
+            await self._retire(self._engine, timeout)
         self._send_context.term()
         self._context.term()
-        for name in ("inputs", "outputs"):
-            try:
-                os.unlink(os.path.join(self._socket_dir, name))
-            except FileNotFoundError:
-                pass
         os.rmdir(self._socket_dir)
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_reason is None and self._process is not None and self._process.is_alive()
+        return self.dead_reason is None and self._engine is not None and self._engine.alive
+
+    @property
+    def is_restarting(self) -> bool:
+        return self._restart_task is not None and not self._restart_task.done()
+
+    @property
+    def unavailable_reason(self) -> str:
+        """Why requests are refused now (only meaningful while not healthy)."""
+        reason = self.dead_reason or "the engine is not running"
+        return f"{reason}; the engine is starting again" if self.is_restarting else reason
+
+    # ----- restarts ------------------------------------------------------------------
+    async def _restart(self) -> None:
+        """Start the engine again, with backoff, until it is ready or the policy gives up."""
+        policy = self.restart_policy
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._ready_at >= policy.stable_after:
+            self._failures = 0
+        while True:
+            self._failures += 1
+            if self._failures > policy.max_failures:
+                self._give_up(f"the engine failed {policy.max_failures} starts in a row; last: {self.dead_reason}")
+                return
+            delay = policy.delay(self._failures)
+            logger.warning(
+                "%s; starting it again in %.0f s (try %d of %d)",
+                self.dead_reason,
+                delay,
+                self._failures,
+                policy.max_failures,
+            )
+            await asyncio.sleep(delay)
+            assert self._engine is not None
+            await self._retire(self._engine, timeout=5.0)
+            self._engine = self._new_engine()
+            try:
+                self.info = await self._engine.wait_ready(self._start_timeout)
+            except EngineDeadError as error:
+                self.dead_reason = f"the engine failed to start again: {error}"
+                continue
+            self.counters.engine_restarts += 1
+            self._attach(self._engine)
+            logger.warning("the engine is serving again (restart %d)", self.counters.engine_restarts)
+            return
+
+    def _give_up(self, reason: str) -> None:
+        self.dead_reason = reason
+        logger.error("%s; giving up", reason)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     # ----- requests ------------------------------------------------------------------
     @property
@@ -232,23 +289,26 @@ class AsyncEngineClient:
     ) -> RequestStream:
         """Queue a request; raise EngineDeadError or EngineOverloadedError instead of queuing."""
         if not self.is_healthy:
-            raise EngineDeadError(self.dead_reason or "the engine is not running")
-        assert self.info is not None
+            raise EngineDeadError(self.unavailable_reason)
+        assert self.info is not None and self._engine is not None
         num_sequences = request.sampling_params.n
         if self._num_sequences + num_sequences > self.max_sequences:
             raise EngineOverloadedError(
                 f"the server is full: {self._num_sequences} sequences are in flight "
                 f"(max_num_seqs {self.info.max_num_seqs} + max_waiting {self.max_waiting})"
             )
-        # Encode before any bookkeeping: a value msgpack cannot carry must leave no trace.
-        message = encode(request)
         self.processor.add_request(request.request_id, prompt, request.prompt_token_ids, request.sampling_params)
+        try:
+            # Sent before any other bookkeeping: a value msgpack cannot carry leaves no trace.
+            self._engine.send(request)
+        except Exception:
+            self.processor.abort(request.request_id)
+            raise
         output = self.processor.states[request.request_id].output
         stream = RequestStream(self, output, self.processor, changed or asyncio.Event())
         self._in_flight[request.request_id] = _InFlight(stream, num_sequences)
         self._num_sequences += num_sequences
         self.counters.prompt_tokens += len(request.prompt_token_ids)
-        self._inputs.send(message)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -257,8 +317,10 @@ class AsyncEngineClient:
             return
         self.processor.abort(request_id)
         self._count_finished("abort", entry.num_sequences)
-        if self.is_healthy:
-            self._inputs.send(encode(AbortRequests(request_ids=[request_id])))
+        if self.is_healthy and self._engine is not None:
+            # An engine that is gone frees everything anyway; its exit is handled on its own.
+            with contextlib.suppress(EngineDeadError):
+                self._engine.send(AbortRequests(request_ids=[request_id]))
 
     def _release(self, request_id: str) -> _InFlight | None:
         entry = self._in_flight.pop(request_id, None)
@@ -270,12 +332,12 @@ class AsyncEngineClient:
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + num_sequences
 
     # ----- outputs -------------------------------------------------------------------
-    async def _read_outputs(self) -> None:
+    async def _read_outputs(self, engine: EngineProcess) -> None:
         try:
             while True:
-                message = decode(await self._outputs.recv())
+                message = await engine.recv()
                 if isinstance(message, EngineCoreOutputs):
-                    self._apply(message)
+                    self._apply(engine, message)
                 elif isinstance(message, EngineDead):
                     self._die(message.message)
                     return
@@ -285,7 +347,7 @@ class AsyncEngineClient:
             logger.exception("processing engine outputs failed")
             self._die(f"processing engine outputs failed: {error!r}")
 
-    def _apply(self, message: EngineCoreOutputs) -> None:
+    def _apply(self, engine: EngineProcess, message: EngineCoreOutputs) -> None:
         self.stats = message.stats
         for request_id, reason in message.rejected.items():
             entry = self._release(request_id)
@@ -298,7 +360,8 @@ class AsyncEngineClient:
             for completion in output.outputs:
                 self._count_finished(completion.finish_reason or "abort")
         if to_abort:
-            self._inputs.send(encode(AbortRequests(sequences=to_abort)))
+            with contextlib.suppress(EngineDeadError):
+                engine.send(AbortRequests(sequences=to_abort))
         for request_id in {o.request_id for o in message.outputs}:
             entry = self._in_flight.get(request_id)
             if entry is None:
@@ -307,16 +370,24 @@ class AsyncEngineClient:
                 self._release(request_id)
             entry.stream._notify()
 
-    def _on_process_exit(self) -> None:
-        assert self._process is not None
-        asyncio.get_running_loop().remove_reader(self._process.sentinel)
-        if not self._stopping:
-            self._die(f"the engine process exited unexpectedly (code {self._process.exitcode})")
+    def _on_process_exit(self, engine: EngineProcess) -> None:
+        asyncio.get_running_loop().remove_reader(engine.sentinel)
+        if not self._stopping and engine is self._engine:
+            engine.process.join(1.0)  # its sentinel says it ended: this reaps it, for the exit code
+            self._die(f"the engine process exited unexpectedly (exit code {engine.process.exitcode})")
 
     def _die(self, reason: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = reason
+        """Fail what was in flight, show the engine idle, and start it again if allowed."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("%s", reason)
         self._fail_all(EngineDeadError(reason))
+        self.counters.steps_before += self.stats.num_steps
+        self.counters.preemptions_before += self.stats.num_preemptions
+        self.stats = EngineStats()
+        if self.restart_policy.enabled and not self._stopping and not self.is_restarting:
+            self._restart_task = asyncio.create_task(self._restart(), name="cadence-engine-restart")
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self._in_flight):

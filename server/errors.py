@@ -71,10 +71,16 @@ def unavailable(message: str) -> APIError:
     return _retry_later(503, message, "service_unavailable", "service_unavailable")
 
 
+def _field_path(loc: Sequence[Any]) -> list[str]:
+    # Pydantic puts each union member's tag in loc ("list[int]", "function-after[...]",
+    # or a discriminator tag, which in our models holds a space): none is a field.
+    return [str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or " " in p))]
+
+
 def _validation_param(error: Mapping[str, Any], errors: Sequence[Mapping[str, Any]] = ()) -> str | None:
     # loc is ("body", "messages", 0, "content", ...); OpenAI names the field as a path.
-    # A union adds one error per member, each with the member's tag ("str", "list[int]")
-    # in its loc: keep only what the errors about the same field have in common.
+    # A union adds one error per member: keep only what the errors about the same field
+    # have in common.
     loc = tuple(error.get("loc", ()))
     for other in errors:
         other_loc = tuple(other.get("loc", ()))
@@ -83,8 +89,7 @@ def _validation_param(error: Mapping[str, Any], errors: Sequence[Mapping[str, An
             while common < min(len(loc), len(other_loc)) and loc[common] == other_loc[common]:
                 common += 1
             loc = loc[:common]
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or None
+    return ".".join(_field_path(loc)) or None
 
 
 async def _on_api_error(_: Request, error: Exception) -> JSONResponse:
@@ -100,10 +105,19 @@ async def _on_validation_error(_: Request, error: Exception) -> JSONResponse:
         # loc is ("body", byte offset): no field is at fault.
         offset = first.get("loc", ("body", "?"))[-1]
         return bad_request(f"the body is not valid JSON ({first.get('msg')} at byte {offset})").response()
+    # Our own checks (a value_error) say more than the type mismatches of a union's other
+    # members, and name the exact field, so they speak alone when there are any.
+    own = [e for e in errors if e.get("type") == "value_error"]
+    if own:
+        errors = own
+        param = ".".join(_field_path(own[0].get("loc", ()))) or None
+    else:
+        param = _validation_param(first, errors)
     message = "; ".join(
-        f"{_validation_param(e) or 'body'}: {e.get('msg', 'invalid')}".replace("Value error, ", "") for e in errors
+        f"{'.'.join(_field_path(e.get('loc', ()))) or 'body'}: {e.get('msg', 'invalid')}".replace("Value error, ", "")
+        for e in errors
     )
-    return bad_request(message or "invalid request", _validation_param(first, errors)).response()
+    return bad_request(message or "invalid request", param).response()
 
 
 async def _on_http_error(_: Request, error: Exception) -> JSONResponse:
@@ -112,13 +126,7 @@ async def _on_http_error(_: Request, error: Exception) -> JSONResponse:
     return APIError(error.status_code, str(error.detail), type=kind, headers=error.headers).response()
 
 
-async def _on_unexpected_error(_: Request, error: Exception) -> JSONResponse:
-    logger.exception("unhandled error", exc_info=error)
-    return APIError(500, f"internal server error: {type(error).__name__}", type="server_error").response()
-
-
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(Exception, _on_unexpected_error)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

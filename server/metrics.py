@@ -44,9 +44,18 @@ class EngineCollector(Collector):
             "cadence:engine_healthy", "1 while the engine process serves, else 0.", float(self.client.is_healthy)
         )
         yield self._counter(
-            "cadence:num_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions
+            "cadence:num_preemptions",
+            "Sequences preempted for lack of KV blocks.",
+            counters.preemptions_before + stats.num_preemptions,
         )
-        yield self._counter("cadence:engine_steps", "Engine steps (one forward pass each) run.", stats.num_steps)
+        yield self._counter(
+            "cadence:engine_steps", "Engine steps (one forward pass each) run.", counters.steps_before + stats.num_steps
+        )
+        yield self._counter(
+            "cadence:engine_restarts",
+            "Times the engine process was started again after dying.",
+            counters.engine_restarts,
+        )
         yield self._counter("cadence:prompt_tokens", "Prompt tokens of admitted requests.", counters.prompt_tokens)
         yield self._counter("cadence:generation_tokens", "Tokens generated.", counters.generation_tokens)
         success = CounterMetricFamily(

@@ -6,6 +6,7 @@ request is refused before it reaches the engine and nothing is queued for it.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -14,6 +15,8 @@ from cadence.engine.detokenizer import decode_text
 from cadence.engine.sampling_params import SamplingParams
 from cadence.server.api_models import ChatMessage, SamplingFields
 from cadence.server.errors import APIError, bad_request
+from cadence.server.token_bound import chars_per_token_bound, min_tokens
+from cadence.server.tokenize_pool import TokenizePool
 
 
 @dataclass
@@ -25,32 +28,61 @@ class Prompt:
 
 
 class PromptBuilder:
-    """Turns text, token ids and chat messages into validated prompts for one model."""
+    """Turns text, token ids and chat messages into validated prompts for one model.
+
+    Text is tokenized away from the event loop when it is long (`TokenizePool`), and a
+    text whose length alone proves it longer than the context is refused without being
+    tokenized at all.
+    """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, max_model_len: int, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.pool = None if backend is None else TokenizePool(backend)
+        self.chars_per_token = None if self.pool is None else chars_per_token_bound(self.pool.json)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
     def _require_tokenizer(self) -> PreTrainedTokenizerBase:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer; send prompts as token ids", "prompt")
         return self.tokenizer
 
-    def from_completion_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> Prompt:
+    async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """The text's token ids; 400 when its length alone shows the context cannot hold it."""
+        tokenizer = self._require_tokenizer()
+        least = min_tokens(len(text), self.chars_per_token)
+        if least >= self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt has {len(text)} characters, which make at least {least} tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if self.pool is not None:
+            return await self.pool.encode(text, add_special_tokens)
+        # A tokenizer in Python: a thread at least keeps the loop turning between bytecodes.
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def from_completion_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> Prompt:
         if isinstance(prompt, str):
-            ids = self._require_tokenizer().encode(prompt, add_special_tokens=add_special_tokens)
-            return Prompt(ids, prompt)
+            return Prompt(await self.encode(prompt, add_special_tokens, "prompt"), prompt)
         self.check_token_ids(prompt, "prompt")
         text = None if self.tokenizer is None else decode_text(self.tokenizer, prompt)
         return Prompt(list(prompt), text)
 
-    def from_messages(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
+    async def from_messages(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
         tokenizer = self._require_tokenizer()
         if tokenizer.chat_template is None:
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
         try:
             conversation = [self._message_dict(m) for m in messages]
+            # Rendering is string joins, milliseconds even for megabytes; encoding is not.
             text = tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt
             )
@@ -60,7 +92,7 @@ class PromptBuilder:
             raise bad_request(f"the chat template could not render these messages: {error}", "messages") from error
         assert isinstance(text, str)
         # The template already holds any BOS it wants; encoding must not add another.
-        return Prompt(tokenizer.encode(text, add_special_tokens=False), text)
+        return Prompt(await self.encode(text, False, "messages"), text)
 
     @staticmethod
     def _message_dict(message: ChatMessage) -> dict[str, str]:

@@ -32,7 +32,7 @@ class ChatHandler:
         self.model_name = model_name
 
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> JSONResponse | StreamingResponse:
-        prompt = self.prompts.from_messages(body.messages, body.add_generation_prompt)
+        prompt = await self.prompts.from_messages(body.messages, body.add_generation_prompt)
         # Chat has no default cap: the answer may use whatever context is left.
         max_tokens = self.prompts.max_tokens(
             prompt,

@@ -35,7 +35,7 @@ class CompletionHandler:
         self.model_name = model_name
 
     async def create(self, body: CompletionRequest, raw_request: Request) -> JSONResponse | StreamingResponse:
-        prompts = [self.prompts.from_completion_prompt(p) for p in body.prompts()]
+        prompts = [await self.prompts.from_completion_prompt(p) for p in body.prompts()]
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
         # Echo with logprobs scores the prompt too, as OpenAI does.
         prompt_logprobs = body.logprobs if body.echo else None

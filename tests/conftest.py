@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -62,7 +63,7 @@ def rowwise_interpreter_dot(monkeypatch: pytest.MonkeyPatch) -> None:
 
     original = interpreter.InterpreterBuilder.create_dot
 
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
         rows = [
             original(
                 self,

@@ -11,6 +11,8 @@ import time
 
 import httpx
 
+from cadence.engine.process_name import ENGINE
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -85,12 +87,14 @@ class ServerProcess:
 
     @property
     def engine_pid(self) -> int:
-        """The EngineCore process (the server's child that is not multiprocessing's helper)."""
+        """The EngineCore process: the server's child that names itself so."""
         for child in _children(self.process.pid):
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                cmdline = f.read()
-            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-                return child
+            try:
+                with open(f"/proc/{child}/comm", encoding="ascii", errors="replace") as f:
+                    if f.read().strip() == ENGINE:
+                        return child
+            except OSError:
+                continue
         raise RuntimeError("no engine process found")
 
     def metric(self, name: str) -> float:

@@ -3,7 +3,8 @@
 - `busy`: two sequence slots and no waiting room (429 with Retry-After);
 - `roomy`: default limits, for long wide requests whose clients go away (disconnects),
   then SIGTERM mid-stream (graceful drain) as its last test;
-- `doomed`: its engine is killed (503s, an error event mid-stream).
+- `doomed`: its engine is killed and, with `--engine-restart never`, stays dead (503s, an
+  error event mid-stream). Restarts are in test_engine_restart.py.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def busy(model_dir: str) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def doomed(model_dir: str) -> Iterator[ServerProcess]:
-    with ServerProcess(model_dir, "--served-model-name", MODEL) as server:
+    with ServerProcess(model_dir, "--served-model-name", MODEL, "--engine-restart", "never") as server:
         yield server
 
 

@@ -1,0 +1,115 @@
+"""One EngineCore process, and the pair of sockets the front end bound for it.
+
+Each start of the engine gets sockets of its own (the generation is in their names), so
+nothing a dead engine left queued can reach its successor, and nothing sent to the dead
+one is mistaken for the new one's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+
+import zmq
+import zmq.asyncio
+
+from cadence.engine.core_process import EngineAddresses, run_engine_core
+from cadence.engine.engine_args import EngineArgs
+from cadence.engine.protocol import EngineDead, EngineReady, Message, Shutdown, decode, encode
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; nothing more can be served."""
+
+
+class EngineProcess:
+    """Starts one engine process and talks to it: `send` requests, `recv` step outputs."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        socket_dir: str,
+        generation: int,
+        send_context: zmq.Context,
+        recv_context: zmq.asyncio.Context,
+    ) -> None:
+        self._paths = [os.path.join(socket_dir, f"{name}-{generation}") for name in ("inputs", "outputs")]
+        addresses = EngineAddresses(*(f"ipc://{path}" for path in self._paths))
+        # A plain (blocking-API) socket for sends: with no high-water mark a send never
+        # waits, and an error is raised right here instead of in a Future nobody reads.
+        self._inputs = send_context.socket(zmq.PUSH)
+        self._outputs = recv_context.socket(zmq.PULL)
+        # No high-water marks: admission control bounds the traffic, and a send must
+        # never wait or drop (an abort that waited could arrive after its request ended).
+        self._inputs.setsockopt(zmq.SNDHWM, 0)
+        self._outputs.setsockopt(zmq.RCVHWM, 0)
+        self._inputs.bind(addresses.inputs)
+        self._outputs.bind(addresses.outputs)
+        # spawn, not fork: the engine must not inherit this process's event loop and threads.
+        context = multiprocessing.get_context("spawn")
+        self.process = context.Process(
+            target=run_engine_core,
+            args=(args, addresses, logging.getLogger().getEffectiveLevel()),
+            name="cadence-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    @property
+    def sentinel(self) -> int:
+        return self.process.sentinel
+
+    def send(self, message: Message) -> None:
+        """Queue a message for the engine; EngineDeadError when no engine is connected.
+
+        A PUSH socket without a peer blocks a send, which here would freeze the event
+        loop: an engine that has just exited (or not yet connected) must fail the send.
+        """
+        try:
+            self._inputs.send(encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again as error:
+            raise EngineDeadError("the engine process is not connected") from error
+
+    async def recv(self) -> Message:
+        return decode(await self._outputs.recv())
+
+    async def wait_ready(self, timeout: float) -> EngineReady:
+        """The engine's EngineReady; EngineDeadError if it fails, exits or takes too long."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            if await self._outputs.poll(200):
+                message = await self.recv()
+                if isinstance(message, EngineReady):
+                    return message
+                if isinstance(message, EngineDead):
+                    raise EngineDeadError(message.message)
+                raise EngineDeadError(f"unexpected first message {type(message).__name__}")
+            if not self.process.is_alive():
+                raise EngineDeadError(f"the engine process exited with code {self.process.exitcode} while starting")
+            if asyncio.get_running_loop().time() > deadline:
+                raise EngineDeadError(f"the engine did not start within {timeout:.0f} s")
+
+    async def stop(self, timeout: float) -> None:
+        """Ask the engine to stop, wait for it, kill it if it will not; then close the sockets."""
+        loop = asyncio.get_running_loop()
+        if self.process.is_alive():
+            with contextlib.suppress(EngineDeadError):
+                self.send(Shutdown())
+            await loop.run_in_executor(None, self.process.join, timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            await loop.run_in_executor(None, self.process.join, 5.0)
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        for path in self._paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,110 @@
+"""A dead engine is started again: what was in flight fails, the server comes back to 200
+on /health, and nothing leaks; starts that keep failing end the server with status 1.
+`--engine-restart never` (the engine stays dead) is in test_server_load.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from server_checks import (
+    CHAT,
+    CMPL,
+    LONG,
+    MESSAGES,
+    MODEL,
+    RUNNING,
+    assert_error,
+    assert_error_body,
+    assert_idle,
+    assert_serves,
+    sse_data,
+)
+from server_harness import ServerProcess, pid_alive
+
+RESTARTS = "cadence:engine_restarts_total"
+
+
+def _wait_healthy(server: ServerProcess, timeout: float) -> float:
+    """Seconds until /health answers 200 again."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200:
+            return time.monotonic() - start
+        time.sleep(0.2)
+    raise AssertionError(f"no 200 on /health within {timeout} s:\n{server.log()}")
+
+
+GREEDY = {"model": MODEL, "prompt": "Paris is the capital of", "max_tokens": 12, "temperature": 0.0}
+
+
+def _greedy_text(server: ServerProcess) -> str:
+    response = httpx.post(f"{server.base_url}{CMPL}", json=GREEDY, timeout=30)
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+def test_killed_engine_is_started_again_under_load(tiny_model_dir) -> None:
+    with ServerProcess(tiny_model_dir("llama"), "--served-model-name", MODEL) as server:
+        url = server.base_url
+        greedy_before = _greedy_text(server)
+        first_engine = server.engine_pid
+        body = {"model": MODEL, "n": 8, "max_tokens": LONG, "ignore_eos": True}
+        with (
+            ThreadPoolExecutor(1) as pool,
+            httpx.Client(timeout=30) as client,
+            client.stream("POST", f"{url}{CMPL}", json={**body, "prompt": "The quick", "stream": True}) as streamed,
+        ):
+            events = sse_data(streamed.iter_lines())
+            assert json.loads(next(events))["choices"]
+            plain = pool.submit(httpx.post, f"{url}{CHAT}", json={**body, "messages": MESSAGES}, timeout=30)
+            assert server.wait_for_metric(RUNNING, 16.0) == 16.0, "both requests should be in the engine"
+
+            os.kill(first_engine, signal.SIGKILL)
+
+            rest = list(events)
+            response = plain.result(timeout=30)
+            # While the engine starts again, requests are refused for a retry, not queued.
+            during = httpx.post(f"{url}{CMPL}", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+        # Only what was in flight failed: an error event then [DONE], and a 503.
+        assert rest[-1] == "[DONE]", rest[-3:]
+        assert_error_body(json.loads(rest[-2]), type="service_unavailable", code="service_unavailable")
+        assert_error(response, 503, type="service_unavailable")
+        if during.status_code != 200:  # the restart may already have finished
+            error = assert_error(during, 503, type="service_unavailable")
+            assert during.headers["retry-after"] == "1"
+            assert "starting again" in error["message"], error
+
+        _wait_healthy(server, timeout=120)
+        assert server.engine_pid != first_engine
+        assert not pid_alive(first_engine)
+        assert_serves(server)
+        # The engine started again is the same engine: a greedy request gives the same text.
+        assert _greedy_text(server) == greedy_before
+        assert server.metric(RESTARTS) == 1.0
+        assert server.metric("cadence:engine_healthy") == 1.0
+        assert_idle(server)
+        # The counters of the dead engine are kept: the exported totals never go back.
+        assert server.metric("cadence:engine_steps_total") > LONG / 8
+        assert "starting it again" in server.log() and "serving again" in server.log()
+
+
+def test_server_exits_nonzero_when_restarts_keep_failing(tiny_model_dir, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    with ServerProcess(str(model), "--served-model-name", MODEL, "--engine-restart-limit", "2") as server:
+        engine = server.engine_pid
+        shutil.rmtree(model)  # every later start of the engine fails to load it
+        os.kill(engine, signal.SIGKILL)
+        returncode = server.process.wait(timeout=120)
+        log = server.log()
+        assert returncode == 1, log
+        assert "failed 2 starts in a row" in log, log
+        assert "try 2 of 2" in log, log
