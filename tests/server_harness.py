@@ -53,6 +53,8 @@ class ServerProcess:
     ) -> None:
         """`env` adds to (or overrides) this process's environment for the server."""
         self.port = free_port()
+        # What /metrics needs: a server started with --protect-metrics wants the API key.
+        self.metrics_headers: dict[str, str] = {}
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "cadence.server.cli", "serve"]
         if model is not None:
@@ -99,7 +101,7 @@ class ServerProcess:
 
     def metric(self, name: str) -> float:
         """The value of one `cadence:` metric (summed over label sets)."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.base_url}/metrics", headers=self.metrics_headers, timeout=10).text
         values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
         if not values:
             raise KeyError(name)

@@ -30,6 +30,7 @@ from server_checks import (
 from server_harness import ServerProcess, pid_alive
 
 RESTARTS = "cadence:engine_restarts_total"
+STEPS = "cadence:engine_steps_total"
 
 
 def _wait_healthy(server: ServerProcess, timeout: float) -> float:
@@ -66,6 +67,7 @@ def test_killed_engine_is_started_again_under_load(tiny_model_dir) -> None:
             assert json.loads(next(events))["choices"]
             plain = pool.submit(httpx.post, f"{url}{CHAT}", json={**body, "messages": MESSAGES}, timeout=30)
             assert server.wait_for_metric(RUNNING, 16.0) == 16.0, "both requests should be in the engine"
+            steps_before = server.metric(STEPS)
 
             os.kill(first_engine, signal.SIGKILL)
 
@@ -92,7 +94,7 @@ def test_killed_engine_is_started_again_under_load(tiny_model_dir) -> None:
         assert server.metric("cadence:engine_healthy") == 1.0
         assert_idle(server)
         # The counters of the dead engine are kept: the exported totals never go back.
-        assert server.metric("cadence:engine_steps_total") > LONG / 8
+        assert server.metric(STEPS) > steps_before > 0
         assert "starting it again" in server.log() and "serving again" in server.log()
 
 
