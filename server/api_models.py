@@ -38,19 +38,21 @@ def _no_lone_surrogates(text: str) -> str:
     return text
 
 
-def _finite_for_float32(value: float) -> float:
-    if abs(value) > FLOAT32_MAX:
-        raise ValueError(f"must be a finite number no larger than {FLOAT32_MAX:.4g} in magnitude")
-    return value
-
-
 # Every string a client sends is checked: each one reaches a tokenizer or a JSON answer.
 Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
-# NaN and infinity are refused (JSON parsers accept NaN and Infinity), and so are
-# numbers that only float64 can hold.
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False), AfterValidator(_finite_for_float32)]
-NonNegativeFloat = Annotated[FiniteFloat, Field(ge=0.0)]
-StopString = Annotated[Text, Field(max_length=MAX_STOP_LENGTH)]
+# NaN and infinity are refused (JSON parsers accept NaN and Infinity); fields with no
+# range of their own are also kept to what float32, the sampler's type, can hold.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+NonNegativeFloat = Annotated[FiniteFloat, Field(ge=0.0, le=FLOAT32_MAX)]
+
+
+def _stop_string(text: str) -> str:
+    if len(text) > MAX_STOP_LENGTH:
+        raise ValueError(f"a stop string may have at most {MAX_STOP_LENGTH} characters, not {len(text)}")
+    return _no_lone_surrogates(text)
+
+
+StopString = Annotated[str, AfterValidator(_stop_string)]
 
 
 class _Lenient(BaseModel):
@@ -82,7 +84,7 @@ class SamplingFields(_Lenient):
     min_p: FiniteFloat | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: FiniteFloat | None = Field(None, gt=0.0)
+    repetition_penalty: FiniteFloat | None = Field(None, gt=0.0, le=FLOAT32_MAX)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(None, max_length=MAX_STOPS)

@@ -134,7 +134,7 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
     @app.get("/health")
     async def health() -> Response:
         if not client.is_healthy:
-            return unavailable(client.unavailable_reason).response()
+            return unavailable(client.unavailable_reason, client.retry_after).response()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -155,7 +155,7 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(body.model)
         prompts = serving[0].prompts
-        return {"prompt": prompts.decode(body.tokens)}
+        return {"prompt": await prompts.decode(body.tokens)}
 
     @app.get("/metrics")
     async def metrics() -> Response:

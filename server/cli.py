@@ -41,6 +41,13 @@ def parse_size(text: str) -> int:
     return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_engine_flags(serve: argparse.ArgumentParser) -> None:
     """The flags named after EngineArgs fields. They have no defaults of their own: an unset
     flag is None and is left out of the options, so EngineArgs' defaults apply, the same
@@ -129,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--engine-restart-limit",
-        type=int,
+        type=_at_least_one,
         default=5,
         help="failed engine starts in a row after which the server exits with status 1",
     )
@@ -249,6 +256,8 @@ def serve(args: argparse.Namespace) -> None:
         )
     )
     server.run()
+    if not server.started:
+        sys.exit(3)  # the app never started (the engine failed to load): as uvicorn.run exits
     if fatal:
         logger.error("exiting: %s", fatal[0])
         sys.exit(1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -159,6 +160,7 @@ class AsyncEngineClient:
         self._output_task: asyncio.Task[None] | None = None
         self._restart_task: asyncio.Task[None] | None = None
         self._ready_at = 0.0
+        self._next_start_at = 0.0
         self._failures = 0  # failed starts in the current series
         self._stopping = False
 
@@ -232,6 +234,13 @@ class AsyncEngineClient:
         return self._restart_task is not None and not self._restart_task.done()
 
     @property
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: until the next start, at least one."""
+        if not self.is_restarting:
+            return 1
+        return max(1, math.ceil(self._next_start_at - asyncio.get_running_loop().time()))
+
+    @property
     def unavailable_reason(self) -> str:
         """Why requests are refused now (only meaningful while not healthy)."""
         reason = self.dead_reason or "the engine is not running"
@@ -250,6 +259,7 @@ class AsyncEngineClient:
                 self._give_up(f"the engine failed {policy.max_failures} starts in a row; last: {self.dead_reason}")
                 return
             delay = policy.delay(self._failures)
+            self._next_start_at = loop.time() + delay
             logger.warning(
                 "%s; starting it again in %.0f s (try %d of %d)",
                 self.dead_reason,
@@ -260,10 +270,10 @@ class AsyncEngineClient:
             await asyncio.sleep(delay)
             assert self._engine is not None
             await self._retire(self._engine, timeout=5.0)
-            self._engine = self._new_engine()
             try:
+                self._engine = self._new_engine()
                 self.info = await self._engine.wait_ready(self._start_timeout)
-            except EngineDeadError as error:
+            except Exception as error:  # noqa: BLE001 - any failure to start is a failed start, counted
                 self.dead_reason = f"the engine failed to start again: {error}"
                 continue
             self.counters.engine_restarts += 1
@@ -336,6 +346,8 @@ class AsyncEngineClient:
         try:
             while True:
                 message = await engine.recv()
+                if engine is not self._engine or self.dead_reason is not None:
+                    return  # what a dead engine left queued is for requests already failed
                 if isinstance(message, EngineCoreOutputs):
                     self._apply(engine, message)
                 elif isinstance(message, EngineDead):
@@ -382,6 +394,9 @@ class AsyncEngineClient:
             return
         self.dead_reason = reason
         logger.error("%s", reason)
+        if self._output_task is not None and self._output_task is not asyncio.current_task():
+            self._output_task.cancel()
+        self._output_task = None
         self._fail_all(EngineDeadError(reason))
         self.counters.steps_before += self.stats.num_steps
         self.counters.preemptions_before += self.stats.num_preemptions

@@ -46,8 +46,6 @@ class EngineProcess:
         # never wait or drop (an abort that waited could arrive after its request ended).
         self._inputs.setsockopt(zmq.SNDHWM, 0)
         self._outputs.setsockopt(zmq.RCVHWM, 0)
-        self._inputs.bind(addresses.inputs)
-        self._outputs.bind(addresses.outputs)
         # spawn, not fork: the engine must not inherit this process's event loop and threads.
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
@@ -56,7 +54,13 @@ class EngineProcess:
             name="cadence-engine-core",
             daemon=True,
         )
-        self.process.start()
+        try:
+            self._inputs.bind(addresses.inputs)
+            self._outputs.bind(addresses.outputs)
+            self.process.start()
+        except Exception:
+            self._close_sockets()
+            raise
 
     @property
     def alive(self) -> bool:
@@ -106,6 +110,9 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.kill()
             await loop.run_in_executor(None, self.process.join, 5.0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self._inputs.close(linger=0)
         self._outputs.close(linger=0)
         for path in self._paths:

@@ -58,17 +58,17 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def _retry_later(status: int, message: str, type: str, code: str) -> APIError:
-    """A refusal the client should retry after RETRY_AFTER_SECONDS."""
-    return APIError(status, message, type=type, code=code, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+def _retry_later(status: int, message: str, type: str, code: str, after: int = RETRY_AFTER_SECONDS) -> APIError:
+    """A refusal the client should retry after `after` seconds."""
+    return APIError(status, message, type=type, code=code, headers={"Retry-After": str(after)})
 
 
 def overloaded(message: str) -> APIError:
     return _retry_later(429, message, "rate_limit_error", "rate_limit_exceeded")
 
 
-def unavailable(message: str) -> APIError:
-    return _retry_later(503, message, "service_unavailable", "service_unavailable")
+def unavailable(message: str, after: int = RETRY_AFTER_SECONDS) -> APIError:
+    return _retry_later(503, message, "service_unavailable", "service_unavailable", after)
 
 
 def _field_path(loc: Sequence[Any]) -> list[str]:
@@ -105,14 +105,19 @@ async def _on_validation_error(_: Request, error: Exception) -> JSONResponse:
         # loc is ("body", byte offset): no field is at fault.
         offset = first.get("loc", ("body", "?"))[-1]
         return bad_request(f"the body is not valid JSON ({first.get('msg')} at byte {offset})").response()
-    # Our own checks (a value_error) say more than the type mismatches of a union's other
-    # members, and name the exact field, so they speak alone when there are any.
-    own = [e for e in errors if e.get("type") == "value_error"]
-    if own:
-        errors = own
-        param = ".".join(_field_path(own[0].get("loc", ()))) or None
+    # About a field where one of our own checks failed (a value_error), that check says
+    # more than the type mismatches of the union's other members, and names the exact
+    # place: it speaks alone for that field.
+    own_fields = {tuple(_field_path(e.get("loc", ())))[:1] for e in errors if e.get("type") == "value_error"}
+    errors = [
+        e
+        for e in errors
+        if e.get("type") == "value_error" or tuple(_field_path(e.get("loc", ())))[:1] not in own_fields
+    ]
+    if errors and errors[0].get("type") == "value_error":
+        param = ".".join(_field_path(errors[0].get("loc", ()))) or None
     else:
-        param = _validation_param(first, errors)
+        param = _validation_param(errors[0], errors) if errors else None
     message = "; ".join(
         f"{'.'.join(_field_path(e.get('loc', ()))) or 'body'}: {e.get('msg', 'invalid')}".replace("Value error, ", "")
         for e in errors

@@ -18,6 +18,10 @@ from cadence.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
+# Sent with a refusal that comes before the body is read: uvicorn then closes the
+# connection instead of reading (and discarding) whatever body the client still sends.
+_CLOSE = {"Connection": "close"}
+
 
 class BodySizeLimit:
     """Answers 413 to a request body over the limit, whether or not it declared a length.
@@ -56,7 +60,12 @@ class BodySizeLimit:
         await self.app(scope, _replay(messages, receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = APIError(413, f"the request body is larger than {self.max_bytes} bytes", code="request_too_large")
+        error = APIError(
+            413,
+            f"the request body is larger than {self.max_bytes} bytes",
+            code="request_too_large",
+            headers=_CLOSE,
+        )
         await error.response()(scope, receive, send)
 
 
@@ -74,7 +83,13 @@ class APIKeyCheck:
             scheme, _, token = header.partition(b" ")
             # Bytes, not str: compare_digest refuses non-ASCII strings.
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                error = APIError(401, "missing or invalid API key", type="authentication_error", code="invalid_api_key")
+                error = APIError(
+                    401,
+                    "missing or invalid API key",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                    headers=_CLOSE,
+                )
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -7,7 +7,10 @@ request is refused before it reaches the engine and nothing is queued for it.
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -15,8 +18,10 @@ from cadence.engine.detokenizer import decode_text
 from cadence.engine.sampling_params import SamplingParams
 from cadence.server.api_models import ChatMessage, SamplingFields
 from cadence.server.errors import APIError, bad_request
-from cadence.server.token_bound import chars_per_token_bound, min_tokens
+from cadence.server.token_bound import token_bound
 from cadence.server.tokenize_pool import TokenizePool
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -30,9 +35,9 @@ class Prompt:
 class PromptBuilder:
     """Turns text, token ids and chat messages into validated prompts for one model.
 
-    Text is tokenized away from the event loop when it is long (`TokenizePool`), and a
-    text whose length alone proves it longer than the context is refused without being
-    tokenized at all.
+    Everything that grows with the input runs on the tokenizer pool's threads, off the
+    event loop, and a prompt whose length alone proves it longer than the context is
+    refused before any of that work.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, max_model_len: int, vocab_size: int) -> None:
@@ -41,7 +46,7 @@ class PromptBuilder:
         self.vocab_size = vocab_size
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.pool = None if backend is None else TokenizePool(backend)
-        self.chars_per_token = None if self.pool is None else chars_per_token_bound(self.pool.json)
+        self.bound = None if self.pool is None else token_bound(self.pool.json)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -52,10 +57,19 @@ class PromptBuilder:
             raise bad_request("this model has no tokenizer; send prompts as token ids", "prompt")
         return self.tokenizer
 
+    async def _off_loop(self, function: Callable[..., T], *args: object) -> T:
+        if self.pool is not None:
+            return await self.pool.run(function, *args)
+        return await asyncio.to_thread(function, *args)
+
     async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """The text's token ids; 400 when its length alone shows the context cannot hold it."""
         tokenizer = self._require_tokenizer()
-        least = min_tokens(len(text), self.chars_per_token)
+        # Counting by length first: only a text that long pays for the exact count.
+        if self.bound is not None and len(text) / self.bound.chars_per_token >= self.max_model_len:
+            least = self.bound.min_tokens(text)
+        else:
+            least = 0
         if least >= self.max_model_len:
             raise APIError(
                 400,
@@ -66,15 +80,20 @@ class PromptBuilder:
             )
         if self.pool is not None:
             return await self.pool.encode(text, add_special_tokens)
-        # A tokenizer in Python: a thread at least keeps the loop turning between bytecodes.
+        # A tokenizer in Python: a thread at least lets the loop run between bytecodes.
         return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def from_completion_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> Prompt:
         if isinstance(prompt, str):
             return Prompt(await self.encode(prompt, add_special_tokens, "prompt"), prompt)
-        self.check_token_ids(prompt, "prompt")
-        text = None if self.tokenizer is None else decode_text(self.tokenizer, prompt)
+        if len(prompt) >= self.max_model_len:
+            raise self._no_room(len(prompt), "prompt")
+        text = await self._off_loop(self._checked_text, prompt, "prompt")
         return Prompt(list(prompt), text)
+
+    def _checked_text(self, token_ids: list[int], param: str) -> str | None:
+        self.check_token_ids(token_ids, param)
+        return None if self.tokenizer is None else decode_text(self.tokenizer, token_ids)
 
     async def from_messages(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
         tokenizer = self._require_tokenizer()
@@ -82,9 +101,13 @@ class PromptBuilder:
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
         try:
             conversation = [self._message_dict(m) for m in messages]
-            # Rendering is string joins, milliseconds even for megabytes; encoding is not.
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            text = await self._off_loop(
+                functools.partial(
+                    tokenizer.apply_chat_template,
+                    conversation,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                )
             )
         except ValueError as error:
             raise bad_request(str(error), "messages") from error
@@ -110,9 +133,20 @@ class PromptBuilder:
         """One token's text, for logprobs ("" when there is no tokenizer)."""
         return "" if self.tokenizer is None else decode_text(self.tokenizer, [token_id])
 
-    def decode(self, token_ids: list[int]) -> str:
-        self.check_token_ids(token_ids, "tokens")
-        return decode_text(self._require_tokenizer(), token_ids)
+    async def decode(self, token_ids: list[int]) -> str:
+        self._require_tokenizer()
+        text = await self._off_loop(self._checked_text, token_ids, "tokens")
+        assert text is not None
+        return text
+
+    def _no_room(self, prompt_len: int, param: str) -> APIError:
+        return APIError(
+            400,
+            f"This model's maximum context length is {self.max_model_len} tokens. However, "
+            f"your prompt has {prompt_len} tokens, which leaves no room to generate.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
     def max_tokens(
         self,
@@ -128,13 +162,7 @@ class PromptBuilder:
             raise bad_request("the prompt is empty", "prompt")
         room = self.max_model_len - prompt_len
         if room < 1:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt has {prompt_len} tokens, which leaves no room to generate.",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
+            raise self._no_room(prompt_len, prompt_param)
         if requested is not None:
             if requested > room:
                 raise APIError(

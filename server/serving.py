@@ -69,14 +69,15 @@ class EventStreamResponse(StreamingResponse):
             self.group.abort()
 
 
-def as_api_error(error: Exception) -> APIError:
-    """The HTTP answer for an error raised while a request is in the engine."""
+def as_api_error(error: Exception, retry_after: int = 1) -> APIError:
+    """The HTTP answer for an error raised while a request is in the engine; `retry_after`
+    is what a 503 tells the client to wait."""
     if isinstance(error, APIError):
         return error
     if isinstance(error, EngineOverloadedError):
         return overloaded(str(error))
     if isinstance(error, EngineDeadError):
-        return unavailable(str(error))
+        return unavailable(str(error), retry_after)
     if isinstance(error, (RequestRejectedError, ValueError)):
         return bad_request(str(error))
     return APIError(500, f"internal error: {error}", type="server_error")
@@ -164,7 +165,7 @@ class RequestGroup:
                 self.streams.append(self.client.add_request(engine_request, prompt.text, self._changed))
         except Exception as error:
             self.abort()
-            raise as_api_error(error) from error
+            raise as_api_error(error, self.client.retry_after) from error
 
     @property
     def finished(self) -> bool:

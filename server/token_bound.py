@@ -4,14 +4,17 @@ Tokenizing megabytes of text takes seconds, only to refuse a prompt the context 
 never hold. A tokenizer whose pipeline never drops characters bounds how many characters
 one token can stand for: its longest vocabulary entry, times how much its normalizer can
 shrink a text. A text longer than that many characters per context token is refused at
-once. Pipelines that can drop characters (whitespace splitting, accent stripping, fused
-unknowns) give no bound; their prompts are only tokenized away from the event loop.
+once. Characters that become no token at all (control bytes a byte-level vocabulary has
+no entry for) are not counted. Pipelines that can drop characters beyond those
+(whitespace splitting, accent stripping, fused or missing unknowns, added tokens that
+strip whitespace) give no bound; their prompts are only tokenized off the event loop.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 # Canonical composition joins at most this many code points into one (the longest
@@ -62,31 +65,77 @@ def _pre_tokenizer_keeps_everything(pre_tokenizer: dict[str, Any] | None) -> boo
     return False
 
 
-def chars_per_token_bound(tokenizer_json: str) -> float | None:
-    """The most characters of raw text one token can stand for, or None when no bound holds.
+def _has_byte_level(pre_tokenizer: dict[str, Any] | None) -> bool:
+    if pre_tokenizer is None:
+        return False
+    if pre_tokenizer.get("type") == "ByteLevel":
+        return True
+    return any(_has_byte_level(p) for p in pre_tokenizer.get("pretokenizers", []))
+
+
+def _byte_level_spelling() -> dict[int, str]:
+    """Each byte's character in a byte-level vocabulary (GPT-2's mapping, as `tokenizers` uses)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def _vanishing_characters(spec: dict[str, Any]) -> frozenset[str] | None:
+    """The characters that become no token at all, or None when that set cannot be known.
+
+    Every other character becomes at least one token of its own.
+    """
+    model = spec["model"]
+    vocab = model.get("vocab", {})
+    # An unknown character becomes the unknown token, one per character, if there is one
+    # and runs of them are not fused into a single token.
+    if model.get("unk_token") in vocab and not model.get("fuse_unk"):
+        return frozenset()
+    if model.get("byte_fallback") and all(f"<0x{byte:02X}>" in vocab for byte in range(256)):
+        return frozenset()
+    if _has_byte_level(spec.get("pre_tokenizer")):
+        missing = [b for b, char in _byte_level_spelling().items() if char not in vocab]
+        # A character of several bytes always has a continuation byte (0x80-0xBF); if
+        # those all have entries, only one-byte (ASCII) characters can vanish.
+        if any(0x80 <= b <= 0xBF for b in missing):
+            return None
+        return frozenset(chr(b) for b in missing if b < 0x80)
+    return None
+
+
+@dataclass(frozen=True)
+class TokenBound:
+    """The fewest tokens any text can become: its characters that do not vanish, over the
+    most characters one token can stand for."""
+
+    chars_per_token: float
+    vanishing: frozenset[str]  # characters that become no token (control bytes without an entry)
+
+    def min_tokens(self, text: str) -> int:
+        counted = len(text) - sum(text.count(char) for char in self.vanishing)
+        return math.ceil(counted / self.chars_per_token)
+
+
+def token_bound(tokenizer_json: str) -> TokenBound | None:
+    """The tokenizer's bound, or None when its pipeline lets a text shrink without limit.
 
     `tokenizer_json` is the tokenizer's serialized form (`Tokenizer.to_str()`).
     """
     spec = json.loads(tokenizer_json)
-    model = spec.get("model", {})
-    if model.get("type") != "BPE":
+    if spec.get("model", {}).get("type") != "BPE":
         return None
-    # Without byte fallback an unknown character becomes the unknown token, and fused
-    # unknowns make one token of any run of them.
-    if model.get("fuse_unk") and not model.get("byte_fallback"):
+    vanishing = _vanishing_characters(spec)
+    added = spec.get("added_tokens", [])
+    # An added token that strips the whitespace around it swallows any run of it.
+    if vanishing is None or any(token.get("lstrip") or token.get("rstrip") for token in added):
         return None
     shrink = _normalizer_shrink(spec.get("normalizer"))
     if shrink is None or not _pre_tokenizer_keeps_everything(spec.get("pre_tokenizer")):
         return None
+    if vanishing and shrink != 1.0:
+        return None  # which characters a normalizer leaves behind is not worth modelling
     # Byte-level entries spell each UTF-8 byte as one character, so an entry is never
     # shorter than the characters it covers; a byte-fallback entry (<0x41>) is longer.
-    longest = max((len(piece) for piece in model.get("vocab", {})), default=1)
-    longest = max([longest, *(len(t.get("content", "")) for t in spec.get("added_tokens", []))])
-    return shrink * longest
-
-
-def min_tokens(num_chars: int, chars_per_token: float | None) -> int:
-    """The fewest tokens `num_chars` characters can become (0 when nothing is known)."""
-    if chars_per_token is None:
-        return 0
-    return math.ceil(num_chars / chars_per_token)
+    longest = max((len(piece) for piece in spec["model"].get("vocab", {})), default=1)
+    longest = max([longest, *(len(token.get("content", "")) for token in added)])
+    return TokenBound(shrink * longest, vanishing)

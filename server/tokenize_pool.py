@@ -1,42 +1,31 @@
 """Tokenization that cannot stall the event loop.
 
-The Rust tokenizer holds the GIL while it encodes, so a thread would not help: a prompt
-of a few hundred thousand characters would freeze every stream and /health for a second.
-Texts up to `INLINE_CHARS` are encoded in place (a few milliseconds); longer ones go to a
-small pool of processes, each holding its own copy of the tokenizer (the `tokenizers`
-library alone, rebuilt from its serialized form: no torch, no transformers).
+The Rust tokenizer releases the GIL in its batch calls (`encode_batch`) and holds it in
+the single ones, so every text is encoded through the batch call: long ones on a small
+thread pool, where a prompt of megabytes takes its seconds on another core while streams
+and /health go on; short ones in place, where a thread hop would cost more than the work.
+Other prompt work that may be long (a chat template over big messages, decoding a long
+list of ids) runs on the same pool through `run`.
+
+The pool encodes with a copy of the tokenizer whose truncation and padding are off, as
+transformers' `encode` switches them off: a tokenizer.json that carries a truncation
+setting must not cut a prompt short.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from tokenizers import Tokenizer
 
-from cadence.engine.process_name import TOKENIZER, name_this_process
-
-logger = logging.getLogger(__name__)
-
-# Longer texts are encoded in the pool; this many characters encode in milliseconds.
+# Shorter texts are encoded in place: this many characters take a few milliseconds.
 INLINE_CHARS = 8192
 
-_worker_tokenizer: Tokenizer | None = None
-
-
-def _start_worker(tokenizer_json: str) -> None:
-    global _worker_tokenizer
-    name_this_process(TOKENIZER)
-    _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
-
-
-def _encode_in_worker(text: str, add_special_tokens: bool) -> list[int]:
-    assert _worker_tokenizer is not None
-    return _worker_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+T = TypeVar("T")
 
 
 def pool_size() -> int:
@@ -45,41 +34,27 @@ def pool_size() -> int:
 
 
 class TokenizePool:
-    """Encodes with one tokenizer: short texts in place, long ones in worker processes.
-
-    Both paths run the same Rust tokenizer, so a text gets the same ids either way.
-    Workers start on the first long text and live until `close()`.
-    """
+    """Encodes with one tokenizer, off the event loop whenever the text is long."""
 
     def __init__(self, tokenizer: Tokenizer, workers: int | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.json = tokenizer.to_str()
-        self.workers = workers or pool_size()
-        self._pool: ProcessPoolExecutor | None = None
+        self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self.json = self.tokenizer.to_str()
+        self._executor = ThreadPoolExecutor(workers or pool_size(), thread_name_prefix="cadence-tokenize")
 
-    def _executor(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(
-                self.workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_start_worker,
-                initargs=(self.json,),
-            )
-        return self._pool
+    def encode_now(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Encode on the calling thread (the GIL is released while the tokenizer works)."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) <= INLINE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._executor(), _encode_in_worker, text, add_special_tokens)
-        except BrokenProcessPool:
-            # A worker died (killed, out of memory): start a new pool and try once more.
-            logger.warning("a tokenizer worker died; starting new ones")
-            self.close()
-            return await loop.run_in_executor(self._executor(), _encode_in_worker, text, add_special_tokens)
+            return self.encode_now(text, add_special_tokens)
+        return await self.run(self.encode_now, text, add_special_tokens)
+
+    async def run(self, function: Callable[..., T], *args: object) -> T:
+        """Run `function(*args)` on the pool's threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self._executor.shutdown(wait=False, cancel_futures=True)

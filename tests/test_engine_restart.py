@@ -85,6 +85,8 @@ def test_killed_engine_is_started_again_under_load(tiny_model_dir) -> None:
             assert "starting again" in error["message"], error
 
         _wait_healthy(server, timeout=120)
+        # Before any new request: nothing the dead engine reported lingers in the gauges.
+        assert_idle(server, timeout=0.5)
         assert server.engine_pid != first_engine
         assert not pid_alive(first_engine)
         assert_serves(server)

@@ -101,6 +101,8 @@ BAD_REQUESTS = [
         "stop_token_ids",
     ),
     ("chat-too-many-stops", CHAT, {"model": MODEL, "messages": MESSAGES, "stop": ["x"] * 65}, "stop"),
+    ("cmpl-stop-too-long", CMPL, {"model": MODEL, "prompt": "hi", "stop": "x" * 513}, "stop"),
+    ("chat-stop-too-long", CHAT, {"model": MODEL, "messages": MESSAGES, "stop": ["ok", "x" * 513]}, "stop.1"),
     ("chat-logit-bias", CHAT, {"model": MODEL, "messages": MESSAGES, "logit_bias": {"5": -100}}, ...),
     (
         "chat-tools",

@@ -78,6 +78,12 @@ def test_lone_surrogate_is_400_naming_the_field(server: ServerProcess, path: str
     assert "surrogate" in error["message"], error
 
 
+def test_a_surrogate_does_not_hide_other_fields_errors(server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "a\ud800", "temperature": -1}
+    error = assert_error(post_raw(server, CMPL, body), 400, type="invalid_request_error")
+    assert "surrogate" in error["message"] and "temperature" in error["message"], error
+
+
 def test_connection_stays_usable_after_a_refusal(server: ServerProcess) -> None:
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     headers = {**AUTH, "Content-Type": "application/json"}
@@ -136,26 +142,32 @@ def test_non_finite_number_is_400(server: ServerProcess, path: str, field: str, 
     assert_error(response, 400, type="invalid_request_error", param=field)
 
 
-def _raw_post(port: int, headers: str, timeout: float) -> bytes:
-    """Send only a request's head (its body never comes) and return what the server answers."""
+def _raw_post(port: int, headers: str, timeout: float) -> tuple[bytes, bool]:
+    """Send only a request's head (its body never comes); return what the server answers
+    within `timeout`, and whether it then closed the connection."""
+    received = b""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
         conn.sendall(headers.encode())
         try:
-            return conn.recv(4096)
+            while chunk := conn.recv(4096):
+                received += chunk
         except TimeoutError:
-            return b""
+            return received, False
+    return received, True
 
 
 def test_api_key_is_checked_before_the_body_is_read(server: ServerProcess) -> None:
     head = (
         f"POST {CMPL} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {10 << 20}\r\n"
     )
-    refused = _raw_post(server.port, head + "\r\n", timeout=10)
+    refused, closed = _raw_post(server.port, head + "\r\n", timeout=10)
     assert refused.startswith(b"HTTP/1.1 401"), refused[:200]
+    # The server closes the connection rather than read the body it will not serve.
+    assert b"connection: close" in refused.lower() and closed, refused[:300]
     # With the key, the server does wait for the promised body: the 401 above was not
     # just an answer to a body that never came.
-    waiting = _raw_post(server.port, head + f"Authorization: Bearer {API_KEY}\r\n\r\n", timeout=2)
-    assert waiting == b"", waiting[:200]
+    waiting, closed = _raw_post(server.port, head + f"Authorization: Bearer {API_KEY}\r\n\r\n", timeout=2)
+    assert waiting == b"" and not closed, waiting[:200]
 
 
 def test_metrics_need_the_key_when_protected(server: ServerProcess) -> None:
