@@ -20,7 +20,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
     """Direct children of a process, from /proc."""
     found = []
     for entry in os.listdir("/proc"):
@@ -90,7 +90,7 @@ class ServerProcess:
     @property
     def engine_pid(self) -> int:
         """The EngineCore process: the server's child that names itself so."""
-        for child in _children(self.process.pid):
+        for child in child_pids(self.process.pid):
             try:
                 with open(f"/proc/{child}/comm", encoding="ascii", errors="replace") as f:
                     if f.read().strip() == ENGINE:
@@ -117,7 +117,7 @@ class ServerProcess:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Signal the server, wait, and kill it and its children if it lingers."""
-        children = _children(self.process.pid)
+        children = child_pids(self.process.pid)
         if self.process.poll() is None:
             self.process.send_signal(sig)
             try:

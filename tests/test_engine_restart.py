@@ -27,7 +27,7 @@ from server_checks import (
     assert_serves,
     sse_data,
 )
-from server_harness import ServerProcess, pid_alive
+from server_harness import ServerProcess, child_pids, pid_alive
 
 RESTARTS = "cadence:engine_restarts_total"
 STEPS = "cadence:engine_steps_total"
@@ -112,3 +112,22 @@ def test_server_exits_nonzero_when_restarts_keep_failing(tiny_model_dir, tmp_pat
         assert returncode == 1, log
         assert "failed 2 starts in a row" in log, log
         assert "try 2 of 2" in log, log
+
+
+def test_sigterm_during_the_backoff_stops_the_server_cleanly(tiny_model_dir, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    with ServerProcess(str(model), "--served-model-name", MODEL) as server:
+        engine = server.engine_pid
+        shutil.rmtree(model)  # the server keeps trying to start an engine that cannot load
+        os.kill(engine, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while "failed to start again" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "failed to start again" in server.log(), server.log()
+        # Mid-series (sleeping, or starting another engine): SIGTERM still ends it all.
+        children = child_pids(server.process.pid)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 0, server.log()
+        time.sleep(0.5)
+        assert not [c for c in children if pid_alive(c)], "a process outlived the server"
