@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from server_checks import (
     CHAT,
@@ -28,6 +29,9 @@ from server_checks import (
     sse_data,
 )
 from server_harness import ServerProcess, child_pids, pid_alive
+
+# Each test starts engines two or three times over: 15 s or more.
+pytestmark = pytest.mark.slow
 
 RESTARTS = "cadence:engine_restarts_total"
 STEPS = "cadence:engine_steps_total"
