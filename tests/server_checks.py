@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -107,3 +111,33 @@ def finished_count(server: ServerProcess, aborted: bool = False) -> float:
 def post(server: ServerProcess, path: str, body: Any, **kwargs: Any) -> httpx.Response:
     headers = {**AUTH, **kwargs.pop("headers", {})}
     return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=30, **kwargs)
+
+
+def kill_engine_mid_requests(server: ServerProcess, n: int) -> int:
+    """Kill the engine while a streamed completion and a plain chat request (n sequences
+    each) generate; check that both fail as they should (an error event then [DONE] in
+    the stream, 503 with Retry-After for the other). Returns the engine steps counted
+    just before the kill."""
+    url = server.base_url
+    body = {"model": MODEL, "n": n, "max_tokens": LONG, "ignore_eos": True}
+    with (
+        ThreadPoolExecutor(1) as pool,
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", f"{url}{CMPL}", json={**body, "prompt": "The quick brown", "stream": True}) as streamed,
+    ):
+        events = sse_data(streamed.iter_lines())
+        assert json.loads(next(events))["choices"]
+        plain = pool.submit(httpx.post, f"{url}{CHAT}", json={**body, "messages": MESSAGES}, timeout=30)
+        assert server.wait_for_metric(RUNNING, 2.0 * n) == 2.0 * n, "both requests should be in the engine"
+        steps = server.metric("cadence:engine_steps_total")
+
+        os.kill(server.engine_pid, signal.SIGKILL)
+
+        rest = list(events)
+        response = plain.result(timeout=30)
+    assert rest[-1] == "[DONE]", rest[-3:]
+    assert_error_body(json.loads(rest[-2]), type="service_unavailable", code="service_unavailable")
+    assert all("error" not in json.loads(e) for e in rest[:-2])
+    assert_error(response, 503, type="service_unavailable")
+    assert response.headers["retry-after"] == "1"
+    return int(steps)

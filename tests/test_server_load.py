@@ -10,11 +10,9 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -31,10 +29,10 @@ from server_checks import (
     RUNNING,
     VOCAB_SIZE,
     assert_error,
-    assert_error_body,
     assert_idle,
     assert_serves,
     finished_count,
+    kill_engine_mid_requests,
     sse_data,
 )
 from server_harness import ServerProcess, pid_alive
@@ -232,31 +230,8 @@ def test_roomy_server_still_serves_and_is_idle(roomy: ServerProcess) -> None:
 # ----- engine death -----------------------------------------------------------------------
 def test_engine_death_fails_requests_with_503(doomed: ServerProcess) -> None:
     url = doomed.base_url
-    engine_pid = doomed.engine_pid
     # 16 sequences each, so that both are still generating when the engine dies.
-    body = {"model": MODEL, "n": 16, "max_tokens": LONG, "ignore_eos": True}
-    with (
-        ThreadPoolExecutor(1) as pool,
-        httpx.Client(timeout=30) as client,
-        client.stream("POST", f"{url}{CMPL}", json={**body, "prompt": "The quick brown", "stream": True}) as streamed,
-    ):
-        events = sse_data(streamed.iter_lines())
-        assert json.loads(next(events))["choices"]
-        plain = pool.submit(httpx.post, f"{url}{CHAT}", json={**body, "messages": MESSAGES}, timeout=30)
-        assert doomed.wait_for_metric(RUNNING, 32.0) == 32.0, "both requests should be in the engine"
-
-        os.kill(engine_pid, signal.SIGKILL)
-
-        rest = list(events)
-        response = plain.result(timeout=30)
-    # The stream ends with an error event, then [DONE].
-    assert rest[-1] == "[DONE]", rest[-3:]
-    error_event = json.loads(rest[-2])
-    assert_error_body(error_event, type="service_unavailable", code="service_unavailable")
-    assert all("error" not in json.loads(e) for e in rest[:-2])
-    # The non-streaming request is answered 503 with Retry-After.
-    assert_error(response, 503, type="service_unavailable")
-    assert response.headers["retry-after"] == "1"
+    kill_engine_mid_requests(doomed, 16)
 
     health = httpx.get(f"{url}/health", timeout=30)
     assert_error(health, 503, type="service_unavailable")
