@@ -269,8 +269,8 @@ class AsyncEngineClient:
             )
             await asyncio.sleep(delay)
             assert self._engine is not None
-            await self._retire(self._engine, timeout=5.0)
             try:
+                await self._retire(self._engine, timeout=5.0)
                 self._engine = self._new_engine()
                 self.info = await self._engine.wait_ready(self._start_timeout)
             except Exception as error:  # noqa: BLE001 - any failure to start is a failed start, counted

@@ -22,7 +22,7 @@ from typing import Any
 _COMPOSITION_SHRINK = 4
 _UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
 # Pre-tokenizers that split without removing anything.
-_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
+_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Digits")
 _SPLITTING_PRE_TOKENIZERS = ("Split", "Punctuation")
 
 
@@ -94,6 +94,8 @@ def _vanishing_characters(spec: dict[str, Any]) -> frozenset[str] | None:
     if model.get("byte_fallback") and all(f"<0x{byte:02X}>" in vocab for byte in range(256)):
         return frozenset()
     if _has_byte_level(spec.get("pre_tokenizer")):
+        if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+            return None  # a character inside a word is looked up with the affix, not as itself
         missing = [b for b, char in _byte_level_spelling().items() if char not in vocab]
         # A character of several bytes always has a continuation byte (0x80-0xBF); if
         # those all have entries, only one-byte (ASCII) characters can vanish.
@@ -132,8 +134,8 @@ def token_bound(tokenizer_json: str) -> TokenBound | None:
     shrink = _normalizer_shrink(spec.get("normalizer"))
     if shrink is None or not _pre_tokenizer_keeps_everything(spec.get("pre_tokenizer")):
         return None
-    if vanishing and shrink != 1.0:
-        return None  # which characters a normalizer leaves behind is not worth modelling
+    if vanishing and spec.get("normalizer") is not None:
+        return None  # a normalizer may turn counted characters into vanishing ones
     # Byte-level entries spell each UTF-8 byte as one character, so an entry is never
     # shorter than the characters it covers; a byte-fallback entry (<0x41>) is longer.
     longest = max((len(piece) for piece in spec["model"].get("vocab", {})), default=1)

@@ -9,7 +9,9 @@ list of ids) runs on the same pool through `run`.
 
 The pool encodes with a copy of the tokenizer whose truncation and padding are off, as
 transformers' `encode` switches them off: a tokenizer.json that carries a truncation
-setting must not cut a prompt short.
+setting must not cut a prompt short. The copy keeps whether special tokens written in
+the text are split (transformers' `split_special_tokens`), which the serialized form
+does not carry.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class TokenizePool:
         self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
+        # Not part of the serialized form: transformers' split_special_tokens lives here.
+        self.tokenizer.encode_special_tokens = tokenizer.encode_special_tokens
         self.json = self.tokenizer.to_str()
         self._executor = ThreadPoolExecutor(workers or pool_size(), thread_name_prefix="cadence-tokenize")
 

@@ -101,6 +101,30 @@ def test_bound_follows_the_pipeline() -> None:
     assert TokenBound(2.0, frozenset("\x04")).min_tokens("ab\x04\x04\x04cd") == 2
 
 
+def _byte_level(normalizer: normalizers.Normalizer | None = None, **model: object) -> str:
+    """A byte-level BPE with an entry for every byte but 0x04 (as SmolLM2 lacks a few)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {char: i for i, char in enumerate(c for c in alphabet if c != "\u0104")}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], **model))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    return tokenizer.to_str()
+
+
+def test_bound_on_byte_level_vocabularies() -> None:
+    bound = token_bound(_byte_level())
+    assert bound is not None and bound.vanishing == frozenset("\x04")
+    assert len(Tokenizer.from_str(_byte_level()).encode("\x04" * 100).ids) == 0 == bound.min_tokens("\x04" * 100)
+    # A word's inner characters are looked up with an affix the vocabulary may lack.
+    assert token_bound(_byte_level(continuing_subword_prefix="##")) is None
+    assert token_bound(_byte_level(end_of_word_suffix="</w>")) is None
+    # A normalizer might map counted characters onto vanishing ones.
+    assert token_bound(_byte_level(normalizers.Replace("x", "\x04"))) is None
+    # UnicodeScripts drops leading spaces.
+    assert _per_token(_with(pre_tokenizer=pre_tokenizers.UnicodeScripts())) is None
+
+
 def test_bound_refuses_whitespace_stripping_added_tokens() -> None:
     """An added token with lstrip takes any run of spaces before it into itself."""
     tokenizer = Tokenizer.from_str(_with())
@@ -125,6 +149,24 @@ def test_pool_encodes_whole_prompts_despite_a_truncation_setting(tiny_model_dir:
     short, long = asyncio.run(run())
     assert short == tokenizer.encode(text, add_special_tokens=True) and len(short) > 8
     assert long == tokenizer.encode(text * 500, add_special_tokens=True)
+
+
+def test_pool_keeps_split_special_tokens(tiny_model_dir: Callable[[str], str]) -> None:
+    """A model that splits special tokens written in the text keeps doing so in the pool."""
+    tokenizer = _tokenizer(tiny_model_dir("llama"))
+    tokenizer.backend_tokenizer.encode_special_tokens = True
+    text = "<|im_start|>user hello"
+
+    async def run() -> list[int]:
+        pool = TokenizePool(tokenizer.backend_tokenizer)
+        try:
+            return await pool.encode(text, False)
+        finally:
+            pool.close()
+
+    ids = asyncio.run(run())
+    assert ids == tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") not in ids
 
 
 def test_pool_keeps_the_event_loop_turning(tiny_model_dir: Callable[[str], str]) -> None:
