@@ -346,8 +346,6 @@ class AsyncEngineClient:
         try:
             while True:
                 message = await engine.recv()
-                if engine is not self._engine or self.dead_reason is not None:
-                    return  # what a dead engine left queued is for requests already failed
                 if isinstance(message, EngineCoreOutputs):
                     self._apply(engine, message)
                 elif isinstance(message, EngineDead):
@@ -394,6 +392,7 @@ class AsyncEngineClient:
             return
         self.dead_reason = reason
         logger.error("%s", reason)
+        # What the dead engine left queued is for requests failed below: stop reading it.
         if self._output_task is not None and self._output_task is not asyncio.current_task():
             self._output_task.cancel()
         self._output_task = None

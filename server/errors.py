@@ -77,6 +77,10 @@ def _field_path(loc: Sequence[Any]) -> list[str]:
     return [str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or " " in p))]
 
 
+def _path(error: Mapping[str, Any]) -> str:
+    return ".".join(_field_path(error.get("loc", ())))
+
+
 def _validation_param(error: Mapping[str, Any], errors: Sequence[Mapping[str, Any]] = ()) -> str | None:
     # loc is ("body", "messages", 0, "content", ...); OpenAI names the field as a path.
     # A union adds one error per member: keep only what the errors about the same field
@@ -108,20 +112,13 @@ async def _on_validation_error(_: Request, error: Exception) -> JSONResponse:
     # About a field where one of our own checks failed (a value_error), that check says
     # more than the type mismatches of the union's other members, and names the exact
     # place: it speaks alone for that field.
-    own_fields = {tuple(_field_path(e.get("loc", ())))[:1] for e in errors if e.get("type") == "value_error"}
-    errors = [
-        e
-        for e in errors
-        if e.get("type") == "value_error" or tuple(_field_path(e.get("loc", ())))[:1] not in own_fields
-    ]
+    own_fields = {_path(e).split(".")[0] for e in errors if e.get("type") == "value_error"}
+    errors = [e for e in errors if e.get("type") == "value_error" or _path(e).split(".")[0] not in own_fields]
     if errors and errors[0].get("type") == "value_error":
-        param = ".".join(_field_path(errors[0].get("loc", ()))) or None
+        param = _path(errors[0]) or None
     else:
         param = _validation_param(errors[0], errors) if errors else None
-    message = "; ".join(
-        f"{'.'.join(_field_path(e.get('loc', ()))) or 'body'}: {e.get('msg', 'invalid')}".replace("Value error, ", "")
-        for e in errors
-    )
+    message = "; ".join(f"{_path(e) or 'body'}: {e.get('msg', 'invalid')}".replace("Value error, ", "") for e in errors)
     return bad_request(message or "invalid request", param).response()
 
 

@@ -60,17 +60,14 @@ class PromptBuilder:
     async def _off_loop(self, function: Callable[..., T], *args: object) -> T:
         if self.pool is not None:
             return await self.pool.run(function, *args)
+        # A tokenizer in Python: a thread at least lets the loop run between bytecodes.
         return await asyncio.to_thread(function, *args)
 
     async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """The text's token ids; 400 when its length alone shows the context cannot hold it."""
         tokenizer = self._require_tokenizer()
-        # Counting by length first: only a text that long pays for the exact count.
-        if self.bound is not None and len(text) / self.bound.chars_per_token >= self.max_model_len:
-            least = self.bound.min_tokens(text)
-        else:
-            least = 0
-        if least >= self.max_model_len:
+        least = None if self.bound is None else self.bound.proves_at_least(text, self.max_model_len)
+        if least is not None:
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
@@ -80,8 +77,7 @@ class PromptBuilder:
             )
         if self.pool is not None:
             return await self.pool.encode(text, add_special_tokens)
-        # A tokenizer in Python: a thread at least lets the loop run between bytecodes.
-        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return await self._off_loop(functools.partial(tokenizer.encode, text, add_special_tokens=add_special_tokens))
 
     async def from_completion_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> Prompt:
         if isinstance(prompt, str):

@@ -117,6 +117,14 @@ class TokenBound:
         counted = len(text) - sum(text.count(char) for char in self.vanishing)
         return math.ceil(counted / self.chars_per_token)
 
+    def proves_at_least(self, text: str, limit: int) -> int | None:
+        """`min_tokens(text)` when it reaches `limit`, else None. Only a text whose length
+        alone reaches it pays for counting the vanishing characters."""
+        if len(text) / self.chars_per_token < limit:
+            return None
+        least = self.min_tokens(text)
+        return least if least >= limit else None
+
 
 def token_bound(tokenizer_json: str) -> TokenBound | None:
     """The tokenizer's bound, or None when its pipeline lets a text shrink without limit.
