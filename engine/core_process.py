@@ -25,7 +25,6 @@ from cadence.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
-    EngineReady,
     Message,
     Shutdown,
     decode,
@@ -117,18 +116,7 @@ def run_engine_core(args: EngineArgs, addresses: EngineAddresses, log_level: int
     outputs.connect(addresses.outputs)
     try:
         core = EngineCore(args)
-        outputs.send(
-            encode(
-                EngineReady(
-                    max_model_len=core.max_model_len,
-                    vocab_size=core.vocab_size,
-                    max_num_seqs=args.max_num_seqs,
-                    device=str(core.device),
-                    dtype=str(core.dtype).removeprefix("torch."),
-                    num_kv_blocks=core.num_kv_blocks,
-                )
-            )
-        )
+        outputs.send(encode(core.ready_message()))
         EngineCoreLoop(core, inputs, outputs).run()
     except Exception as error:  # reported to the server, then we exit
         detail = "".join(traceback.format_exception_only(type(error), error)).strip()

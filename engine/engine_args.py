@@ -57,6 +57,15 @@ class EngineArgs:
     # on CUDA every linear and attention kernel keeps one configuration for every batch,
     # at a cost in speed. CPU paths are batch invariant already under cpu_kernels="auto".
     batch_invariant: bool = False
+    # Prefill/decode disaggregation (engine/kv_transfer/). "colocated" serves requests
+    # whole; "prefill" also computes prompts for other engines and holds the KV for them
+    # to read; "decode" also takes requests whose prompt KV it loads from a prefill engine.
+    kv_role: str = "colocated"
+    kv_transport: str = "in-process"  # how a decode engine reads a prefill engine's blocks
+    # Seconds a decode engine waits for a parked prompt's KV before computing it itself,
+    # and a prefill engine holds computed KV for a reader that never says it is done.
+    kv_wait_timeout: float = 30.0
+    kv_hold_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         # Imported here so building EngineArgs (the CLI does, early) stays light.
@@ -69,6 +78,13 @@ class EngineArgs:
         self.cpu_kernels = validate_cpu_kernels(self.cpu_kernels)
         if self.quantize_lm_head is not None and not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"quantize_lm_head must be True, False or None, got {self.quantize_lm_head!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"unknown kv_role {self.kv_role!r}; use {', '.join(KV_ROLES)}")
+        from cadence.engine.kv_transfer.factory import validate_kv_transport
+
+        validate_kv_transport(self.kv_transport)
+        if not (self.kv_wait_timeout > 0 and self.kv_hold_timeout > 0):
+            raise ValueError("kv_wait_timeout and kv_hold_timeout must be positive seconds")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use auto, int8 or fp8")
 
@@ -78,6 +94,7 @@ class EngineArgs:
         return torch.device(self.device)
 
 
+KV_ROLES = ("colocated", "prefill", "decode")
 ENGINE_OPTIONS = frozenset(f.name for f in fields(EngineArgs)) - {"model"}
 
 

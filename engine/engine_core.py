@@ -12,13 +12,20 @@ from dataclasses import dataclass, replace
 import torch
 
 from cadence.engine.engine_args import EngineArgs, kv_cache_bytes_per_block, resolve_num_blocks
+from cadence.engine.kv_transfer.factory import create_kv_transport
+from cadence.engine.kv_transfer.layout import KVLayout, weights_digest
+from cadence.engine.kv_transfer.transport import KVSource
 from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
-from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats
+from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineReady, EngineStats
 from cadence.scheduler.output import SchedulerOutput
+from cadence.scheduler.remote_kv import RemoteKV
 from cadence.scheduler.request import Request, StopConditions
-from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig
+from cadence.scheduler.scheduler import CacheConfig, KVEvents, Scheduler, SchedulerConfig
+
+# Which role an engine needs for a request whose prompt KV crosses engines.
+_ROLE_FOR = {RemoteKV.LOAD.value: "decode", RemoteKV.SEND.value: "prefill"}
 
 
 @dataclass
@@ -78,6 +85,7 @@ class EngineCore:
             CacheConfig(num_blocks, args.block_size, args.enable_prefix_caching),
         )
         self.num_kv_blocks = num_blocks
+        transport = None if args.kv_role == "colocated" else create_kv_transport(args.kv_transport)
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -90,7 +98,26 @@ class EngineCore:
             max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len,
             batch_invariant=args.batch_invariant,
+            kv_transport=transport,
         )
+        # What a reader checks before loading our blocks, and where a prefill engine's are.
+        self.kv_layout: KVLayout | None = None
+        self.kv_source: KVSource | None = None
+        if transport is not None:
+            self.kv_layout = KVLayout(
+                model=weights_digest(args.model),
+                num_layers=config.num_hidden_layers,
+                block_size=args.block_size,
+                num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                dtype=str(self.dtype).removeprefix("torch."),
+                kv_cache_dtype=args.kv_cache_dtype,
+            )
+            if args.kv_role == "prefill":
+                self.kv_source = transport.export(self.runner.kv_caches, self.kv_layout)
+        # Scheduler ids parked for KV or holding it for a reader -> when that ends anyway.
+        self._kv_deadlines: dict[str, float] = {}
+        self.num_expired_kv = 0
         if self.device.type == "cpu":
             self.runner.warm_up()
         self.eos_token_ids = generation_eos_ids(args.model, config)
@@ -101,6 +128,20 @@ class EngineCore:
         self._sequences: dict[str, tuple[str, int]] = {}
         self._children: dict[str, list[str]] = {}
         self._num_preemptions = 0
+
+    def ready_message(self) -> EngineReady:
+        """What a front end or router must know of this engine before sending it work."""
+        return EngineReady(
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            max_num_seqs=self.args.max_num_seqs,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_kv_blocks=self.num_kv_blocks,
+            kv_role=self.args.kv_role,
+            kv_layout=self.kv_layout,
+            kv_source=self.kv_source,
+        )
 
     # ----- requests ------------------------------------------------------------------
     def validate(self, request: EngineCoreRequest) -> None:
@@ -118,9 +159,24 @@ class EngineCore:
         bad_stop = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
         if bad_stop is not None:
             raise ValueError(f"stop token id {bad_stop} is outside the vocabulary [0, {self.vocab_size})")
+        if request.remote_kv is not None:
+            self._validate_remote_kv(request)
         taken = [i for i in self._sequence_ids(request) if i in self._sequences]
         if request.request_id in self._children or taken:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+
+    def _validate_remote_kv(self, request: EngineCoreRequest) -> None:
+        role = _ROLE_FOR.get(request.remote_kv or "")
+        if role is None:
+            raise ValueError(f"remote_kv must be one of {', '.join(_ROLE_FOR)}, got {request.remote_kv!r}")
+        if self.args.kv_role != role:
+            raise ValueError(f"a {request.remote_kv!r} request needs a {role} engine; this one is {self.args.kv_role}")
+        if request.sampling_params.prompt_logprobs is not None:
+            raise ValueError("prompt logprobs need the whole prompt computed on the engine that serves it")
+        if request.remote_kv == RemoteKV.SEND.value and (
+            request.sampling_params.n != 1 or len(request.prompt_token_ids) < 2
+        ):
+            raise ValueError("a prompt computed for another engine needs n=1 and at least two tokens")
 
     @staticmethod
     def _sequence_ids(request: EngineCoreRequest) -> list[str]:
@@ -159,6 +215,8 @@ class EngineCore:
                     sampling_params=child_params,
                     fork_parent_id=ids[0] if index else None,
                     skip_prefix_cache=child_params.prompt_logprobs is not None,
+                    # Only the first sequence loads; the others fork its prompt as usual.
+                    remote_kv=RemoteKV(request.remote_kv) if request.remote_kv and not index else None,
                 )
             )
 
@@ -182,6 +240,73 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Whether `step` would do anything (parked and held prompt KV only wait)."""
+        return self.scheduler.has_work()
+
+    # ----- prompt KV across engines ---------------------------------------------------
+    def start_kv_load(self, request_id: str, source: KVSource, block_ids: list[int]) -> None:
+        """Load a parked request's prompt KV from a prefill engine's `block_ids`. KV laid
+        out differently is never read: the request computes its prompt here instead.
+        A request no longer parked (aborted, or its wait ended) ignores it."""
+        sub_id = self._first_sequence(request_id)
+        if sub_id is None or sub_id not in self.scheduler.awaiting_kv:
+            return
+        assert self.kv_layout is not None  # a parked request implies the decode role
+        mismatch = self.kv_layout.mismatch(source.layout)
+        if mismatch is not None:
+            self.scheduler.cancel_kv_wait(sub_id, mismatch)
+        else:
+            self.scheduler.start_kv_load(sub_id, source, block_ids)
+
+    def cancel_kv_wait(self, request_ids: Iterable[str], reason: str) -> None:
+        """Stop waiting for these requests' KV (their prefill engine is gone): each
+        computes what did not arrive here."""
+        for request_id in request_ids:
+            sub_id = self._first_sequence(request_id)
+            if sub_id is not None:
+                self.scheduler.cancel_kv_wait(sub_id, reason)
+
+    def release_sent_kv(self, request_ids: Iterable[str]) -> None:
+        """The readers of these prompts' KV are done (or gone): free the blocks."""
+        for request in self.scheduler.release_sent_kv(list(request_ids)):
+            self._kv_deadlines.pop(request.request_id, None)
+            self._forget(request.request_id)
+
+    def take_kv_events(self) -> KVEvents:
+        """What happened to prompt KV since the last call, by client request id."""
+        events = self.scheduler.take_kv_events()
+        now = time.monotonic()
+        for reservation in events.reserved:
+            if reservation.needs_transfer:
+                self._kv_deadlines[reservation.request_id] = now + self.args.kv_wait_timeout
+            reservation.request_id = self._sequences[reservation.request_id][0]
+        for prefilled in events.prefilled:
+            self._kv_deadlines[prefilled.request_id] = now + self.args.kv_hold_timeout
+            prefilled.request_id = self._sequences[prefilled.request_id][0]
+        for outcome in events.loaded:
+            self._kv_deadlines.pop(outcome.request_id, None)
+            outcome.request_id = self._sequences[outcome.request_id][0]
+        return events
+
+    def expire_kv_deadlines(self) -> None:
+        """End waits for KV that never came, and release KV no reader said it was done with."""
+        now = time.monotonic()
+        for sub_id, deadline in list(self._kv_deadlines.items()):
+            if deadline > now:
+                continue
+            del self._kv_deadlines[sub_id]
+            if sub_id in self.scheduler.awaiting_kv:
+                self.scheduler.cancel_kv_wait(sub_id, f"no KV arrived within {self.args.kv_wait_timeout:g} s")
+                self.num_expired_kv += 1
+            elif sub_id in self.scheduler.held_kv:
+                self.release_sent_kv([self._sequences[sub_id][0]])
+                self.num_expired_kv += 1
+
+    def _first_sequence(self, request_id: str) -> str | None:
+        ids = self._children.get(request_id)
+        return ids[0] if ids else None
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -189,17 +314,23 @@ class EngineCore:
             kv_cache_usage=self.scheduler.kv_cache.usage,
             num_preemptions=self._num_preemptions,
             num_steps=self.timings.num_steps,
+            num_waiting_for_kv=len(self.scheduler.awaiting_kv),
+            num_holding_kv=len(self.scheduler.held_kv),
         )
 
     # ----- the loop ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduling step and report what each sequence gained."""
+        if self._kv_deadlines:
+            self.expire_kv_deadlines()
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         scheduled_at = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
         executed_at = time.perf_counter()
         outputs = self._update(scheduler_output, runner_output)
+        if runner_output.kv_load_results:
+            self.scheduler.finish_kv_loads(runner_output.kv_load_results)
         done = time.perf_counter()
         self._num_preemptions += len(scheduler_output.preempted_request_ids)
         t = self.timings
@@ -244,6 +375,7 @@ class EngineCore:
         return outputs
 
     def _forget(self, sub_id: str) -> None:
+        self._kv_deadlines.pop(sub_id, None)
         request_id, _ = self._sequences.pop(sub_id)
         siblings = self._children[request_id]
         if not any(s in self._sequences for s in siblings):

@@ -8,6 +8,7 @@ everything it needs arrives in the `SchedulerOutput`, which may come from anothe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,7 @@ from cadence.engine.attention.selector import create_attention_backend
 from cadence.engine.batch_invariant import make_batch_invariant
 from cadence.engine.cuda_graphs import DecodeGraphs
 from cadence.engine.input_batch import InputBatch, RequestState, StepInputs
+from cadence.engine.kv_transfer.transport import KVTransport
 from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.protocol import TokenLogprobs
 from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
@@ -32,6 +34,7 @@ from cadence.engine.sampling_params import SamplingParams
 from cadence.kernels.kv_quant import KV_CACHE_DTYPES
 from cadence.kernels.launch import has_fp8_hardware
 from cadence.scheduler.output import SchedulerOutput
+from cadence.scheduler.remote_kv import KVLoadResult
 
 
 @dataclass
@@ -41,6 +44,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    kv_load_results: list[KVLoadResult] = field(default_factory=list)
 
 
 def _rows_to_logprobs(
@@ -50,15 +54,24 @@ def _rows_to_logprobs(
     return [(ids_list[r][: 1 + num_top], values_list[r][: 1 + num_top], ranks_list[r]) for r in range(len(ids_list))]
 
 
-def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, kv_cache_dtype: str, device: torch.device) -> KVCache:
-    """One layer's cache: in the model's dtype ("auto"), or int8 / fp8 with row scales."""
+TensorFactory = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def allocate_kv_cache(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    kv_cache_dtype: str,
+    device: torch.device,
+    zeros: TensorFactory = lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device),
+) -> KVCache:
+    """One layer's cache: in the model's dtype ("auto"), or int8 / fp8 with row scales.
+    `zeros` makes the storage (a KV transport may need it in memory of its own)."""
     if kv_cache_dtype == "auto":
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return zeros(shape, dtype, device)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; use auto, int8 or fp8")
     return QuantizedKVCache(
-        torch.zeros(shape, dtype=KV_CACHE_DTYPES[kv_cache_dtype], device=device),
-        torch.zeros(shape[:4], dtype=torch.float32, device=device),
+        zeros(shape, KV_CACHE_DTYPES[kv_cache_dtype], device), zeros(shape[:4], torch.float32, device)
     )
 
 
@@ -79,8 +92,10 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int = 2048,
         batch_invariant: bool = False,
+        kv_transport: KVTransport | None = None,
     ) -> None:
         self.model = model
+        self.kv_transport = kv_transport
         self.device = device
         self.block_size = block_size
         spec = model.attention_spec()
@@ -92,8 +107,10 @@ class ModelRunner:
         if batch_invariant and (device.type == "cuda" or attention_backend == "triton"):
             make_batch_invariant(model)
         cache_shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        zeros = kv_transport.zeros if kv_transport is not None else torch.zeros
         self.kv_caches: list[KVCache] = [
-            allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device) for _ in range(model.config.num_hidden_layers)
+            allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device, lambda s, t, d: zeros(s, dtype=t, device=d))
+            for _ in range(model.config.num_hidden_layers)
         ]
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.decode_graphs: DecodeGraphs | None = None
@@ -123,8 +140,13 @@ class ModelRunner:
         self.input_batch.apply(output)
         if output.block_copies:
             self._copy_blocks(output.block_copies)
+        result = ModelRunnerOutput()
+        if self.kv_transport is not None:
+            self._transfer_kv(output, self.kv_transport, result)
+        elif output.kv_loads:
+            raise RuntimeError("this engine has no KV transport to load blocks with")
         if output.is_empty:
-            return ModelRunnerOutput()
+            return result
 
         step = self.input_batch.prepare(output.num_scheduled_tokens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
@@ -132,7 +154,6 @@ class ModelRunner:
         else:
             hidden = self._run_eager(step)
 
-        result = ModelRunnerOutput()
         self._prompt_logprobs(step, hidden, result)
         sampling = [i for i in range(step.num_seqs) if step.samples(i)]
         if sampling:
@@ -252,6 +273,15 @@ class ModelRunner:
             targets = torch.from_numpy(prompt[start + 1 : end + 1].astype(np.int64)).to(self.device)
             ids, values, ranks = compute_logprobs(logits, targets, num_top)
             result.prompt_logprobs[state.request_id] = _rows_to_logprobs(ids, values, ranks, num_top)
+
+    def _transfer_kv(self, output: SchedulerOutput, transport: KVTransport, result: ModelRunnerOutput) -> None:
+        """Start and stop the step's loads (into blocks no scheduled request touches), and
+        report those that ended."""
+        for load in output.kv_loads:
+            transport.start_load(load, self.kv_caches)
+        for request_id in output.kv_cancels:
+            transport.cancel(request_id)
+        result.kv_load_results = transport.poll()
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)

@@ -13,8 +13,11 @@ from typing import Any
 
 import msgpack
 
+from cadence.engine.kv_transfer.layout import KVLayout
+from cadence.engine.kv_transfer.transport import KVSource
 from cadence.engine.sampling_params import SamplingParams
 from cadence.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from cadence.scheduler.remote_kv import KVLoad, KVLoadOutcome, KVPrefilled, KVReservation
 
 # Per position: the chosen token first, then the top alternatives, as parallel lists,
 # and the chosen token's rank (1 = most likely). Over the wire the tuple becomes a list.
@@ -29,6 +32,9 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     priority: int = 0
+    # "load": a decode engine loads the prompt's KV from a prefill engine; "send": a
+    # prefill engine computes it for one (scheduler/remote_kv.py). None: served whole.
+    remote_kv: str | None = None
 
 
 @dataclass
@@ -59,6 +65,8 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     num_steps: int = 0
+    num_waiting_for_kv: int = 0  # parked on reserved blocks until their prompt KV arrives
+    num_holding_kv: int = 0  # prompts computed for other engines, held until read
 
 
 # ----- messages that only the multi-process engine needs ------------------------------
@@ -68,6 +76,30 @@ class AbortRequests:
 
     request_ids: list[str] = field(default_factory=list)
     sequences: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
+class LoadKV:
+    """To a decode engine: a parked request's prompt KV is in `block_ids` of `source`."""
+
+    request_id: str
+    source: KVSource
+    block_ids: list[int]
+
+
+@dataclass
+class ReleaseKV:
+    """To a prefill engine: the readers of these prompts' KV are done, or gone."""
+
+    request_ids: list[str]
+
+
+@dataclass
+class CancelKVWait:
+    """To a decode engine: this KV will not come; compute what is missing here."""
+
+    request_ids: list[str]
+    reason: str
 
 
 @dataclass
@@ -85,6 +117,9 @@ class EngineReady:
     device: str
     dtype: str
     num_kv_blocks: int
+    kv_role: str = "colocated"
+    kv_layout: KVLayout | None = None  # how this engine's KV blocks lie (disaggregated roles)
+    kv_source: KVSource | None = None  # where a prefill engine's blocks are read from
 
 
 @dataclass
@@ -95,6 +130,10 @@ class EngineCoreOutputs:
     stats: EngineStats
     # Requests the engine refused (request id -> reason); their streams end with an error.
     rejected: dict[str, str] = field(default_factory=dict)
+    # Prompt KV across engines (scheduler/remote_kv.py), by client request id.
+    kv_reserved: list[KVReservation] = field(default_factory=list)
+    kv_prefilled: list[KVPrefilled] = field(default_factory=list)
+    kv_loaded: list[KVLoadOutcome] = field(default_factory=list)
 
 
 @dataclass
@@ -112,6 +151,9 @@ Message = (
     | EngineCoreOutputs
     | EngineDead
     | SchedulerOutput  # a scheduler step for a runner in another process
+    | LoadKV
+    | ReleaseKV
+    | CancelKVWait
 )
 
 # Wire codes. Append only: a code never changes meaning.
@@ -129,6 +171,16 @@ _CODES: dict[type, int] = {
     NewRequestData: 10,
     CachedRequestData: 11,
     SchedulerOutput: 12,
+    # Prompt KV across engines.
+    KVLayout: 13,
+    KVSource: 14,
+    KVLoad: 15,
+    KVReservation: 16,
+    KVPrefilled: 17,
+    KVLoadOutcome: 18,
+    LoadKV: 19,
+    ReleaseKV: 20,
+    CancelKVWait: 21,
 }
 _TYPES = {code: cls for cls, code in _CODES.items()}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from cadence.scheduler.block_pool import BlockKey, BlockPool
 from cadence.scheduler.request import Request
 
@@ -139,9 +141,13 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
-    def check_integrity(self, requests: list[Request]) -> None:
-        """Assert refcounts, the free queue and every block table agree."""
+    def check_integrity(self, requests: list[Request], other_holders: Iterable[list[int]] = ()) -> None:
+        """Assert refcounts, the free queue and every block table agree; `other_holders`
+        are block lists held outside any request's table."""
         expected: dict[int, int] = {}
+        for block_ids in other_holders:
+            for block_id in block_ids:
+                expected[block_id] = expected.get(block_id, 0) + 1
         for request in requests:
             assert len(set(request.block_ids)) == len(request.block_ids), f"{request.request_id} holds a block twice"
             assert len(request.block_ids) * self.block_size >= request.num_computed_tokens, (

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cadence.scheduler.kv_cache_manager import BlockCopy
+from cadence.scheduler.remote_kv import KVLoad
 from cadence.scheduler.request import Request, RunnerView
 
 
@@ -68,6 +69,10 @@ class SchedulerOutput:
     # Preempted this step: the runner drops their rows, keeping what outlives a preemption
     # (random generators, prompt positions already scored).
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Prompt KV to copy in from other engines, into blocks no scheduled request touches,
+    # and loads to stop (each reports a result either way).
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    kv_cancels: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

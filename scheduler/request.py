@@ -7,15 +7,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cadence.scheduler.block_pool import BlockKey
+from cadence.scheduler.remote_kv import RemoteKV
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; the prompt's KV comes from another engine
+    HOLDING_KV = "holding_kv"  # prompt computed for another engine, which reads the blocks
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_SENT = "finished_sent"  # its prompt KV was read by another engine
 
     @property
     def is_finished(self) -> bool:
@@ -31,6 +35,7 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_SENT,
 }
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -79,6 +84,7 @@ class Request:
     # The request whose prompt KV this one will share (n > 1); None once forked.
     fork_parent_id: str | None = None
     skip_prefix_cache: bool = False  # prompt logprobs need every prompt position computed
+    remote_kv: RemoteKV | None = None  # set when the prompt's KV crosses engines
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -116,6 +122,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """How many tokens end up computed here: all, or for a prompt sent to another
+        engine all but the last, which that engine computes to sample from."""
+        return self.num_tokens - 1 if self.remote_kv is RemoteKV.SEND else self.num_tokens
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -16,8 +16,16 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cadence.scheduler.kv_cache_manager import BlockCopy, KVCacheManager
+from cadence.scheduler.kv_cache_manager import BlockCopy, KVCacheManager, cdiv
 from cadence.scheduler.output import NewRequestData, SchedulerOutput, describe
+from cadence.scheduler.remote_kv import (
+    KVLoad,
+    KVLoadOutcome,
+    KVLoadResult,
+    KVPrefilled,
+    KVReservation,
+    RemoteKV,
+)
 from cadence.scheduler.request import Request, RequestStatus
 
 
@@ -52,6 +60,18 @@ class ScheduledRequest:
 
 
 @dataclass
+class KVEvents:
+    """What happened to cross-engine prompt KV since they were last taken."""
+
+    reserved: list[KVReservation]
+    prefilled: list[KVPrefilled]
+    loaded: list[KVLoadOutcome]
+
+    def __bool__(self) -> bool:
+        return bool(self.reserved or self.prefilled or self.loaded)
+
+
+@dataclass
 class FinishedRequest:
     """A request that ended during `update`, with the reason."""
 
@@ -77,6 +97,17 @@ class Scheduler:
         # The latest step's work, which `update` advances; the runner never sees it.
         self._last_output: SchedulerOutput | None = None
         self._scheduled: list[ScheduledRequest] = []
+        # Cross-engine prompt KV (scheduler/remote_kv.py). Decode side: requests parked on
+        # reserved blocks, those whose load the runner has, and blocks of requests that
+        # ended mid-load, freed once the runner reports the load over. Prefill side:
+        # requests computed for a reader, holding their blocks.
+        self.awaiting_kv: dict[str, Request] = {}
+        self.held_kv: dict[str, Request] = {}
+        self._loading: set[str] = set()
+        self._orphaned_loads: dict[str, list[int]] = {}
+        self._kv_loads: list[KVLoad] = []
+        self._kv_cancels: list[str] = []
+        self._kv_events = KVEvents([], [], [])
 
     # ----- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -101,12 +132,133 @@ class Scheduler:
             aborted.append(request)
         return aborted
 
+    # ----- prompt KV from and for other engines (scheduler/remote_kv.py) ---------------
+    def start_kv_load(self, request_id: str, source: object, remote_block_ids: list[int]) -> str | None:
+        """Load a parked request's missing prompt KV from `source`, whose block i holds
+        tokens [i * block_size, (i + 1) * block_size). Returns why not, or None.
+
+        A source too short for the prompt ends the wait at once: the request computes
+        what it lacks here."""
+        request = self.awaiting_kv.get(request_id)
+        if request is None:
+            return f"request {request_id!r} is not waiting for KV"
+        if request_id in self._loading:
+            return f"request {request_id!r} is already loading KV"
+        first = request.num_computed_tokens // self.kv_cache.block_size
+        last = cdiv(request.num_prompt_tokens - 1, self.kv_cache.block_size)
+        if len(remote_block_ids) < last:
+            error = f"the source holds {len(remote_block_ids)} blocks of the prompt's {last}"
+            self._end_kv_wait(request, request.num_computed_tokens, error)
+            return error
+        self._loading.add(request_id)
+        self._kv_loads.append(
+            KVLoad(request_id, source, list(remote_block_ids[first:last]), request.block_ids[first:last])
+        )
+        return None
+
+    def cancel_kv_wait(self, request_id: str, reason: str) -> bool:
+        """Stop waiting for a parked request's KV (its source died, or its deadline
+        passed): it computes what did not arrive here. False if it was not parked."""
+        request = self.awaiting_kv.get(request_id)
+        if request is None:
+            return False
+        self._drop_unsent_load(request_id)
+        if request_id in self._loading:
+            self._kv_cancels.append(request_id)  # the runner's result ends the wait
+        else:
+            self._end_kv_wait(request, request.num_computed_tokens, reason)
+        return True
+
+    def finish_kv_loads(self, results: list[KVLoadResult]) -> None:
+        """Apply the runner's reports on the loads it was given."""
+        block_size = self.kv_cache.block_size
+        for result in results:
+            orphaned = self._orphaned_loads.pop(result.request_id, None)
+            if orphaned is not None:
+                self.kv_cache.pool.free(reversed(orphaned))
+                continue
+            if result.request_id not in self._loading:
+                continue
+            self._loading.discard(result.request_id)
+            request = self.awaiting_kv[result.request_id]
+            loaded = request.num_computed_tokens + result.num_blocks_loaded * block_size
+            self._end_kv_wait(request, min(loaded, request.num_prompt_tokens - 1), result.error)
+
+    def release_sent_kv(self, request_ids: Iterable[str]) -> list[Request]:
+        """Free the blocks held for readers that are done with them; unknown ids are ignored."""
+        released = []
+        for request_id in request_ids:
+            request = self.held_kv.get(request_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_SENT)
+                released.append(request)
+        return released
+
+    def take_kv_events(self) -> KVEvents:
+        events, self._kv_events = self._kv_events, KVEvents([], [], [])
+        return events
+
+    def _reserve_for_remote_kv(self, request: Request) -> bool | None:
+        """Reserve blocks for a LOAD request's prompt and park it: True if parked, False
+        if the prefix cache already holds all it would load, None if blocks are short."""
+        cached_prefix = self.kv_cache.find_cached_prefix(request)
+        num_cached = len(cached_prefix) * self.kv_cache.block_size
+        wanted = request.num_prompt_tokens - 1
+        if num_cached >= wanted:
+            request.remote_kv = None
+            self._kv_events.reserved.append(KVReservation(request.request_id, num_cached, wanted))
+            return False
+        if self.kv_cache.allocate_slots(request, request.num_tokens - num_cached, cached_prefix) is None:
+            return None
+        self.waiting.pop(0)
+        request.num_cached_tokens = num_cached
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.awaiting_kv[request.request_id] = request
+        self._kv_events.reserved.append(KVReservation(request.request_id, num_cached, wanted))
+        return True
+
+    def _end_kv_wait(self, request: Request, num_tokens_loaded: int, error: str | None) -> None:
+        """Unpark a request with its first `num_tokens_loaded` tokens' KV in place; it
+        keeps its blocks and computes the rest here like any waiting request."""
+        del self.awaiting_kv[request.request_id]
+        wanted = request.num_prompt_tokens - 1
+        request.remote_kv = None
+        request.num_computed_tokens = max(request.num_computed_tokens, num_tokens_loaded)
+        self.kv_cache.cache_computed_blocks(request)
+        self._enqueue(request)
+        self._kv_events.loaded.append(KVLoadOutcome(request.request_id, num_tokens_loaded, wanted, error))
+
+    def _drop_unsent_load(self, request_id: str) -> None:
+        """A load the runner has not been given yet is simply never given."""
+        if any(load.request_id == request_id for load in self._kv_loads):
+            self._kv_loads = [load for load in self._kv_loads if load.request_id != request_id]
+            self._loading.discard(request_id)
+
+    def _hold_for_reader(self, request: Request) -> None:
+        """A SEND request's prompt KV is complete: keep its blocks for the reader; the
+        runner forgets it."""
+        if request in self.running:
+            self.running.remove(request)
+        request.status = RequestStatus.HOLDING_KV
+        request.runner_view = None
+        self.held_kv[request.request_id] = request
+        self._finished_ids.append(request.request_id)
+        num_blocks = cdiv(request.num_tokens_to_compute, self.kv_cache.block_size)
+        self._kv_events.prefilled.append(
+            KVPrefilled(request.request_id, request.block_ids[:num_blocks], request.num_tokens_to_compute)
+        )
+
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything: compute, or start, stop or wait on a load.
+        Requests parked for KV that nobody sent yet, and KV held for a reader, are not work."""
+        return bool(self.running or self.waiting or self._kv_loads or self._kv_cancels or self._loading)
 
     # ----- one step ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -119,7 +271,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens_to_compute - request.num_computed_tokens, budget)
             while True:
                 new_copies = self.kv_cache.allocate_slots(request, num_new)
                 if new_copies is not None:
@@ -141,9 +293,18 @@ class Scheduler:
         # Admitting new work while preempting would only thrash the cache.
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.remote_kv is RemoteKV.LOAD:
+                parked = self._reserve_for_remote_kv(request)
+                if parked is None and self._reclaim_waiting_blocks():
+                    continue
+                if parked is None:
+                    break
+                if parked:
+                    continue
+                # The prefix cache had the whole prompt: it runs here like any other.
             cached_prefix = [] if request.block_ids else self.kv_cache.find_cached_prefix(request)
             num_computed = request.num_computed_tokens + len(cached_prefix) * self.kv_cache.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_new = min(request.num_tokens_to_compute - num_computed, budget)
             new_copies = self.kv_cache.allocate_slots(request, num_new, cached_prefix)
             if new_copies is None:
                 # Children further back may pin the blocks this one needs; with nothing
@@ -154,6 +315,9 @@ class Scheduler:
             self.waiting.pop(0)
             if request.num_preemptions == 0 and cached_prefix:
                 request.num_cached_tokens = len(cached_prefix) * self.kv_cache.block_size
+            if num_new == 0:  # a prompt to send that the prefix cache holds whole
+                self._hold_for_reader(request)
+                continue
             copies.extend(new_copies)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -165,6 +329,8 @@ class Scheduler:
             block_copies=copies,
             finished_request_ids=self._finished_ids,
             preempted_request_ids=self._preempted_ids,
+            kv_loads=self._kv_loads,
+            kv_cancels=self._kv_cancels,
         )
         for item in scheduled.values():
             data = describe(item.request)
@@ -173,6 +339,7 @@ class Scheduler:
             else:
                 output.cached_requests.append(data)
         self._finished_ids, self._preempted_ids = [], []
+        self._kv_loads, self._kv_cancels = [], []
         self._last_output, self._scheduled = output, list(scheduled.values())
         return output
 
@@ -189,6 +356,9 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache.cache_computed_blocks(request)
+            if request.remote_kv is RemoteKV.SEND and request.num_computed_tokens >= request.num_tokens_to_compute:
+                self._hold_for_reader(request)
+                continue
             if request.num_computed_tokens >= request.num_prompt_tokens:
                 self._release_forks(request)
             token_id = sampled_token_ids.get(request.request_id)
@@ -232,6 +402,14 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.requests.pop(request.request_id, None)
+        self.held_kv.pop(request.request_id, None)
+        self._drop_unsent_load(request.request_id)
+        if self.awaiting_kv.pop(request.request_id, None) is not None and request.request_id in self._loading:
+            # A transfer may still write into its blocks: they wait for the runner's word.
+            self._loading.discard(request.request_id)
+            self._kv_cancels.append(request.request_id)
+            self._orphaned_loads[request.request_id] = request.block_ids
+            request.block_ids = []
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -260,7 +438,8 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Assert the queues, statuses and the KV cache agree (tests call it every step)."""
         pending = [r for children in self.pending_forks.values() for r in children]
-        tracked = self.running + self.waiting + pending
+        parked = list(self.awaiting_kv.values()) + list(self.held_kv.values())
+        tracked = self.running + self.waiting + pending + parked
         assert len({r.request_id for r in tracked}) == len(tracked), "a request is queued twice"
         assert {r.request_id for r in tracked} == set(self.requests), "queues and request map differ"
         assert len(self.running) <= self.config.max_num_seqs
@@ -271,7 +450,12 @@ class Scheduler:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         for request in pending:
             assert not request.block_ids, f"unforked {request.request_id} holds blocks"
-        for request in self.waiting + pending:
+        for request in self.waiting + pending + parked:
             assert request.runner_view is None, f"the runner still holds waiting {request.request_id}"
+        for request in self.awaiting_kv.values():
+            assert request.status == RequestStatus.WAITING_FOR_KV and request.remote_kv is RemoteKV.LOAD
+        for request in self.held_kv.values():
+            assert request.status == RequestStatus.HOLDING_KV and request.remote_kv is RemoteKV.SEND
+        assert self._loading <= set(self.awaiting_kv), "a load runs for a request that is not parked"
         assert self.waiting == sorted(self.waiting, key=lambda r: r.sort_key), "waiting out of order"
-        self.kv_cache.check_integrity(tracked)
+        self.kv_cache.check_integrity(tracked, self._orphaned_loads.values())

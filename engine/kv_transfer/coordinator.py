@@ -1,0 +1,217 @@
+"""The router's state machine for disaggregated requests: which engine does what, when.
+
+One request, seen from here:
+
+1. RESERVING: sent to a decode engine as a "load" request. The engine reserves blocks
+   for the prompt, adopting its prefix-cache hits, and parks it (no compute).
+2. The reservation comes back. If the prefix cache had the prompt, or too little is
+   left to be worth a transfer, the decode engine is told to compute the rest itself.
+   Otherwise PREFILLING: a prefill engine, the least loaded, gets a "send" request.
+3. The prefill engine reports the prompt's KV computed, in which blocks. LOADING: the
+   decode engine is told to read them.
+4. The decode engine reports the load's outcome (complete, or how far it got; it
+   computes whatever is missing). DECODING: the prefill engine frees its blocks now,
+   by this acknowledgement, not by a timeout. The decode engine streams the output.
+
+Failures never leave a request waiting: a dead prefill engine's requests are re-sent to
+another prefill engine or computed on their decode engine; a dead decode engine's
+requests are released on the prefill side and reported failed; a client abort reaches
+both engines. The engines keep deadlines of their own (kv_wait_timeout,
+kv_hold_timeout) in case a message is lost. This module only decides and sends
+messages; drivers deliver them (in-process engines, or engine processes over ZMQ).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from cadence.engine.protocol import (
+    AbortRequests,
+    CancelKVWait,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    LoadKV,
+    Message,
+    ReleaseKV,
+)
+from cadence.engine.sampling_params import SamplingParams
+
+
+class Phase(enum.Enum):
+    RESERVING = "reserving"
+    PREFILLING = "prefilling"
+    LOADING = "loading"
+    DECODING = "decoding"
+
+
+@dataclass
+class Route:
+    """Where one request is, and on which engines."""
+
+    request: EngineCoreRequest
+    decode: str
+    phase: Phase = Phase.RESERVING
+    prefill: str | None = None
+    num_tokens_to_prefill: int = 0
+
+
+class NoEngineError(RuntimeError):
+    """No live decode engine can take a request."""
+
+
+class Coordinator:
+    """Routes requests over prefill and decode engines and moves them through `Phase`."""
+
+    def __init__(self, send: Callable[[str, Message], None], min_remote_prefill_tokens: int = 1) -> None:
+        self.send = send
+        # Fewer uncached prompt tokens than this are computed on the decode engine: a
+        # transfer's fixed cost would outweigh the prefill it saves.
+        self.min_remote_prefill_tokens = min_remote_prefill_tokens
+        self.prefill: dict[str, EngineReady] = {}
+        self.decode: dict[str, EngineReady] = {}
+        self.routes: dict[str, Route] = {}
+        self.num_local_prefills = 0
+        self.num_remote_prefills = 0
+        self.num_rerouted = 0
+
+    # ----- engines -------------------------------------------------------------------
+    def add_engine(self, engine_id: str, ready: EngineReady) -> None:
+        """Admit an engine (again) after checking its KV layout against the others'."""
+        if ready.kv_role not in ("prefill", "decode"):
+            raise ValueError(f"engine {engine_id} has role {ready.kv_role!r}; a router needs prefill or decode engines")
+        if ready.kv_layout is None or (ready.kv_role == "prefill" and ready.kv_source is None):
+            raise ValueError(f"engine {engine_id} does not describe its KV blocks")
+        for other_id, other in {**self.prefill, **self.decode}.items():
+            assert other.kv_layout is not None
+            mismatch = other.kv_layout.mismatch(ready.kv_layout)
+            if mismatch is not None and other_id != engine_id:
+                raise ValueError(f"engine {engine_id} cannot exchange KV with {other_id}: {mismatch}")
+        (self.prefill if ready.kv_role == "prefill" else self.decode)[engine_id] = ready
+
+    def remove_engine(self, engine_id: str) -> list[str]:
+        """Forget a dead engine. Returns the requests that are lost with it (those it was
+        decoding); everything else moves on without it."""
+        if self.prefill.pop(engine_id, None) is not None:
+            for route in self.routes.values():
+                if route.prefill == engine_id and route.phase is Phase.PREFILLING:
+                    self._prefill_elsewhere(route, f"prefill engine {engine_id} is gone")
+            return []
+        self.decode.pop(engine_id, None)
+        lost = [rid for rid, route in self.routes.items() if route.decode == engine_id]
+        for request_id in lost:
+            self._drop(self.routes[request_id])
+        return lost
+
+    # ----- requests -----------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> str:
+        """Send a request to the least loaded decode engine; returns that engine's id."""
+        if not self.decode:
+            raise NoEngineError("no decode engine is available")
+        decode = min(self.decode, key=lambda e: (self._num_routes(e), e))
+        remote = request.sampling_params.prompt_logprobs is None and len(request.prompt_token_ids) > 1
+        self.routes[request.request_id] = Route(request, decode, Phase.RESERVING if remote else Phase.DECODING)
+        self.send(decode, replace(request, remote_kv="load" if remote else None))
+        if not remote:
+            self.num_local_prefills += 1
+        return decode
+
+    def abort(self, request_id: str) -> None:
+        """The client is gone: stop the request on every engine it touches."""
+        route = self.routes.get(request_id)
+        if route is not None:
+            self._drop(route)
+            self.send(route.decode, AbortRequests([request_id]))
+
+    def finished(self, request_id: str) -> None:
+        """The decode engine finished the request (every sequence)."""
+        route = self.routes.pop(request_id, None)
+        if route is not None and route.phase is not Phase.DECODING:
+            self._drop(route)
+
+    def engine_of(self, request_id: str) -> str | None:
+        route = self.routes.get(request_id)
+        return None if route is None else route.decode
+
+    # ----- what engines report ------------------------------------------------------
+    def on_outputs(self, engine_id: str, outputs: EngineCoreOutputs) -> None:
+        for reservation in outputs.kv_reserved:
+            route = self.routes.get(reservation.request_id)
+            if route is None or route.phase is not Phase.RESERVING:
+                continue
+            uncached = reservation.num_tokens - reservation.num_cached_tokens
+            route.num_tokens_to_prefill = uncached
+            if not reservation.needs_transfer:
+                route.phase = Phase.DECODING
+                self.num_local_prefills += 1
+            elif uncached < self.min_remote_prefill_tokens:
+                self._compute_on_decode(route, "the uncached part is short")
+            else:
+                self._prefill_elsewhere(route, None)
+        for prefilled in outputs.kv_prefilled:
+            route = self.routes.get(prefilled.request_id)
+            if route is None or route.prefill != engine_id or route.phase is not Phase.PREFILLING:
+                self.send(engine_id, ReleaseKV([prefilled.request_id]))  # nobody reads it any more
+                continue
+            source = self.prefill[engine_id].kv_source
+            assert source is not None
+            route.phase = Phase.LOADING
+            self.send(route.decode, LoadKV(prefilled.request_id, source, prefilled.block_ids))
+        for outcome in outputs.kv_loaded:
+            route = self.routes.get(outcome.request_id)
+            if route is None or route.decode != engine_id:
+                continue
+            if route.prefill is not None and route.prefill in self.prefill:
+                self.send(route.prefill, ReleaseKV([outcome.request_id]))
+            route.phase = Phase.DECODING
+        for request_id in outputs.rejected:
+            route = self.routes.get(request_id)
+            if route is not None and route.prefill == engine_id and route.phase is Phase.PREFILLING:
+                self._compute_on_decode(route, f"prefill engine {engine_id} refused it: {outputs.rejected[request_id]}")
+
+    # ----- internals ----------------------------------------------------------------
+    def _prefill_elsewhere(self, route: Route, reason: str | None) -> None:
+        """Send the prompt to the least loaded live prefill engine, or compute it on the
+        decode engine when there is none."""
+        candidates = [e for e in self.prefill if e != route.prefill]
+        if not candidates:
+            self._compute_on_decode(route, reason or "no prefill engine is available")
+            return
+        if route.prefill is not None:
+            self.num_rerouted += 1
+        engine = min(candidates, key=lambda e: (self._queued_prefill_tokens(e), e))
+        route.prefill, route.phase = engine, Phase.PREFILLING
+        request = route.request
+        self.num_remote_prefills += 1
+        self.send(
+            engine,
+            EngineCoreRequest(
+                request.request_id, request.prompt_token_ids, SamplingParams(max_tokens=1), request.priority, "send"
+            ),
+        )
+
+    def _compute_on_decode(self, route: Route, reason: str) -> None:
+        if route.prefill is not None and route.prefill in self.prefill:
+            self.send(route.prefill, AbortRequests([route.request.request_id]))
+        route.prefill, route.phase = None, Phase.DECODING
+        self.num_local_prefills += 1
+        self.send(route.decode, CancelKVWait([route.request.request_id], reason))
+
+    def _drop(self, route: Route) -> None:
+        """Free whatever a prefill engine holds or computes for the route."""
+        self.routes.pop(route.request.request_id, None)
+        busy = route.phase in (Phase.PREFILLING, Phase.LOADING)
+        if busy and route.prefill is not None and route.prefill in self.prefill:
+            self.send(route.prefill, AbortRequests([route.request.request_id]))
+
+    def _num_routes(self, engine_id: str) -> int:
+        return sum(1 for route in self.routes.values() if route.decode == engine_id)
+
+    def _queued_prefill_tokens(self, engine_id: str) -> int:
+        return sum(
+            route.num_tokens_to_prefill
+            for route in self.routes.values()
+            if route.prefill == engine_id and route.phase is Phase.PREFILLING
+        )

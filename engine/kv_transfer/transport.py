@@ -1,0 +1,73 @@
+"""The worker half of KV transfer: making one engine's blocks readable, and reading them.
+
+The decode side reads: every write into its blocks is its own, so an abort, a deadline
+or a dead prefill engine is handled by cancelling its own reads, and a block is never
+reused while a transfer could still write into it (the scheduler holds the blocks of a
+cancelled load until the transport reports it over). The prefill side only holds its
+blocks still until it is told the reader is done.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from cadence.engine.attention.backend import KVCache, split_kv_cache
+from cadence.engine.kv_transfer.layout import KVLayout
+from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """Where an engine's blocks can be read from: the transport that exported them, its
+    address for them, and their layout. It crosses processes; no tensor is inside."""
+
+    transport: str
+    address: str
+    layout: KVLayout
+
+
+class KVTransport(ABC):
+    """Exports this engine's KV cache to readers, and loads blocks from other engines."""
+
+    name: str
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Storage for one KV cache tensor; transports that need special memory override it."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    @abstractmethod
+    def export(self, kv_caches: list[KVCache], layout: KVLayout) -> KVSource:
+        """Make this engine's caches readable by other engines; called once."""
+
+    @abstractmethod
+    def start_load(self, load: KVLoad, kv_caches: list[KVCache]) -> None:
+        """Begin copying `load.remote_block_ids` of `load.source` into this engine's
+        `load.local_block_ids`. Every load is reported by `poll` exactly once."""
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> None:
+        """Stop a load as soon as possible; it is still reported by `poll`."""
+
+    @abstractmethod
+    def poll(self) -> list[KVLoadResult]:
+        """Loads that ended since the last poll. After a load is reported, nothing of it
+        writes into this engine's blocks any more."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop exporting and release what the transport holds."""
+
+
+def copy_blocks(source: list[KVCache], target: list[KVCache], source_ids: list[int], target_ids: list[int]) -> None:
+    """Copy whole blocks, every layer, keys and values (and scales of a quantized cache)."""
+    src = torch.tensor(source_ids, dtype=torch.int64)
+    dst = torch.tensor(target_ids, dtype=torch.int64)
+    for source_cache, target_cache in zip(source, target, strict=True):
+        for source_tensor, target_tensor in zip(split_kv_cache(source_cache), split_kv_cache(target_cache)):
+            if source_tensor is not None and target_tensor is not None:
+                target_tensor[:, dst.to(target_tensor.device)] = source_tensor[:, src.to(source_tensor.device)].to(
+                    target_tensor.device
+                )
