@@ -12,20 +12,25 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 import traceback
 from dataclasses import dataclass
 
+import torch
 import zmq
 
 from cadence.engine.engine_args import LOG_FORMAT, EngineArgs
 from cadence.engine.engine_core import EngineCore
-from cadence.engine.process_name import ENGINE, name_this_process
+from cadence.engine.process_name import ROLE_NAMES, name_this_process
 from cadence.engine.protocol import (
     AbortRequests,
+    CancelKVWait,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
+    LoadKV,
     Message,
+    ReleaseKV,
     Shutdown,
     decode,
     encode,
@@ -56,16 +61,27 @@ class EngineCoreLoop:
 
     def run(self) -> None:
         while not self.stopping:
-            busy = self.core.has_unfinished_requests()
-            received = self._drain_inputs(wait_ms=0 if busy else _IDLE_POLL_MS)
+            received = self._drain_inputs(wait_ms=0 if self.core.has_work() else self._idle_wait_ms())
             if os.getppid() != self.parent_pid:
                 return  # the server died without telling us; nobody reads our outputs
-            if self.core.has_unfinished_requests():
+            if self.core.has_work():
                 outputs = self.core.step()
                 self._send_outputs(outputs)
-            elif received:
-                # Idle, but aborts or rejections changed what the front end should show.
+                continue
+            # Prompt KV parked or held for another engine is not work, but has deadlines.
+            self.core.expire_kv_deadlines()
+            if self.core.has_work():
+                continue
+            if received:
+                # Idle, but aborts, rejections or KV messages changed what others should see.
                 self._send_outputs([])
+
+    def _idle_wait_ms(self) -> int:
+        """Sleep on the input socket until the next KV deadline, or the idle poll."""
+        deadline = self.core.next_kv_deadline()
+        if deadline is None:
+            return _IDLE_POLL_MS
+        return max(1, min(_IDLE_POLL_MS, int((deadline - time.monotonic()) * 1000) + 1))
 
     def _drain_inputs(self, wait_ms: int) -> bool:
         received = False
@@ -88,23 +104,38 @@ class EngineCoreLoop:
             for request_id, index in message.sequences:
                 if self.core.has_sequence(request_id, index):
                     self.core.abort_requests([self.core.sequence_id(request_id, index)])
+        elif isinstance(message, LoadKV):
+            self.core.start_kv_load(message.request_id, message.source, message.block_ids)
+        elif isinstance(message, ReleaseKV):
+            self.core.release_sent_kv(message.request_ids)
+        elif isinstance(message, CancelKVWait):
+            self.core.cancel_kv_wait(message.request_ids, message.reason)
         elif isinstance(message, Shutdown):
             self.stopping = True
         else:
             raise TypeError(f"the engine cannot handle {type(message).__name__}")
 
     def _send_outputs(self, outputs: list) -> None:
-        message = EngineCoreOutputs(outputs, self.core.stats(), self._rejected)
+        events = self.core.take_kv_events()
+        message = EngineCoreOutputs(
+            outputs, self.core.stats(), self._rejected, events.reserved, events.prefilled, events.loaded
+        )
         self._rejected = {}
         self.outputs.send(encode(message), copy=False)
 
 
-def run_engine_core(args: EngineArgs, addresses: EngineAddresses, log_level: int = logging.WARNING) -> None:
+def run_engine_core(
+    args: EngineArgs, addresses: EngineAddresses, log_level: int = logging.WARNING, cpus: list[int] | None = None
+) -> None:
     """Process entry point: build the engine, say it is ready, and serve until told to stop.
 
     ``log_level`` is the server's: what loading decides (the CPU kernels, the quantized
-    layers) is logged from this process."""
-    name_this_process(ENGINE)
+    layers) is logged from this process. ``cpus`` pins the engine, and its torch threads
+    (one per CPU), to those CPUs, so that engines sharing a host do not share cores."""
+    name_this_process(ROLE_NAMES[args.kv_role])
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     # Ctrl-C reaches the whole process group; the server decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -83,6 +83,8 @@ class EngineArgs:
         from cadence.engine.kv_transfer.factory import validate_kv_transport
 
         validate_kv_transport(self.kv_transport)
+        # That a prefill engine holds longer than its decode engines wait is checked where
+        # both are known, when the router admits them.
         if not (self.kv_wait_timeout > 0 and self.kv_hold_timeout > 0):
             raise ValueError("kv_wait_timeout and kv_hold_timeout must be positive seconds")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:

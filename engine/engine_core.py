@@ -20,7 +20,7 @@ from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineReady, EngineStats
 from cadence.scheduler.output import SchedulerOutput
-from cadence.scheduler.remote_kv import RemoteKV
+from cadence.scheduler.remote_kv import KVLoadOutcome, KVPrefilled, KVReservation, RemoteKV
 from cadence.scheduler.request import Request, StopConditions
 from cadence.scheduler.scheduler import CacheConfig, KVEvents, Scheduler, SchedulerConfig
 
@@ -85,7 +85,9 @@ class EngineCore:
             CacheConfig(num_blocks, args.block_size, args.enable_prefix_caching),
         )
         self.num_kv_blocks = num_blocks
-        transport = None if args.kv_role == "colocated" else create_kv_transport(args.kv_transport)
+        transport = None
+        if args.kv_role != "colocated":
+            transport = create_kv_transport(args.kv_transport, exporting=args.kv_role == "prefill")
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -112,11 +114,13 @@ class EngineCore:
                 head_dim=spec.head_dim,
                 dtype=str(self.dtype).removeprefix("torch."),
                 kv_cache_dtype=args.kv_cache_dtype,
+                quantization=args.quantization or "none",
             )
             if args.kv_role == "prefill":
                 self.kv_source = transport.export(self.runner.kv_caches, self.kv_layout)
         # Scheduler ids parked for KV or holding it for a reader -> when that ends anyway.
         self._kv_deadlines: dict[str, float] = {}
+        self._forgotten: dict[str, str] = {}  # scheduler id -> client id, until events are taken
         self.num_expired_kv = 0
         if self.device.type == "cpu":
             self.runner.warm_up()
@@ -141,6 +145,8 @@ class EngineCore:
             kv_role=self.args.kv_role,
             kv_layout=self.kv_layout,
             kv_source=self.kv_source,
+            kv_wait_timeout=self.args.kv_wait_timeout,
+            kv_hold_timeout=self.args.kv_hold_timeout,
         )
 
     # ----- requests ------------------------------------------------------------------
@@ -277,16 +283,20 @@ class EngineCore:
         """What happened to prompt KV since the last call, by client request id."""
         events = self.scheduler.take_kv_events()
         now = time.monotonic()
+        # A request may have moved on, or ended, since its event: only live waits get deadlines.
         for reservation in events.reserved:
-            if reservation.needs_transfer:
+            if reservation.request_id in self.scheduler.awaiting_kv:
                 self._kv_deadlines[reservation.request_id] = now + self.args.kv_wait_timeout
-            reservation.request_id = self._sequences[reservation.request_id][0]
         for prefilled in events.prefilled:
-            self._kv_deadlines[prefilled.request_id] = now + self.args.kv_hold_timeout
-            prefilled.request_id = self._sequences[prefilled.request_id][0]
+            if prefilled.request_id in self.scheduler.held_kv:
+                self._kv_deadlines[prefilled.request_id] = now + self.args.kv_hold_timeout
         for outcome in events.loaded:
             self._kv_deadlines.pop(outcome.request_id, None)
-            outcome.request_id = self._sequences[outcome.request_id][0]
+        named: list[KVReservation | KVPrefilled | KVLoadOutcome] = [*events.reserved, *events.prefilled, *events.loaded]
+        for event in named:
+            sequence = self._sequences.get(event.request_id)
+            event.request_id = sequence[0] if sequence is not None else self._forgotten[event.request_id]
+        self._forgotten.clear()
         return events
 
     def expire_kv_deadlines(self) -> None:
@@ -302,6 +312,10 @@ class EngineCore:
             elif sub_id in self.scheduler.held_kv:
                 self.release_sent_kv([self._sequences[sub_id][0]])
                 self.num_expired_kv += 1
+
+    def next_kv_deadline(self) -> float | None:
+        """When the earliest wait for, or hold of, prompt KV ends (time.monotonic)."""
+        return min(self._kv_deadlines.values(), default=None)
 
     def _first_sequence(self, request_id: str) -> str | None:
         ids = self._children.get(request_id)
@@ -377,6 +391,8 @@ class EngineCore:
     def _forget(self, sub_id: str) -> None:
         self._kv_deadlines.pop(sub_id, None)
         request_id, _ = self._sequences.pop(sub_id)
+        if self.kv_layout is not None:  # its KV events, not taken yet, still name it
+            self._forgotten[sub_id] = request_id
         siblings = self._children[request_id]
         if not any(s in self._sequences for s in siblings):
             del self._children[request_id]

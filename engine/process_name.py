@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 ENGINE = "cadence-engine"
+# Engines of a disaggregated server, by role (prefill and decode workers).
+ROLE_NAMES = {"colocated": ENGINE, "prefill": "cadence-prefill", "decode": "cadence-decode"}
 
 
 def name_this_process(name: str) -> None:

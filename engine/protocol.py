@@ -120,6 +120,8 @@ class EngineReady:
     kv_role: str = "colocated"
     kv_layout: KVLayout | None = None  # how this engine's KV blocks lie (disaggregated roles)
     kv_source: KVSource | None = None  # where a prefill engine's blocks are read from
+    kv_wait_timeout: float = 0.0
+    kv_hold_timeout: float = 0.0
 
 
 @dataclass

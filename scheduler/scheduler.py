@@ -104,6 +104,7 @@ class Scheduler:
         self.awaiting_kv: dict[str, Request] = {}
         self.held_kv: dict[str, Request] = {}
         self._loading: set[str] = set()
+        self._cancelled_loads: set[str] = set()
         self._orphaned_loads: dict[str, list[int]] = {}
         self._kv_loads: list[KVLoad] = []
         self._kv_cancels: list[str] = []
@@ -111,7 +112,7 @@ class Scheduler:
 
     # ----- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._orphaned_loads:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         parent_id = request.fork_parent_id
@@ -165,6 +166,7 @@ class Scheduler:
         self._drop_unsent_load(request_id)
         if request_id in self._loading:
             self._kv_cancels.append(request_id)  # the runner's result ends the wait
+            self._cancelled_loads.add(request_id)
         else:
             self._end_kv_wait(request, request.num_computed_tokens, reason)
         return True
@@ -181,6 +183,11 @@ class Scheduler:
                 continue
             self._loading.discard(result.request_id)
             request = self.awaiting_kv[result.request_id]
+            if result.request_id in self._cancelled_loads:
+                # Cancelled because its time ran out: the source may have freed its blocks
+                # since, so nothing that arrived is trusted.
+                self._cancelled_loads.discard(result.request_id)
+                result = KVLoadResult(result.request_id, 0, result.error or "cancelled")
             loaded = request.num_computed_tokens + result.num_blocks_loaded * block_size
             self._end_kv_wait(request, min(loaded, request.num_prompt_tokens - 1), result.error)
 
@@ -258,7 +265,9 @@ class Scheduler:
     def has_work(self) -> bool:
         """Whether a step would do anything: compute, or start, stop or wait on a load.
         Requests parked for KV that nobody sent yet, and KV held for a reader, are not work."""
-        return bool(self.running or self.waiting or self._kv_loads or self._kv_cancels or self._loading)
+        return bool(
+            self.running or self.waiting or self._kv_loads or self._kv_cancels or self._loading or self._orphaned_loads
+        )
 
     # ----- one step ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -407,6 +416,7 @@ class Scheduler:
         if self.awaiting_kv.pop(request.request_id, None) is not None and request.request_id in self._loading:
             # A transfer may still write into its blocks: they wait for the runner's word.
             self._loading.discard(request.request_id)
+            self._cancelled_loads.discard(request.request_id)
             self._kv_cancels.append(request.request_id)
             self._orphaned_loads[request.request_id] = request.block_ids
             request.block_ids = []
@@ -457,5 +467,12 @@ class Scheduler:
         for request in self.held_kv.values():
             assert request.status == RequestStatus.HOLDING_KV and request.remote_kv is RemoteKV.SEND
         assert self._loading <= set(self.awaiting_kv), "a load runs for a request that is not parked"
+        assert self._cancelled_loads <= self._loading, "a cancelled load is not running"
+        assert {load.request_id for load in self._kv_loads} <= self._loading, "a load to start is not running"
+        assert not set(self._orphaned_loads) & set(self.requests), "a live request owns an orphaned load"
+        for request in self.held_kv.values():
+            assert request.num_computed_tokens == request.num_tokens_to_compute, f"{request.request_id} held early"
+        for request in self.running + self.waiting:
+            assert request.remote_kv is not RemoteKV.LOAD or not request.block_ids, f"{request.request_id} loads"
         assert self.waiting == sorted(self.waiting, key=lambda r: r.sort_key), "waiting out of order"
         self.kv_cache.check_integrity(tracked, self._orphaned_loads.values())

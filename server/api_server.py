@@ -13,12 +13,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.llm import load_tokenizer
 from cadence.server.api_models import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from cadence.server.engine_client import AsyncEngineClient, RestartPolicy
+from cadence.server.engine_client import AsyncEngineClient, RestartPolicy, Topology
 from cadence.server.errors import APIError, install_error_handlers, unavailable
 from cadence.server.guards import install_guards
 from cadence.server.metrics import build_registry, render
@@ -46,6 +46,8 @@ class ServerConfig:
     # Start a dead engine again (with backoff), or leave it dead for an orchestrator.
     engine_restart: bool = True
     engine_restart_limit: int = 5  # failed starts in a row before the server exits non-zero
+    # Prefill and decode engines on this host (engine/kv_transfer/); default: one engine.
+    topology: Topology = field(default_factory=Topology)
 
 
 @dataclass
@@ -64,7 +66,7 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
     and exit non-zero, so that its supervisor notices.
     """
     restart = RestartPolicy(enabled=config.engine_restart, max_failures=config.engine_restart_limit)
-    client = AsyncEngineClient(config.max_waiting, restart, on_fatal)
+    client = AsyncEngineClient(config.max_waiting, restart, on_fatal, config.topology)
     model_name = config.served_model_names[0]
     serving: list[Serving] = []  # filled once the engine has said what it can take
 
@@ -135,7 +137,10 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
     async def health() -> Response:
         if not client.is_healthy:
             return unavailable(client.unavailable_reason, client.retry_after).response()
-        return Response(status_code=200)
+        if client.coordinator is None:
+            return Response(status_code=200)
+        # Disaggregated: healthy while a decode engine serves; each engine's state is shown.
+        return JSONResponse({"engines": client.health()})
 
     @app.get("/version")
     async def version() -> dict:

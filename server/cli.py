@@ -141,9 +141,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="failed engine starts in a row after which the server exits with status 1",
     )
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
+    add_disaggregation_flags(serve)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_quantize_command(commands)
     return parser
+
+
+def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "prefill/decode disaggregation",
+        "run prompts (prefill) and generation (decode) in separate engine processes on this host, each pinned "
+        "to its own share of the CPUs; the server routes every request and moves its prompt KV between them",
+    )
+    group.add_argument("--prefill-workers", type=int, default=0, help="prefill engines (with --decode-workers)")
+    group.add_argument("--decode-workers", type=int, default=0, help="decode engines (with --prefill-workers)")
+    group.add_argument(
+        "--kv-transport", default="shared-memory", help="how decode engines read prompt KV: shared-memory or in-process"
+    )
+    group.add_argument(
+        "--min-remote-prefill-tokens",
+        type=_at_least_one,
+        default=1,
+        help="prompts with fewer uncached tokens are computed on their decode engine",
+    )
+    group.add_argument("--kv-wait-timeout", type=float, default=None, help="seconds a decode engine waits for KV")
+    group.add_argument(
+        "--kv-hold-timeout", type=float, default=None, help="seconds a prefill engine holds KV nobody acknowledged"
+    )
 
 
 def add_quantize_command(commands: argparse._SubParsersAction) -> None:
@@ -214,6 +238,7 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from cadence.server.api_server import ServerConfig, build_app
+    from cadence.server.engine_client import Topology
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     engine_args = engine_args_from(args)
@@ -226,6 +251,7 @@ def serve(args: argparse.Namespace) -> None:
         protect_metrics=args.protect_metrics,
         engine_restart=args.engine_restart == "always",
         engine_restart_limit=args.engine_restart_limit,
+        topology=Topology(args.prefill_workers, args.decode_workers, args.kv_transport, args.min_remote_prefill_tokens),
     )
     fatal: list[str] = []
     server: uvicorn.Server | None = None

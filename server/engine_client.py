@@ -1,14 +1,19 @@
-"""The server's handle on the EngineCore process: start it, feed it, fan out its outputs,
-and start it again when it dies.
+"""The server's handle on its engine processes: start them, feed them, fan out their
+outputs, and start them again when they die.
 
-All front-end work that is not the HTTP protocol lives here: one asyncio task reads the
-engine's per-step outputs, runs the `OutputProcessor` (detokenization, stop strings,
-logprob dicts) and wakes the `RequestStream` of every request that changed. Handlers
-only ever await their own stream, so a slow client never delays anyone else.
+All front-end work that is not the HTTP protocol lives here: each engine's output task
+(server/engine_slot.py) hands its per-step outputs to the `OutputProcessor`
+(detokenization, stop strings, logprob dicts), and the `RequestStream` of every request
+that changed is woken. Handlers only ever await their own stream, so a slow client never
+delays anyone else.
 
-When the engine process dies, what was in flight fails (503, or an error event), and
-the engine is started again after a backoff (`RestartPolicy`); until it is ready, new
-requests get 503 with Retry-After. Starts that keep failing end the server (`on_fatal`).
+Colocated, there is one engine. Disaggregated (`Topology`), there are prefill and decode
+engines, and a `Coordinator` (engine/kv_transfer/coordinator.py) routes each request:
+outputs come from decode engines, KV events from all of them. A dead prefill engine
+costs no request (its prompts are computed elsewhere); a dead decode engine fails the
+requests it held. Either way the engine is started again after a backoff
+(`RestartPolicy`) and re-admitted. While no engine can take a request, new requests get
+503 with Retry-After; starts that keep failing end the server (`on_fatal`).
 """
 
 from __future__ import annotations
@@ -16,32 +21,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
 from cadence.engine.engine_args import EngineArgs
+from cadence.engine.kv_transfer.coordinator import Coordinator, NoEngineError
+from cadence.engine.kv_transfer.factory import discard_source
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
 from cadence.engine.protocol import (
     AbortRequests,
     EngineCoreOutputs,
     EngineCoreRequest,
-    EngineDead,
     EngineReady,
     EngineStats,
+    Message,
 )
-from cadence.server.engine_process import EngineDeadError, EngineProcess
+from cadence.server.engine_process import EngineDeadError
+from cadence.server.engine_slot import EngineSlot, RestartPolicy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngineClient", "EngineDeadError", "EngineOverloadedError", "RequestRejectedError", "RequestStream"]
+__all__ = [
+    "AsyncEngineClient",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "RequestRejectedError",
+    "RequestStream",
+    "RestartPolicy",
+    "Topology",
+]
 
 
 class EngineOverloadedError(RuntimeError):
@@ -102,263 +118,176 @@ class RequestCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
-    engine_restarts: int = 0
-    # Engine counters of engines that died, so the exported totals never go back.
-    steps_before: int = 0
-    preemptions_before: int = 0
 
 
-@dataclass
-class RestartPolicy:
-    """When a dead engine is started again, and when the server stops trying."""
+@dataclass(frozen=True)
+class Topology:
+    """Prefill and decode engines on this host; none of either means colocated."""
 
-    enabled: bool = True
-    # Failed starts in a row (an engine that dies within `stable_after` of being ready
-    # counts as one) before the server exits for its supervisor to act.
-    max_failures: int = 5
-    first_delay: float = 1.0
-    max_delay: float = 30.0
-    stable_after: float = 60.0
+    num_prefill: int = 0
+    num_decode: int = 0
+    kv_transport: str = "shared-memory"
+    # Prompts with fewer uncached tokens than this are computed on their decode engine.
+    min_remote_prefill_tokens: int = 1
 
-    def delay(self, failures: int) -> float:
-        """Seconds to wait before start number `failures` (1-based) of a series."""
-        return min(self.max_delay, self.first_delay * 2 ** (failures - 1))
+    @property
+    def disaggregated(self) -> bool:
+        return self.num_prefill + self.num_decode > 0
+
+    def __post_init__(self) -> None:
+        if self.disaggregated and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError("disaggregated serving needs at least one prefill and one decode engine")
+
+    def engines(self, args: EngineArgs) -> dict[str, EngineArgs]:
+        """Each engine's name and arguments."""
+        if not self.disaggregated:
+            return {"engine": args}
+        engines = {}
+        for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+            for index in range(count):
+                engines[f"{role}-{index}"] = replace(args, kv_role=role, kv_transport=self.kv_transport)
+        return engines
+
+
+def split_cpus(names: list[str]) -> dict[str, list[int] | None]:
+    """Give each engine its own share of this process's CPUs, or none when there are
+    fewer CPUs than engines (then they share, as one engine alone would)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(names) < 2 or len(cpus) < len(names):
+        return dict.fromkeys(names)
+    share = len(cpus) // len(names)
+    return {name: cpus[i * share : (i + 1) * share] for i, name in enumerate(names)}
 
 
 @dataclass
 class _InFlight:
     stream: RequestStream
     num_sequences: int
+    engine: str  # the slot that serves its outputs
 
 
 class AsyncEngineClient:
-    """Starts the EngineCore process and talks to it over ZMQ with msgpack."""
+    """Starts the engine processes and talks to them over ZMQ with msgpack."""
 
     def __init__(
         self,
         max_waiting: int,
         restart: RestartPolicy | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        topology: Topology | None = None,
     ) -> None:
         self.processor = OutputProcessor(tokenizer=None)  # wait_ready() sets the tokenizer
         self.max_waiting = max_waiting
         self.restart_policy = restart or RestartPolicy()
         self.on_fatal = on_fatal
+        self.topology = topology or Topology()
         self.info: EngineReady | None = None
-        self.stats = EngineStats()
         self.counters = RequestCounters()
-        self.dead_reason: str | None = None
+        self.slots: dict[str, EngineSlot] = {}
+        self.coordinator: Coordinator | None = None
         self._in_flight: dict[str, _InFlight] = {}
         self._num_sequences = 0
         self._socket_dir = tempfile.mkdtemp(prefix="cadence-")
-        self._send_context = zmq.Context()
-        self._context = zmq.asyncio.Context()
-        self._args: EngineArgs | None = None
-        self._engine: EngineProcess | None = None
-        self._generation = 0
-        self._start_timeout = 600.0
-        self._output_task: asyncio.Task[None] | None = None
-        self._restart_task: asyncio.Task[None] | None = None
-        self._ready_at = 0.0
-        self._next_start_at = 0.0
-        self._failures = 0  # failed starts in the current series
+        self._contexts = (zmq.Context(), zmq.asyncio.Context())
         self._stopping = False
 
     # ----- lifecycle -----------------------------------------------------------------
     def spawn(self, args: EngineArgs) -> None:
-        """Bind the sockets and start the engine process; `wait_ready` then waits for it.
+        """Start every engine process; `wait_ready` then waits for them.
 
-        Split in two so the server can load its tokenizer while the engine loads the model.
+        Split in two so the server can load its tokenizer while the engines load the model.
         """
-        self._args = args
-        self._engine = self._new_engine()
-
-    def _new_engine(self) -> EngineProcess:
-        assert self._args is not None
-        self._generation += 1
-        return EngineProcess(self._args, self._socket_dir, self._generation, self._send_context, self._context)
+        engines = self.topology.engines(args)
+        cpus = split_cpus(list(engines))
+        for name, engine_args in engines.items():
+            policy = self.restart_policy
+            slot = EngineSlot(name, engine_args, self._socket_dir, self._contexts, policy, self, cpus[name])
+            self.slots[name] = slot
+            slot.spawn()
+        if self.topology.disaggregated:
+            self.coordinator = Coordinator(self._send, self.topology.min_remote_prefill_tokens)
 
     async def wait_ready(self, timeout: float, tokenizer: PreTrainedTokenizerBase | None) -> EngineReady:
-        """Wait for the engine's first EngineReady, then start reading its outputs."""
-        assert self._engine is not None, "spawn() first"
+        """Wait for every engine's first EngineReady, then start reading their outputs."""
+        assert self.slots, "spawn() first"
         self.processor.tokenizer = tokenizer
-        self._start_timeout = timeout
-        self.info = await self._engine.wait_ready(timeout)
-        logger.info(
-            "engine ready on %s (%s): %d KV blocks, max_model_len %d, max_num_seqs %d",
-            self.info.device,
-            self.info.dtype,
-            self.info.num_kv_blocks,
-            self.info.max_model_len,
-            self.info.max_num_seqs,
-        )
-        self._attach(self._engine)
+        readies = await asyncio.gather(*(slot.wait_ready(timeout) for slot in self.slots.values()))
+        for slot, info in zip(self.slots.values(), readies):
+            logger.info(
+                "%s ready on %s (%s): %d KV blocks, max_model_len %d, max_num_seqs %d",
+                slot.name,
+                info.device,
+                info.dtype,
+                info.num_kv_blocks,
+                info.max_model_len,
+                info.max_num_seqs,
+            )
+            if self.coordinator is not None:
+                self.coordinator.add_engine(slot.name, info)
+        self.info = readies[-1]  # a decode engine's when disaggregated: it serves the requests
         return self.info
 
-    def _attach(self, engine: EngineProcess) -> None:
-        """Serve from a ready engine: read its outputs and watch for its exit."""
-        loop = asyncio.get_running_loop()
-        self._ready_at = loop.time()
-        self.dead_reason = None
-        self._output_task = asyncio.create_task(self._read_outputs(engine), name="cadence-engine-outputs")
-        loop.add_reader(engine.sentinel, self._on_process_exit, engine)
-
-    async def _retire(self, engine: EngineProcess, timeout: float) -> None:
-        """Stop reading from an engine, stop it if it still runs, and close its sockets."""
-        asyncio.get_running_loop().remove_reader(engine.sentinel)
-        if self._output_task is not None:
-            self._output_task.cancel()
-            self._output_task = None
-        await engine.stop(timeout)
-
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Tell the engine to stop, wait for it, and kill it if it will not."""
+        """Tell the engines to stop, wait for them, and kill any that will not."""
         self._stopping = True
-        if self._restart_task is not None:
-            self._restart_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._restart_task
-        if self._engine is not None:
-            await self._retire(self._engine, timeout)
-        self._send_context.term()
-        self._context.term()
-        os.rmdir(self._socket_dir)
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        await asyncio.gather(*(slot.shutdown(timeout) for slot in self.slots.values()))
+        for context in self._contexts:
+            context.term()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self._fail(list(self._in_flight), EngineDeadError("the server is shutting down"))
+
+    def _serving_slots(self) -> list[EngineSlot]:
+        """The slots whose engines take requests: every decode engine, or the one engine."""
+        return [slot for slot in self.slots.values() if not slot.name.startswith("prefill")]
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_reason is None and self._engine is not None and self._engine.alive
+        """Whether a request can be served now (a dead prefill engine does not stop that)."""
+        return any(slot.is_healthy for slot in self._serving_slots())
 
     @property
     def is_restarting(self) -> bool:
-        return self._restart_task is not None and not self._restart_task.done()
+        return any(slot.is_restarting for slot in self._serving_slots())
 
     @property
     def retry_after(self) -> int:
-        """Seconds a refused client should wait: until the next start, at least one."""
-        if not self.is_restarting:
-            return 1
-        return max(1, math.ceil(self._next_start_at - asyncio.get_running_loop().time()))
+        """Seconds a refused client should wait: until the next engine start, at least one."""
+        waits = [slot.retry_after for slot in self._serving_slots() if slot.is_restarting]
+        return min(waits, default=1)
 
     @property
     def unavailable_reason(self) -> str:
         """Why requests are refused now (only meaningful while not healthy)."""
-        reason = self.dead_reason or "the engine is not running"
-        return f"{reason}; the engine is starting again" if self.is_restarting else reason
+        return "; ".join(slot.unavailable_reason for slot in self._serving_slots())
 
-    # ----- restarts ------------------------------------------------------------------
-    async def _restart(self) -> None:
-        """Start the engine again, with backoff, until it is ready or the policy gives up."""
-        policy = self.restart_policy
-        loop = asyncio.get_running_loop()
-        if loop.time() - self._ready_at >= policy.stable_after:
-            self._failures = 0
-        while True:
-            self._failures += 1
-            if self._failures > policy.max_failures:
-                self._give_up(f"the engine failed {policy.max_failures} starts in a row; last: {self.dead_reason}")
-                return
-            delay = policy.delay(self._failures)
-            self._next_start_at = loop.time() + delay
-            logger.warning(
-                "%s; starting it again in %.0f s (try %d of %d)",
-                self.dead_reason,
-                delay,
-                self._failures,
-                policy.max_failures,
-            )
-            await asyncio.sleep(delay)
-            assert self._engine is not None
-            try:
-                await self._retire(self._engine, timeout=5.0)
-                self._engine = self._new_engine()
-                self.info = await self._engine.wait_ready(self._start_timeout)
-            except Exception as error:  # noqa: BLE001 - any failure to start is a failed start, counted
-                self.dead_reason = f"the engine failed to start again: {error}"
-                continue
-            self.counters.engine_restarts += 1
-            self._attach(self._engine)
-            logger.warning("the engine is serving again (restart %d)", self.counters.engine_restarts)
-            return
-
-    def _give_up(self, reason: str) -> None:
-        self.dead_reason = reason
-        logger.error("%s; giving up", reason)
-        if self.on_fatal is not None:
-            self.on_fatal(reason)
-
-    # ----- requests ------------------------------------------------------------------
     @property
-    def max_sequences(self) -> int:
-        """The most sequences in flight at once: running plus waiting."""
-        assert self.info is not None
-        return self.info.max_num_seqs + self.max_waiting
+    def stats(self) -> EngineStats:
+        """The gauges of the engines that serve requests, summed (usage averaged)."""
+        serving = [slot.stats for slot in self._serving_slots()]
+        everyone = [slot.stats for slot in self.slots.values()]
+        return EngineStats(
+            num_running=sum(s.num_running for s in serving),
+            num_waiting=sum(s.num_waiting for s in serving),
+            kv_cache_usage=sum(s.kv_cache_usage for s in serving) / max(1, len(serving)),
+            num_preemptions=sum(s.num_preemptions for s in everyone),
+            num_steps=sum(s.num_steps for s in everyone),
+            num_waiting_for_kv=sum(s.num_waiting_for_kv for s in serving),
+            num_holding_kv=sum(s.num_holding_kv for s in everyone),
+        )
 
-    def add_request(
-        self, request: EngineCoreRequest, prompt: str | None, changed: asyncio.Event | None = None
-    ) -> RequestStream:
-        """Queue a request; raise EngineDeadError or EngineOverloadedError instead of queuing."""
-        if not self.is_healthy:
-            raise EngineDeadError(self.unavailable_reason)
-        assert self.info is not None and self._engine is not None
-        num_sequences = request.sampling_params.n
-        if self._num_sequences + num_sequences > self.max_sequences:
-            raise EngineOverloadedError(
-                f"the server is full: {self._num_sequences} sequences are in flight "
-                f"(max_num_seqs {self.info.max_num_seqs} + max_waiting {self.max_waiting})"
-            )
-        self.processor.add_request(request.request_id, prompt, request.prompt_token_ids, request.sampling_params)
-        try:
-            # Sent before any other bookkeeping: a value msgpack cannot carry leaves no trace.
-            self._engine.send(request)
-        except Exception:
-            self.processor.abort(request.request_id)
-            raise
-        output = self.processor.states[request.request_id].output
-        stream = RequestStream(self, output, self.processor, changed or asyncio.Event())
-        self._in_flight[request.request_id] = _InFlight(stream, num_sequences)
-        self._num_sequences += num_sequences
-        self.counters.prompt_tokens += len(request.prompt_token_ids)
-        return stream
+    def health(self) -> dict[str, str]:
+        """Each engine's state, for /health."""
+        return {
+            name: "serving" if slot.is_healthy else ("starting" if slot.is_restarting else "dead")
+            for name, slot in self.slots.items()
+        }
 
-    def abort(self, request_id: str) -> None:
-        entry = self._release(request_id)
-        if entry is None:
-            return
-        self.processor.abort(request_id)
-        self._count_finished("abort", entry.num_sequences)
-        if self.is_healthy and self._engine is not None:
-            # An engine that is gone frees everything anyway; its exit is handled on its own.
-            with contextlib.suppress(EngineDeadError):
-                self._engine.send(AbortRequests(request_ids=[request_id]))
-
-    def _release(self, request_id: str) -> _InFlight | None:
-        entry = self._in_flight.pop(request_id, None)
-        if entry is not None:
-            self._num_sequences -= entry.num_sequences
-        return entry
-
-    def _count_finished(self, reason: str, num_sequences: int = 1) -> None:
-        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + num_sequences
-
-    # ----- outputs -------------------------------------------------------------------
-    async def _read_outputs(self, engine: EngineProcess) -> None:
-        try:
-            while True:
-                message = await engine.recv()
-                if isinstance(message, EngineCoreOutputs):
-                    self._apply(engine, message)
-                elif isinstance(message, EngineDead):
-                    self._die(message.message)
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # without this task nothing is served
-            logger.exception("processing engine outputs failed")
-            self._die(f"processing engine outputs failed: {error!r}")
-
-    def _apply(self, engine: EngineProcess, message: EngineCoreOutputs) -> None:
-        self.stats = message.stats
+    # ----- what slots report ---------------------------------------------------------
+    def on_outputs(self, slot: EngineSlot, message: EngineCoreOutputs) -> None:
+        if self.coordinator is not None:
+            self.coordinator.on_outputs(slot.name, message)
+            if slot.name.startswith("prefill"):
+                return  # its refusals and KV events are the coordinator's business
         for request_id, reason in message.rejected.items():
             entry = self._release(request_id)
             self.processor.abort(request_id)
@@ -371,7 +300,7 @@ class AsyncEngineClient:
                 self._count_finished(completion.finish_reason or "abort")
         if to_abort:
             with contextlib.suppress(EngineDeadError):
-                engine.send(AbortRequests(sequences=to_abort))
+                slot.send(AbortRequests(sequences=to_abort))
         for request_id in {o.request_id for o in message.outputs}:
             entry = self._in_flight.get(request_id)
             if entry is None:
@@ -380,31 +309,109 @@ class AsyncEngineClient:
                 self._release(request_id)
             entry.stream._notify()
 
-    def _on_process_exit(self, engine: EngineProcess) -> None:
-        asyncio.get_running_loop().remove_reader(engine.sentinel)
-        if not self._stopping and engine is self._engine:
-            engine.process.join(1.0)  # its sentinel says it ended: this reaps it, for the exit code
-            self._die(f"the engine process exited unexpectedly (exit code {engine.process.exitcode})")
+    def on_dead(self, slot: EngineSlot, reason: str) -> None:
+        """Fail what the engine held; a prefill engine's prompts go elsewhere."""
+        if self.coordinator is None:
+            lost = list(self._in_flight)
+        else:
+            lost = self.coordinator.remove_engine(slot.name)
+            if slot.info is not None and slot.info.kv_source is not None:
+                discard_source(slot.info.kv_source)  # a killed engine could not
+        self._fail(lost, EngineDeadError(reason))
 
-    def _die(self, reason: str) -> None:
-        """Fail what was in flight, show the engine idle, and start it again if allowed."""
-        if self.dead_reason is not None:
+    def on_ready(self, slot: EngineSlot) -> None:
+        """A restarted engine takes work again."""
+        if self.coordinator is not None and slot.info is not None:
+            self.coordinator.add_engine(slot.name, slot.info)
+
+    def on_gave_up(self, slot: EngineSlot, reason: str) -> None:
+        """An engine will not start again: the server ends once none can serve."""
+        others = [s for s in self._serving_slots() if s is not slot]
+        if slot.name.startswith("prefill") or any(s.dead_reason is None or s.is_restarting for s in others):
+            logger.error("%s; serving on without it", reason)
+        elif self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    # ----- requests ------------------------------------------------------------------
+    @property
+    def max_sequences(self) -> int:
+        """The most sequences in flight at once: running plus waiting."""
+        assert self.info is not None
+        return self.info.max_num_seqs * len(self._serving_slots()) + self.max_waiting
+
+    def add_request(
+        self, request: EngineCoreRequest, prompt: str | None, changed: asyncio.Event | None = None
+    ) -> RequestStream:
+        """Queue a request; raise EngineDeadError or EngineOverloadedError instead of queuing."""
+        if not self.is_healthy:
+            raise EngineDeadError(self.unavailable_reason)
+        assert self.info is not None
+        num_sequences = request.sampling_params.n
+        if self._num_sequences + num_sequences > self.max_sequences:
+            raise EngineOverloadedError(
+                f"the server is full: {self._num_sequences} sequences are in flight "
+                f"(max_num_seqs {self.info.max_num_seqs} x {len(self._serving_slots())} engines "
+                f"+ max_waiting {self.max_waiting})"
+            )
+        self.processor.add_request(request.request_id, prompt, request.prompt_token_ids, request.sampling_params)
+        try:
+            # Sent before any other bookkeeping: a value msgpack cannot carry leaves no trace.
+            engine = self._submit(request)
+        except Exception:
+            self.processor.abort(request.request_id)
+            raise
+        output = self.processor.states[request.request_id].output
+        stream = RequestStream(self, output, self.processor, changed or asyncio.Event())
+        self._in_flight[request.request_id] = _InFlight(stream, num_sequences, engine)
+        self._num_sequences += num_sequences
+        self.counters.prompt_tokens += len(request.prompt_token_ids)
+        return stream
+
+    def _submit(self, request: EngineCoreRequest) -> str:
+        if self.coordinator is None:
+            (slot,) = self.slots.values()
+            slot.send(request)
+            return slot.name
+        try:
+            return self.coordinator.add_request(request)
+        except NoEngineError as error:
+            raise EngineDeadError(str(error)) from error
+
+    def abort(self, request_id: str) -> None:
+        entry = self._release(request_id)
+        if entry is None:
             return
-        self.dead_reason = reason
-        logger.error("%s", reason)
-        # What the dead engine left queued is for requests failed below: stop reading it.
-        if self._output_task is not None and self._output_task is not asyncio.current_task():
-            self._output_task.cancel()
-        self._output_task = None
-        self._fail_all(EngineDeadError(reason))
-        self.counters.steps_before += self.stats.num_steps
-        self.counters.preemptions_before += self.stats.num_preemptions
-        self.stats = EngineStats()
-        if self.restart_policy.enabled and not self._stopping and not self.is_restarting:
-            self._restart_task = asyncio.create_task(self._restart(), name="cadence-engine-restart")
+        self.processor.abort(request_id)
+        self._count_finished("abort", entry.num_sequences)
+        if self.coordinator is not None:
+            self.coordinator.abort(request_id)
+            return
+        slot = self.slots[entry.engine]
+        # An engine that is gone frees everything anyway; its exit is handled on its own.
+        with contextlib.suppress(EngineDeadError):
+            slot.send(AbortRequests(request_ids=[request_id]))
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self._in_flight):
+    def _send(self, engine: str, message: Message) -> None:
+        """The coordinator's way to an engine; a dead one hears nothing (its death is
+        handled when it is noticed)."""
+        slot = self.slots.get(engine)
+        if slot is not None:
+            with contextlib.suppress(EngineDeadError):
+                slot.send(message)
+
+    def _release(self, request_id: str) -> _InFlight | None:
+        entry = self._in_flight.pop(request_id, None)
+        if entry is not None:
+            self._num_sequences -= entry.num_sequences
+            if self.coordinator is not None and entry.stream.output.finished:
+                self.coordinator.finished(request_id)
+        return entry
+
+    def _count_finished(self, reason: str, num_sequences: int = 1) -> None:
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + num_sequences
+
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        for request_id in request_ids:
             entry = self._release(request_id)
             self.processor.abort(request_id)
             if entry is not None:

@@ -35,6 +35,7 @@ class EngineProcess:
         generation: int,
         send_context: zmq.Context,
         recv_context: zmq.asyncio.Context,
+        cpus: list[int] | None = None,
     ) -> None:
         self._paths = [os.path.join(socket_dir, f"{name}-{generation}") for name in ("inputs", "outputs")]
         addresses = EngineAddresses(*(f"ipc://{path}" for path in self._paths))
@@ -50,7 +51,7 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
             target=run_engine_core,
-            args=(args, addresses, logging.getLogger().getEffectiveLevel()),
+            args=(args, addresses, logging.getLogger().getEffectiveLevel(), cpus),
             name="cadence-engine-core",
             daemon=True,
         )

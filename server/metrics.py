@@ -35,6 +35,7 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self.client.stats
         counters = self.client.counters
+        slots = self.client.slots.values()
         yield self._gauge("cadence:num_requests_running", "Sequences in the engine's running batch.", stats.num_running)
         yield self._gauge("cadence:num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting)
         yield self._gauge(
@@ -46,15 +47,17 @@ class EngineCollector(Collector):
         yield self._counter(
             "cadence:num_preemptions",
             "Sequences preempted for lack of KV blocks.",
-            counters.preemptions_before + stats.num_preemptions,
+            sum(slot.counters.preemptions_before for slot in slots) + stats.num_preemptions,
         )
         yield self._counter(
-            "cadence:engine_steps", "Engine steps (one forward pass each) run.", counters.steps_before + stats.num_steps
+            "cadence:engine_steps",
+            "Engine steps (one forward pass each) run.",
+            sum(slot.counters.steps_before for slot in slots) + stats.num_steps,
         )
         yield self._counter(
             "cadence:engine_restarts",
             "Times the engine process was started again after dying.",
-            counters.engine_restarts,
+            sum(slot.counters.restarts for slot in slots),
         )
         yield self._counter("cadence:prompt_tokens", "Prompt tokens of admitted requests.", counters.prompt_tokens)
         yield self._counter("cadence:generation_tokens", "Tokens generated.", counters.generation_tokens)

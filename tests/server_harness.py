@@ -90,14 +90,21 @@ class ServerProcess:
     @property
     def engine_pid(self) -> int:
         """The EngineCore process: the server's child that names itself so."""
+        return self.engine_pids(ENGINE)[0]
+
+    def engine_pids(self, name: str) -> list[int]:
+        """The server's children named `name` (engine/process_name.py)."""
+        found = []
         for child in child_pids(self.process.pid):
             try:
                 with open(f"/proc/{child}/comm", encoding="ascii", errors="replace") as f:
-                    if f.read().strip() == ENGINE:
-                        return child
+                    if f.read().strip() == name:
+                        found.append(child)
             except OSError:
                 continue
-        raise RuntimeError("no engine process found")
+        if not found:
+            raise RuntimeError(f"no {name} process found")
+        return found
 
     def metric(self, name: str) -> float:
         """The value of one `cadence:` metric (summed over label sets)."""

@@ -24,7 +24,7 @@ messages; drivers deliver them (in-process engines, or engine processes over ZMQ
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from cadence.engine.protocol import (
@@ -84,6 +84,10 @@ class Coordinator:
             raise ValueError(f"engine {engine_id} has role {ready.kv_role!r}; a router needs prefill or decode engines")
         if ready.kv_layout is None or (ready.kv_role == "prefill" and ready.kv_source is None):
             raise ValueError(f"engine {engine_id} does not describe its KV blocks")
+        if ready.kv_role == "prefill":
+            self._check_deadlines(engine_id, ready, self.decode.values())
+        else:
+            self._check_deadlines(engine_id, ready, self.prefill.values())
         for other_id, other in {**self.prefill, **self.decode}.items():
             assert other.kv_layout is not None
             mismatch = other.kv_layout.mismatch(ready.kv_layout)
@@ -110,6 +114,8 @@ class Coordinator:
         """Send a request to the least loaded decode engine; returns that engine's id."""
         if not self.decode:
             raise NoEngineError("no decode engine is available")
+        if request.request_id in self.routes:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         decode = min(self.decode, key=lambda e: (self._num_routes(e), e))
         remote = request.sampling_params.prompt_logprobs is None and len(request.prompt_token_ids) > 1
         self.routes[request.request_id] = Route(request, decode, Phase.RESERVING if remote else Phase.DECODING)
@@ -139,7 +145,7 @@ class Coordinator:
     def on_outputs(self, engine_id: str, outputs: EngineCoreOutputs) -> None:
         for reservation in outputs.kv_reserved:
             route = self.routes.get(reservation.request_id)
-            if route is None or route.phase is not Phase.RESERVING:
+            if route is None or route.decode != engine_id or route.phase is not Phase.RESERVING:
                 continue
             uncached = reservation.num_tokens - reservation.num_cached_tokens
             route.num_tokens_to_prefill = uncached
@@ -152,6 +158,8 @@ class Coordinator:
                 self._prefill_elsewhere(route, None)
         for prefilled in outputs.kv_prefilled:
             route = self.routes.get(prefilled.request_id)
+            if route is not None and route.prefill == engine_id and route.phase is Phase.LOADING:
+                continue  # a repeat: the decode engine is reading that KV now
             if route is None or route.prefill != engine_id or route.phase is not Phase.PREFILLING:
                 self.send(engine_id, ReleaseKV([prefilled.request_id]))  # nobody reads it any more
                 continue
@@ -164,14 +172,33 @@ class Coordinator:
             if route is None or route.decode != engine_id:
                 continue
             if route.prefill is not None and route.prefill in self.prefill:
-                self.send(route.prefill, ReleaseKV([outcome.request_id]))
+                # Read, or the decode engine stopped waiting (its deadline) before the
+                # prompt was even computed: either way the prefill side's work is over.
+                done = ReleaseKV([outcome.request_id]) if route.phase is Phase.LOADING else None
+                self.send(route.prefill, done or AbortRequests([outcome.request_id]))
             route.phase = Phase.DECODING
-        for request_id in outputs.rejected:
+        for request_id, reason in outputs.rejected.items():
             route = self.routes.get(request_id)
-            if route is not None and route.prefill == engine_id and route.phase is Phase.PREFILLING:
-                self._compute_on_decode(route, f"prefill engine {engine_id} refused it: {outputs.rejected[request_id]}")
+            if route is None:
+                continue
+            if route.decode == engine_id:
+                self._drop(route)  # the client hears the refusal from the decode engine's outputs
+            elif route.prefill == engine_id and route.phase is Phase.PREFILLING:
+                self._compute_on_decode(route, f"prefill engine {engine_id} refused it: {reason}")
 
     # ----- internals ----------------------------------------------------------------
+    @staticmethod
+    def _check_deadlines(engine_id: str, ready: EngineReady, others: Iterable[EngineReady]) -> None:
+        """A prefill engine must hold KV longer than any decode engine waits for it: a
+        decode engine that gives up cancels its read before the blocks can be reused."""
+        for other in others:
+            prefill, decode = (ready, other) if ready.kv_role == "prefill" else (other, ready)
+            if prefill.kv_hold_timeout <= decode.kv_wait_timeout:
+                raise ValueError(
+                    f"engine {engine_id}: a prefill engine's kv_hold_timeout ({prefill.kv_hold_timeout:g} s) must "
+                    f"exceed every decode engine's kv_wait_timeout ({decode.kv_wait_timeout:g} s)"
+                )
+
     def _prefill_elsewhere(self, route: Route, reason: str | None) -> None:
         """Send the prompt to the least loaded live prefill engine, or compute it on the
         decode engine when there is none."""

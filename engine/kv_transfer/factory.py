@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cadence.engine.kv_transfer.transport import KVTransport
+from cadence.engine.kv_transfer.transport import KVSource, KVTransport
 
-KV_TRANSPORTS = ("in-process",)
+KV_TRANSPORTS = ("in-process", "shared-memory")
 
 
 def validate_kv_transport(name: str) -> None:
@@ -12,9 +12,22 @@ def validate_kv_transport(name: str) -> None:
         raise ValueError(f"unknown kv_transport {name!r}; use {', '.join(KV_TRANSPORTS)}")
 
 
-def create_kv_transport(name: str) -> KVTransport:
-    """A fresh transport of the named kind (imported on use: some need native libraries)."""
+def create_kv_transport(name: str, exporting: bool) -> KVTransport:
+    """A fresh transport of the named kind (imported on use: some need native libraries);
+    `exporting` for a prefill engine, whose caches others read."""
     validate_kv_transport(name)
+    if name == "shared-memory":
+        from cadence.engine.kv_transfer.shared_memory import SharedMemoryTransport
+
+        return SharedMemoryTransport(exporting=exporting)
     from cadence.engine.kv_transfer.in_process import InProcessTransport
 
     return InProcessTransport()
+
+
+def discard_source(source: KVSource) -> None:
+    """Free what a dead exporter left behind that outlives its process."""
+    if source.transport == "shared-memory":
+        from cadence.engine.kv_transfer.shared_memory import remove_source_files
+
+        remove_source_files(source)

@@ -22,6 +22,7 @@ class KVLayout:
     head_dim: int
     dtype: str  # the values' storage dtype
     kv_cache_dtype: str  # "auto", "int8" or "fp8" (the latter two carry per-slot scales)
+    quantization: str = "none"  # weights quantized at load compute other KV from the same checkpoint
 
     def mismatch(self, other: KVLayout) -> str | None:
         """Why blocks laid out as `other` cannot be read into this layout, or None."""

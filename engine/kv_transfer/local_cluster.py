@@ -32,6 +32,7 @@ class LocalCluster:
         for engine_id, core in self.engines.items():
             self.coordinator.add_engine(engine_id, core.ready_message())
         self._rejected: dict[str, dict[str, str]] = {}
+        self.rejected: dict[str, str] = {}  # request id -> why a decode engine refused it
         self._remaining: dict[str, int] = {}  # request id -> sequences not yet finished
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -64,6 +65,9 @@ class LocalCluster:
             )
             self.coordinator.on_outputs(engine_id, message)
             if engine_id in self.coordinator.decode:
+                for request_id, reason in rejected.items():
+                    self.rejected[request_id] = reason
+                    self._remaining.pop(request_id, None)
                 outputs.extend(produced)
                 self._count_finished(produced)
         return outputs

@@ -1,0 +1,245 @@
+"""The shared-memory KV transport: caches in /dev/shm files, read by other processes.
+
+A load must copy exactly the blocks it names (every other byte of the reader's cache
+stays as it was), see writes the exporter made after the reader mapped its files, refuse
+a source laid out otherwise without writing anything, and report a source whose process
+closed as an error rather than raise or read stale files. No file may outlive `close`.
+Contents are random bytes compared as bytes, so any dtype (and NaN patterns) compare.
+"""
+
+from __future__ import annotations
+
+import gc
+import glob
+import json
+import multiprocessing
+import os
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+
+import pytest
+import torch
+
+from cadence.engine.attention.backend import KVCache, split_kv_cache
+from cadence.engine.kv_transfer.layout import KVLayout
+from cadence.engine.kv_transfer.shared_memory import SharedMemoryTransport
+from cadence.engine.kv_transfer.transport import KVSource
+from cadence.engine.model_runner import TensorFactory, allocate_kv_cache
+from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a /dev/shm tmpfs")
+
+NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 3, 4, 2, 8
+CPU = torch.device("cpu")
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def make_caches(zeros: TensorFactory, kv_cache_dtype: str, num_blocks: int = 12, head_dim: int = HEAD_DIM):
+    shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    return [allocate_kv_cache(shape, torch.float32, kv_cache_dtype, CPU, zeros) for _ in range(NUM_LAYERS)]
+
+
+def plain_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def tensors(caches: list[KVCache]) -> list[torch.Tensor]:
+    return [tensor for cache in caches for tensor in split_kv_cache(cache) if tensor is not None]
+
+
+def fill(caches: list[KVCache], seed: int) -> None:
+    """Random bytes, the same for a seed in any process."""
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in tensors(caches):
+        raw = tensor.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+
+
+def snapshot(caches: list[KVCache]) -> list[torch.Tensor]:
+    return [tensor.view(torch.uint8).clone() for tensor in tensors(caches)]
+
+
+def expect_copied(before: list[torch.Tensor], source: list[KVCache], remote: list[int], local: list[int]):
+    expected = [tensor.clone() for tensor in before]
+    for target, tensor in zip(expected, tensors(source), strict=True):
+        target[:, local] = tensor.view(torch.uint8)[:, remote]
+    return expected
+
+
+def assert_bytes(caches: list[KVCache], expected: list[torch.Tensor]) -> None:
+    actual = snapshot(caches)
+    assert len(actual) == len(expected)
+    for ours, theirs in zip(actual, expected):
+        assert torch.equal(ours, theirs)
+
+
+def layout(kv_cache_dtype: str) -> KVLayout:
+    return KVLayout("test", NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, "float32", kv_cache_dtype)
+
+
+def files_of(source: KVSource) -> list[str]:
+    address = json.loads(source.address.removeprefix("shm:"))
+    return glob.glob(os.path.join(address["directory"], address["prefix"] + "-*"))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_load_copies_exactly_the_named_blocks(kv_cache_dtype: str) -> None:
+    exporter, reader = SharedMemoryTransport(), SharedMemoryTransport()
+    source_caches = make_caches(exporter.zeros, kv_cache_dtype)
+    assert all(torch.count_nonzero(tensor) == 0 for tensor in tensors(source_caches)), "zeros() zero-fills"
+    target = make_caches(reader.zeros, kv_cache_dtype, num_blocks=10)  # block counts may differ
+    fill(source_caches, seed=1)
+    fill(target, seed=2)
+    source = exporter.export(source_caches, layout(kv_cache_dtype))
+    assert isinstance(source.address, str) and source.transport == "shared-memory"
+    assert len(files_of(source)) == len(tensors(source_caches))
+
+    expected = expect_copied(snapshot(target), source_caches, [7, 2, 11], [0, 5, 9])
+    reader.start_load(KVLoad("a", source, [7, 2, 11], [0, 5, 9]), target)
+    assert reader.poll() == [KVLoadResult("a", 3)]
+    assert reader.poll() == []
+    assert_bytes(target, expected)
+
+    # The reader keeps its mapping; what the exporter writes later is what the next load sees.
+    fill(source_caches, seed=3)
+    expected = expect_copied(snapshot(target), source_caches, [4], [1])
+    reader.start_load(KVLoad("b", source, [4], [1]), target)
+    reader.cancel("b")  # over already: a no-op
+    assert reader.poll() == [KVLoadResult("b", 1)]
+    assert_bytes(target, expected)
+
+    exporter.close()
+    reader.close()
+    assert not files_of(source) and not glob.glob(f"/dev/shm/{reader.prefix}-*")
+    fill(source_caches, seed=4)  # the exporter's own tensors outlive its files
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "options", "load"),
+    [
+        ("int8", {}, ([1], [1])),  # values and scales here, values only in the source
+        ("auto", {"head_dim": 4}, ([1], [1])),
+        ("auto", {}, ([12], [0])),  # past the source's blocks
+        ("auto", {}, ([0, 1], [2])),
+    ],
+)
+def test_a_source_that_does_not_fit_is_refused_unwritten(kv_cache_dtype: str, options: dict, load) -> None:
+    exporter, reader = SharedMemoryTransport(), SharedMemoryTransport()
+    source_caches = make_caches(exporter.zeros, "auto")
+    fill(source_caches, seed=1)
+    source = exporter.export(source_caches, layout("auto"))
+    target = make_caches(plain_zeros, kv_cache_dtype, **options)
+    fill(target, seed=2)
+    before = snapshot(target)
+    reader.start_load(KVLoad("r", source, *load), target)
+    [result] = reader.poll()
+    assert result.num_blocks_loaded == 0 and result.error
+    assert_bytes(target, before)
+    exporter.close()
+
+
+def test_foreign_addresses_and_devices_are_refused() -> None:
+    transport = SharedMemoryTransport()
+    target = make_caches(plain_zeros, "auto")
+    layout_ = layout("auto")
+    for address in ["in-process:x", 'shm:{"directory":"/etc","prefix":"passwd","tensors":[]}', "shm:{"]:
+        transport.start_load(KVLoad("r", KVSource("shared-memory", address, layout_), [0], [0]), target)
+    transport.start_load(KVLoad("r", "not a source", [0], [0]), target)
+    results = transport.poll()
+    assert [r.num_blocks_loaded for r in results] == [0] * 4 and all(r.error for r in results)
+    with pytest.raises(ValueError, match="CPU"):
+        transport.zeros((2, 3), torch.float32, torch.device("cuda"))
+    with pytest.raises(ValueError, match="allocated"):
+        transport.export(target, layout_)
+
+
+def test_files_go_with_a_dropped_transport() -> None:
+    transport = SharedMemoryTransport()
+    tensor = transport.zeros((4, 4), torch.float32, CPU)
+    pattern = f"/dev/shm/{transport.prefix}-*"
+    assert len(glob.glob(pattern)) == 1
+    del transport
+    gc.collect()
+    assert not glob.glob(pattern)
+    tensor += 1  # still mapped
+
+
+def export_in_child(sources: Queue, done: Event) -> None:
+    """A prefill engine's half in another process: known contents in a plain and a
+    quantized cache, exported, held until told."""
+    transports = []
+    for kv_cache_dtype in KV_CACHE_DTYPES:
+        transport = SharedMemoryTransport()
+        caches = make_caches(transport.zeros, kv_cache_dtype)
+        fill(caches, seed=7)
+        sources.put((kv_cache_dtype, transport.export(caches, layout(kv_cache_dtype))))
+        transports.append(transport)
+    done.wait(30)
+    for transport in transports:
+        transport.close()
+
+
+def test_loads_across_processes_and_from_a_closed_source() -> None:
+    # One child for both cache kinds: a spawned child spends seconds importing torch.
+    context = multiprocessing.get_context("spawn")
+    queue, done = context.Queue(), context.Event()
+    child = context.Process(target=export_in_child, args=(queue, done), daemon=True)
+    child.start()
+    reader = SharedMemoryTransport()
+    loaded = {}
+    try:
+        sources: dict[str, KVSource] = dict(queue.get(timeout=60) for _ in KV_CACHE_DTYPES)
+        for kv_cache_dtype, source in sources.items():
+            known = make_caches(plain_zeros, kv_cache_dtype)
+            fill(known, seed=7)
+            target = make_caches(plain_zeros, kv_cache_dtype, num_blocks=6)
+            fill(target, seed=8)
+            expected = expect_copied(snapshot(target), known, [3, 10, 0], [5, 0, 2])
+            reader.start_load(KVLoad(kv_cache_dtype, source, [3, 10, 0], [5, 0, 2]), target)
+            assert reader.poll() == [KVLoadResult(kv_cache_dtype, 3)]
+            assert_bytes(target, expected)
+            loaded[kv_cache_dtype] = (source, target, expected)
+    finally:
+        done.set()
+        child.join(30)
+    assert child.exitcode == 0
+    fresh = SharedMemoryTransport()  # one that never mapped the source finds nothing either
+    for source, target, expected in loaded.values():
+        assert not files_of(source)
+        for transport, reason in ((reader, "gone"), (fresh, "cannot open")):
+            transport.start_load(KVLoad("late", source, [1], [1]), target)
+            [result] = transport.poll()
+            assert result.num_blocks_loaded == 0 and reason in str(result.error), result
+            assert_bytes(target, expected)
+
+
+def test_engines_over_shared_memory_match_colocated(tiny_model_dir) -> None:
+    # Imported here, not above: the spawned child imports this module, and needs no engine.
+    from cadence.engine.kv_transfer.local_cluster import LocalCluster
+    from cadence.engine.protocol import EngineCoreRequest
+    from cadence.engine.sampling_params import SamplingParams
+    from test_disaggregation import Tokens, collect, engine, run
+
+    model = tiny_model_dir("llama")
+    options = {"num_gpu_blocks": 200, "kv_transport": "shared-memory"}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    requests = [
+        EngineCoreRequest(f"p{n}", [(n * 7 + i * 13) % 499 + 1 for i in range(n)], params)
+        for n in (10, 37, 64, 100, 130)
+    ]
+    colocated = engine(model, num_gpu_blocks=200)
+    for request in requests:
+        colocated.add_request(request)
+    reference: Tokens = {}
+    while colocated.has_unfinished_requests():
+        collect(colocated.step, reference, {})
+    prefill, decode = engine(model, "prefill", **options), engine(model, "decode", **options)
+    cluster = LocalCluster([prefill], [decode])
+    tokens, _ = run(cluster, requests)
+    assert tokens == reference
+    assert cluster.coordinator.num_remote_prefills == len(requests)
+    assert prefill.kv_source is not None and prefill.kv_source.transport == "shared-memory"
+    for core in (prefill, decode):
+        assert core.runner.kv_transport is not None
+        core.runner.kv_transport.close()
+    assert not files_of(prefill.kv_source)

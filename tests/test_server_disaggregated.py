@@ -1,0 +1,133 @@
+"""`cadence serve --prefill-workers 1 --decode-workers 1`, end to end.
+
+Concurrent completions of mixed lengths (shared prefixes, chunked prompts, n > 1) must
+give the offline colocated engine's greedy text. Killing the prefill engine mid-burst
+costs no request (prompts are computed on the decode engine, then it is started again);
+killing the decode engine fails its requests with 503 and the server serves again once
+it is back.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from cadence import LLM, SamplingParams
+from server_checks import CMPL, MODEL, assert_error
+from server_harness import ServerProcess
+
+pytestmark = pytest.mark.slow  # three engine processes start, and start again
+
+OPTIONS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "max_model_len": 256,
+    "max_num_batched_tokens": 48,
+    "num_gpu_blocks": 400,
+}
+FLAGS = [f"--{name.replace('_', '-')}={value}" for name, value in OPTIONS.items()]
+
+
+def prompts(seed: int, count: int) -> list[tuple[list[int], int, int]]:
+    """(prompt token ids, max_tokens, n) for a mixed burst."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 500) for _ in range(40)]
+    return [
+        (
+            shared[: rng.choice([0, 8, 21, 40])] + [rng.randrange(1, 500) for _ in range(rng.choice([1, 5, 30, 120]))],
+            rng.randrange(4, 12),
+            2 if index % 7 == 3 else 1,
+        )
+        for index in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str) -> Iterator[ServerProcess]:
+    flags = ["--prefill-workers", "1", "--decode-workers", "1", "--served-model-name", MODEL, *FLAGS]
+    with ServerProcess(model_dir, *flags) as running:
+        yield running
+
+
+def offline_texts(model_dir: str, burst: list[tuple[list[int], int, int]]) -> list[list[str]]:
+    llm = LLM(model_dir, **OPTIONS)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, n=n) for _, m, n in burst]
+    outputs = llm.generate([{"prompt_token_ids": p} for p, _, _ in burst], params)
+    return [[c.text for c in output.outputs] for output in outputs]
+
+
+def complete(server: ServerProcess, prompt: list[int], max_tokens: int, n: int) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "n": n, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{server.base_url}{CMPL}", json=body, timeout=120)
+
+
+def burst_texts(server: ServerProcess, burst: list[tuple[list[int], int, int]], during=None) -> list[httpx.Response]:
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(complete, server, *item) for item in burst]
+        if during is not None:
+            during()
+        return [future.result() for future in futures]
+
+
+def texts_of(response: httpx.Response) -> list[str]:
+    assert response.status_code == 200, response.text
+    return [c["text"] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
+
+
+def wait_health(server: ServerProcess, engine: str, state: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        response = httpx.get(f"{server.base_url}/health", timeout=5)
+        if response.status_code == 200 and response.json()["engines"].get(engine) == state:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{engine} did not become {state}: {server.log()}")
+
+
+def test_disaggregated_server_gives_the_colocated_text(server: ServerProcess, model_dir: str) -> None:
+    burst = prompts(0, 32)
+    responses = burst_texts(server, burst)
+    assert [texts_of(r) for r in responses] == offline_texts(model_dir, burst)
+    health = httpx.get(f"{server.base_url}/health", timeout=5).json()
+    assert health == {"engines": {"prefill-0": "serving", "decode-0": "serving"}}
+    assert server.metric("cadence:num_requests_running") == 0.0
+
+
+def test_a_dead_prefill_engine_costs_no_request(server: ServerProcess, model_dir: str) -> None:
+    burst = prompts(1, 24)
+    (prefill_pid,) = server.engine_pids("cadence-prefill")
+
+    def kill() -> None:
+        time.sleep(0.3)
+        os.kill(prefill_pid, signal.SIGKILL)
+
+    responses = burst_texts(server, burst, kill)
+    assert [texts_of(r) for r in responses] == offline_texts(model_dir, burst)
+    assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+    wait_health(server, "prefill-0", "serving")
+    assert server.metric("cadence:engine_restarts_total") == 1.0
+    burst = prompts(2, 8)
+    assert [texts_of(r) for r in burst_texts(server, burst)] == offline_texts(model_dir, burst)
+
+
+def test_a_dead_decode_engine_fails_its_requests_then_serves_again(server: ServerProcess) -> None:
+    (decode_pid,) = server.engine_pids("cadence-decode")
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(complete, server, list(range(1, 30)), 200, 1)
+        time.sleep(0.5)
+        os.kill(decode_pid, signal.SIGKILL)
+        assert_error(long.result(), 503, type="service_unavailable")
+    wait_health(server, "decode-0", "serving")
+    assert texts_of(complete(server, list(range(1, 30)), 4, 1))
