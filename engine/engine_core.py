@@ -36,6 +36,8 @@ class StepTimings:
     execute: float = 0.0
     update: float = 0.0
     num_steps: int = 0
+    num_computed_tokens: int = 0
+    num_sampled_tokens: int = 0
 
 
 def generation_eos_ids(model_path: str, config: ModelConfig) -> set[int]:
@@ -330,6 +332,10 @@ class EngineCore:
             num_steps=self.timings.num_steps,
             num_waiting_for_kv=len(self.scheduler.awaiting_kv),
             num_holding_kv=len(self.scheduler.held_kv),
+            num_computed_tokens=self.timings.num_computed_tokens,
+            num_sampled_tokens=self.timings.num_sampled_tokens,
+            busy_seconds=self.timings.schedule + self.timings.execute + self.timings.update,
+            num_expired_kv=self.num_expired_kv,
         )
 
     # ----- the loop ------------------------------------------------------------------
@@ -352,6 +358,8 @@ class EngineCore:
         t.execute += executed_at - scheduled_at
         t.update += done - executed_at
         t.num_steps += 1
+        t.num_computed_tokens += scheduler_output.num_batched_tokens
+        t.num_sampled_tokens += len(runner_output.sampled_token_ids)
         return outputs
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:

@@ -67,6 +67,11 @@ class EngineStats:
     num_steps: int = 0
     num_waiting_for_kv: int = 0  # parked on reserved blocks until their prompt KV arrives
     num_holding_kv: int = 0  # prompts computed for other engines, held until read
+    # Cumulative work, from which a router derives each engine's prefill and decode rates.
+    num_computed_tokens: int = 0  # tokens through the model (prompt chunks and decodes)
+    num_sampled_tokens: int = 0
+    busy_seconds: float = 0.0  # time spent in steps
+    num_expired_kv: int = 0  # waits for KV and holds of KV that ran out of time
 
 
 # ----- messages that only the multi-process engine needs ------------------------------

@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cadence.engine.kv_transfer.transfer_stats import LATENCY_BUCKETS, recommended_prefill_decode_ratio
 from cadence.server.engine_client import AsyncEngineClient
 
 
@@ -71,9 +72,92 @@ class EngineCollector(Collector):
         yield success
 
 
+class DisaggregationCollector(Collector):
+    """Prefill/decode disaggregation: each engine's queues, the KV transfers the router
+    asked for, and the prefill-to-decode ratio the traffic calls for."""
+
+    def __init__(self, client: AsyncEngineClient, model_name: str) -> None:
+        self.client = client
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        coordinator = self.client.coordinator
+        if coordinator is None:
+            return
+        labels = [self.model_name]
+        queues = GaugeMetricFamily(
+            "cadence:engine_queue", "Sequences per engine and queue.", labels=["model_name", "engine", "queue"]
+        )
+        for name, slot in self.client.slots.items():
+            stats = slot.stats
+            for queue, value in (
+                ("running", stats.num_running),
+                ("waiting", stats.num_waiting),
+                ("waiting_for_kv", stats.num_waiting_for_kv),
+                ("holding_kv", stats.num_holding_kv),
+            ):
+                queues.add_metric([self.model_name, name, queue], value)
+        yield queues
+        transfer = coordinator.stats
+        latency = HistogramMetricFamily(
+            "cadence:kv_transfer_seconds",
+            "Seconds from asking a decode engine to load a prompt's KV to hearing it arrived (or not).",
+            labels=["model_name"],
+        )
+        cumulative, buckets = 0, []
+        for bound, count in zip(LATENCY_BUCKETS, transfer.latency_buckets):
+            cumulative += count
+            buckets.append((repr(bound), cumulative))
+        buckets.append(("+Inf", transfer.latency_count))
+        latency.add_metric(labels, buckets, transfer.latency_sum)
+        yield latency
+        loads = CounterMetricFamily(
+            "cadence:kv_transfers", "Prompt KV loads by outcome.", labels=["model_name", "outcome"]
+        )
+        loads.add_metric([self.model_name, "complete"], transfer.num_complete)
+        loads.add_metric([self.model_name, "incomplete"], transfer.num_incomplete)
+        yield loads
+        moved = CounterMetricFamily("cadence:kv_transfer_bytes", "KV bytes loaded across engines.", labels=labels)
+        moved.add_metric(labels, transfer.bytes_transferred)
+        yield moved
+        prefills = CounterMetricFamily(
+            "cadence:prefills", "Prompts by where they were computed.", labels=["model_name", "engine_role"]
+        )
+        prefills.add_metric([self.model_name, "prefill"], transfer.num_remote_prefills)
+        prefills.add_metric([self.model_name, "decode"], transfer.num_local_prefills)
+        yield prefills
+        rerouted = CounterMetricFamily(
+            "cadence:kv_prefill_reroutes", "Prompts sent to another prefill engine after theirs died.", labels=labels
+        )
+        rerouted.add_metric(labels, transfer.num_rerouted)
+        yield rerouted
+        expired = CounterMetricFamily(
+            "cadence:kv_expired", "Waits for KV and holds of KV that ran out of time, all engines.", labels=labels
+        )
+        expired.add_metric(labels, sum(slot.stats.num_expired_kv for slot in self.client.slots.values()))
+        yield expired
+        counters = self.client.counters
+        finished = sum(counters.finished.values())
+        ratio = recommended_prefill_decode_ratio(
+            [slot.stats for name, slot in self.client.slots.items() if name.startswith("prefill")],
+            [slot.stats for name, slot in self.client.slots.items() if name.startswith("decode")],
+            transfer.mean_remote_prompt_tokens,
+            counters.generation_tokens / finished if finished else 0.0,
+        )
+        recommended = GaugeMetricFamily(
+            "cadence:recommended_prefill_decode_ratio",
+            "Prefill engines per decode engine that would keep both equally busy under the current traffic "
+            "(0 until both have worked).",
+            labels=labels,
+        )
+        recommended.add_metric(labels, ratio)
+        yield recommended
+
+
 def build_registry(client: AsyncEngineClient, model_name: str) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(client, model_name))
+    registry.register(DisaggregationCollector(client, model_name))
     return registry
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from cadence.engine.kv_transfer.coordinator import Coordinator, NoEngineError, Phase
 from cadence.engine.kv_transfer.layout import KVLayout
+from cadence.engine.kv_transfer.transfer_stats import recommended_prefill_decode_ratio
 from cadence.engine.kv_transfer.transport import KVSource
 from cadence.engine.protocol import (
     AbortRequests,
@@ -129,7 +130,7 @@ def test_dead_prefill_engine_reroutes_and_dead_decode_loses_its_requests(coordin
     coordinator.add_request(request())
     coordinator.on_outputs("d0", events(reserved=[KVReservation("r", 0, 19)]))
     assert coordinator.remove_engine("p0") == []
-    assert sent[-1][0] == "p1" and coordinator.num_rerouted == 1
+    assert sent[-1][0] == "p1" and coordinator.stats.num_rerouted == 1
     coordinator.remove_engine("p1")
     assert isinstance(sent[-1][1], CancelKVWait), "no prefill engine left: computed on the decode engine"
     assert coordinator.remove_engine("d0") == ["r"]
@@ -147,3 +148,22 @@ def test_admission_checks_layouts_deadlines_and_ids(coordinator: Coordinator) ->
     coordinator.add_request(request())
     with pytest.raises(ValueError, match="in use"):
         coordinator.add_request(request())
+
+
+def test_recommended_ratio_balances_the_busy_time_of_both_pools() -> None:
+    # One prefill engine computes 1000 prompt tokens a busy second, one decode engine
+    # samples 50 tokens a busy second; requests bring 400 prompt and 100 output tokens.
+    prefill = EngineStats(num_computed_tokens=10_000, busy_seconds=10.0)
+    decode = EngineStats(num_sampled_tokens=500, busy_seconds=10.0)
+    # A prompt takes 0.4 s of a prefill engine, its output 2 s of a decode engine.
+    assert recommended_prefill_decode_ratio([prefill], [decode], 400, 100) == pytest.approx(0.2)
+    assert recommended_prefill_decode_ratio([prefill], [EngineStats()], 400, 100) == 0.0
+
+
+def test_transfer_stats_count_loads_bytes_and_latency(coordinator: Coordinator, sent: list) -> None:
+    to_loading(coordinator, sent)
+    coordinator.on_outputs("d0", events(loaded=[KVLoadOutcome("r", 19, 19, None)]))
+    stats = coordinator.stats
+    assert (stats.num_complete, stats.num_incomplete, stats.latency_count) == (1, 0, 1)
+    assert stats.bytes_transferred == 19 * LAYOUT.bytes_per_token
+    assert stats.mean_remote_prompt_tokens == 19

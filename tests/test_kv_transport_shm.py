@@ -237,7 +237,7 @@ def test_engines_over_shared_memory_match_colocated(tiny_model_dir) -> None:
     cluster = LocalCluster([prefill], [decode])
     tokens, _ = run(cluster, requests)
     assert tokens == reference
-    assert cluster.coordinator.num_remote_prefills == len(requests)
+    assert cluster.coordinator.stats.num_remote_prefills == len(requests)
     assert prefill.kv_source is not None and prefill.kv_source.transport == "shared-memory"
     for core in (prefill, decode):
         assert core.runner.kv_transport is not None

@@ -103,6 +103,13 @@ def test_disaggregated_server_gives_the_colocated_text(server: ServerProcess, mo
     health = httpx.get(f"{server.base_url}/health", timeout=5).json()
     assert health == {"engines": {"prefill-0": "serving", "decode-0": "serving"}}
     assert server.metric("cadence:num_requests_running") == 0.0
+    # Most prompts moved; the transfers, their bytes and latencies and the ratio are exported.
+    assert server.metric("cadence:prefills_total") == 32.0
+    assert server.metric("cadence:kv_transfers_total") >= 20.0
+    assert server.metric("cadence:kv_transfer_bytes_total") > 0.0
+    assert server.metric("cadence:kv_transfer_seconds_count") == server.metric("cadence:kv_transfers_total")
+    assert server.metric("cadence:recommended_prefill_decode_ratio") > 0.0
+    assert server.metric("cadence:engine_queue") == 0.0
 
 
 def test_a_dead_prefill_engine_costs_no_request(server: ServerProcess, model_dir: str) -> None:

@@ -24,9 +24,11 @@ messages; drivers deliver them (in-process engines, or engine processes over ZMQ
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
+from cadence.engine.kv_transfer.transfer_stats import TransferStats
 from cadence.engine.protocol import (
     AbortRequests,
     CancelKVWait,
@@ -56,6 +58,7 @@ class Route:
     phase: Phase = Phase.RESERVING
     prefill: str | None = None
     num_tokens_to_prefill: int = 0
+    load_sent_at: float = 0.0
 
 
 class NoEngineError(RuntimeError):
@@ -73,9 +76,7 @@ class Coordinator:
         self.prefill: dict[str, EngineReady] = {}
         self.decode: dict[str, EngineReady] = {}
         self.routes: dict[str, Route] = {}
-        self.num_local_prefills = 0
-        self.num_remote_prefills = 0
-        self.num_rerouted = 0
+        self.stats = TransferStats()
 
     # ----- engines -------------------------------------------------------------------
     def add_engine(self, engine_id: str, ready: EngineReady) -> None:
@@ -121,7 +122,7 @@ class Coordinator:
         self.routes[request.request_id] = Route(request, decode, Phase.RESERVING if remote else Phase.DECODING)
         self.send(decode, replace(request, remote_kv="load" if remote else None))
         if not remote:
-            self.num_local_prefills += 1
+            self.stats.num_local_prefills += 1
         return decode
 
     def abort(self, request_id: str) -> None:
@@ -151,7 +152,7 @@ class Coordinator:
             route.num_tokens_to_prefill = uncached
             if not reservation.needs_transfer:
                 route.phase = Phase.DECODING
-                self.num_local_prefills += 1
+                self.stats.num_local_prefills += 1
             elif uncached < self.min_remote_prefill_tokens:
                 self._compute_on_decode(route, "the uncached part is short")
             else:
@@ -166,11 +167,20 @@ class Coordinator:
             source = self.prefill[engine_id].kv_source
             assert source is not None
             route.phase = Phase.LOADING
+            route.load_sent_at = time.monotonic()
             self.send(route.decode, LoadKV(prefilled.request_id, source, prefilled.block_ids))
         for outcome in outputs.kv_loaded:
             route = self.routes.get(outcome.request_id)
             if route is None or route.decode != engine_id:
                 continue
+            if route.phase is Phase.LOADING:
+                layout = self.decode[engine_id].kv_layout
+                moved = max(0, outcome.num_tokens_loaded - (outcome.num_tokens_wanted - route.num_tokens_to_prefill))
+                self.stats.observe_load(
+                    time.monotonic() - route.load_sent_at,
+                    outcome.complete,
+                    moved * (layout.bytes_per_token if layout is not None else 0),
+                )
             if route.prefill is not None and route.prefill in self.prefill:
                 # Read, or the decode engine stopped waiting (its deadline) before the
                 # prompt was even computed: either way the prefill side's work is over.
@@ -207,11 +217,12 @@ class Coordinator:
             self._compute_on_decode(route, reason or "no prefill engine is available")
             return
         if route.prefill is not None:
-            self.num_rerouted += 1
+            self.stats.num_rerouted += 1
         engine = min(candidates, key=lambda e: (self._queued_prefill_tokens(e), e))
         route.prefill, route.phase = engine, Phase.PREFILLING
         request = route.request
-        self.num_remote_prefills += 1
+        self.stats.num_remote_prefills += 1
+        self.stats.remote_prompt_tokens += route.num_tokens_to_prefill
         self.send(
             engine,
             EngineCoreRequest(
@@ -223,7 +234,7 @@ class Coordinator:
         if route.prefill is not None and route.prefill in self.prefill:
             self.send(route.prefill, AbortRequests([route.request.request_id]))
         route.prefill, route.phase = None, Phase.DECODING
-        self.num_local_prefills += 1
+        self.stats.num_local_prefills += 1
         self.send(route.decode, CancelKVWait([route.request.request_id], reason))
 
     def _drop(self, route: Route) -> None:

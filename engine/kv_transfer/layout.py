@@ -24,6 +24,14 @@ class KVLayout:
     kv_cache_dtype: str  # "auto", "int8" or "fp8" (the latter two carry per-slot scales)
     quantization: str = "none"  # weights quantized at load compute other KV from the same checkpoint
 
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes over all layers (keys and values, and scales)."""
+        if self.kv_cache_dtype == "auto":
+            per_value = {"float32": 4}.get(self.dtype, 2)
+            return 2 * self.num_layers * self.num_kv_heads * self.head_dim * per_value
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + 4)  # one byte each, a float32 scale
+
     def mismatch(self, other: KVLayout) -> str | None:
         """Why blocks laid out as `other` cannot be read into this layout, or None."""
         ours, theirs = asdict(self), asdict(other)
