@@ -156,7 +156,10 @@ def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--prefill-workers", type=int, default=0, help="prefill engines (with --decode-workers)")
     group.add_argument("--decode-workers", type=int, default=0, help="decode engines (with --prefill-workers)")
     group.add_argument(
-        "--kv-transport", default="shared-memory", help="how decode engines read prompt KV: shared-memory or in-process"
+        "--kv-transport",
+        default=None,
+        help="how decode engines read prompt KV: shared-memory (one host, the default), or nixl (UCX, as vLLM, "
+        "SGLang and Dynamo do; install it with pip install --no-deps nixl-cu12)",
     )
     group.add_argument(
         "--min-remote-prefill-tokens",
@@ -251,7 +254,12 @@ def serve(args: argparse.Namespace) -> None:
         protect_metrics=args.protect_metrics,
         engine_restart=args.engine_restart == "always",
         engine_restart_limit=args.engine_restart_limit,
-        topology=Topology(args.prefill_workers, args.decode_workers, args.kv_transport, args.min_remote_prefill_tokens),
+        topology=Topology(
+            args.prefill_workers,
+            args.decode_workers,
+            args.kv_transport or "shared-memory",
+            args.min_remote_prefill_tokens,
+        ),
     )
     fatal: list[str] = []
     server: uvicorn.Server | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cadence.engine.kv_transfer.transport import KVSource, KVTransport
 
-KV_TRANSPORTS = ("in-process", "shared-memory")
+KV_TRANSPORTS = ("in-process", "shared-memory", "nixl")
 
 
 def validate_kv_transport(name: str) -> None:
@@ -20,6 +20,10 @@ def create_kv_transport(name: str, exporting: bool) -> KVTransport:
         from cadence.engine.kv_transfer.shared_memory import SharedMemoryTransport
 
         return SharedMemoryTransport(exporting=exporting)
+    if name == "nixl":
+        from cadence.engine.kv_transfer.nixl import NixlTransport
+
+        return NixlTransport(exporting=exporting)
     from cadence.engine.kv_transfer.in_process import InProcessTransport
 
     return InProcessTransport()
