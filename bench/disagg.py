@@ -30,10 +30,7 @@ from common.machine import Contention, machine_info, machine_line
 from common.open_loop import TimedStream, percentile, run_open_loop
 from common.served_engine import EngineSpec, ServedEngine
 
-CONFIGS = {
-    "colocated": [],
-    "1P+1D": ["--prefill-workers", "1", "--decode-workers", "1"],
-}
+DISAGGREGATED = ["--prefill-workers", "1", "--decode-workers", "1"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,6 +44,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ttft-slo", type=float, default=4.0, help="seconds; goodput counts requests within both SLOs")
     ap.add_argument("--itl-slo", type=float, default=0.25, help="seconds, a request's mean inter-token latency")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--min-remote-prefill-tokens",
+        type=int,
+        default=256,
+        help="the conditional configuration's threshold: shorter uncached prompts stay on the decode engine",
+    )
     return ap.parse_args(argv)
 
 
@@ -92,9 +95,16 @@ def transfer_totals(base_url: str) -> tuple[float, float]:
     return totals["cadence:kv_transfer_seconds_sum"], totals["cadence:kv_transfer_seconds_count"]
 
 
-def measure(config: str, args: argparse.Namespace) -> list[RateRun]:
+def configs(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each server's flags: one engine, always disaggregated, and disaggregated only for
+    prompts with enough uncached tokens."""
+    threshold = ["--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens)]
+    return {"colocated": [], "1P+1D always": DISAGGREGATED, "1P+1D conditional": DISAGGREGATED + threshold}
+
+
+def measure(config: str, flags: list[str], args: argparse.Namespace) -> list[RateRun]:
     command = [sys.executable, "-m", "cadence.server.cli", "serve", "--port", "{port}", "--max-model-len", "2048"]
-    spec = EngineSpec(config, command + CONFIGS[config], env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    spec = EngineSpec(config, command + flags, env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     runs = []
     with ServedEngine(spec) as server:
         print(f"{config}: started in {server.startup_seconds:.0f} s", flush=True)
@@ -102,6 +112,7 @@ def measure(config: str, args: argparse.Namespace) -> list[RateRun]:
         run_open_loop(server.base_url, server.model_name, workload(args, -1.0)[:2], 10.0, args.seed)
         for rate in args.rates:
             before = transfer_totals(server.base_url)
+            server_cpu = server.cpu_seconds()
             with Contention() as contention:
                 seconds, streams = run_open_loop(
                     server.base_url, server.model_name, workload(args, rate), rate, args.seed
@@ -109,7 +120,7 @@ def measure(config: str, args: argparse.Namespace) -> list[RateRun]:
             after = transfer_totals(server.base_url)
             count = after[1] - before[1]
             run = RateRun(rate, seconds, streams, (after[0] - before[0]) / count if count else 0.0, int(count), 0.0)
-            run.other_cores = contention.other_cores
+            run.other_cores = max(0.0, contention.other_cores - (server.cpu_seconds() - server_cpu) / seconds)
             runs.append(run)
             print(f"  rate {rate:g}/s: {summary(run, args)}", flush=True)
     return runs
@@ -124,8 +135,7 @@ def summary(run: RateRun, args: argparse.Namespace) -> str:
         f"ITL p50 {statistics.median(gaps) * 1000:.0f} ms p99 {percentile(gaps, 0.99) * 1000:.0f} ms, "
         f"long-output ITL p99 {percentile(short_gaps, 0.99) * 1000:.0f} ms, "
         f"goodput {run.goodput(args.ttft_slo, args.itl_slo):.3f} req/s, "
-        f"{run.transfers} transfers ({run.seconds:.0f} s; load generator and servers aside, "
-        f"the machine's cores were busy {run.other_cores:.2f})"
+        f"{run.transfers} transfers ({run.seconds:.0f} s; other processes used {run.other_cores:.2f} cores)"
     )
 
 
@@ -157,22 +167,27 @@ def report(results: dict[str, list[RateRun]], args: argparse.Namespace) -> None:
                 f"{share} |"
             )
     print()
-    base, other = results["colocated"], results["1P+1D"]
-    for index, rate in enumerate(args.rates):
-        short_base = percentile([g for s in base[index].of("long output") for g in s.gaps], 0.99)
-        short_other = percentile([g for s in other[index].of("long output") for g in s.gaps], 0.99)
-        ttft_base = statistics.median(s.ttft for s in base[index].streams)
-        ttft_other = statistics.median(s.ttft for s in other[index].streams)
-        print(
-            f"rate {rate:g}/s, 1P+1D against colocated: long-output ITL p99 x{short_base / short_other:.2f} better, "
-            f"TTFT p50 x{ttft_other / ttft_base:.2f}"
-        )
+    base = results["colocated"]
+    for config, runs in results.items():
+        if config == "colocated":
+            continue
+        for index, rate in enumerate(args.rates):
+            short_base = percentile([g for s in base[index].of("long output") for g in s.gaps], 0.99)
+            short_other = percentile([g for s in runs[index].of("long output") for g in s.gaps], 0.99)
+            ttft_base = statistics.median(s.ttft for s in base[index].streams)
+            ttft_other = statistics.median(s.ttft for s in runs[index].streams)
+            goodput_base = base[index].goodput(args.ttft_slo, args.itl_slo)
+            goodput_other = runs[index].goodput(args.ttft_slo, args.itl_slo)
+            print(
+                f"rate {rate:g}/s, {config} against colocated: long-output ITL p99 x{short_base / short_other:.2f} "
+                f"better, TTFT p50 x{ttft_other / ttft_base:.2f}, goodput {goodput_other:.3f} vs {goodput_base:.3f}/s"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     print(machine_line(machine_info()), flush=True)
-    results = {config: measure(config, args) for config in CONFIGS}
+    results = {config: measure(config, flags, args) for config, flags in configs(args).items()}
     report(results, args)
 
 
