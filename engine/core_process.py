@@ -138,7 +138,11 @@ def run_engine_core(
         torch.set_num_threads(len(cpus))
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     # Ctrl-C reaches the whole process group; the server decides when the engine stops.
+    # SIGTERM too: a process-group kill (a terminal, systemd's default KillMode) would
+    # otherwise end the engine mid-step while the server drains; it stops on Shutdown, or
+    # when the server is gone, and then closes what outlives a process (shared-memory KV).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(addresses.inputs)
@@ -147,8 +151,11 @@ def run_engine_core(
     outputs.connect(addresses.outputs)
     try:
         core = EngineCore(args)
-        outputs.send(encode(core.ready_message()))
-        EngineCoreLoop(core, inputs, outputs).run()
+        try:
+            outputs.send(encode(core.ready_message()))
+            EngineCoreLoop(core, inputs, outputs).run()
+        finally:
+            core.close()
     except Exception as error:  # reported to the server, then we exit
         detail = "".join(traceback.format_exception_only(type(error), error)).strip()
         traceback.print_exc()

@@ -151,6 +151,11 @@ class EngineCore:
             kv_hold_timeout=self.args.kv_hold_timeout,
         )
 
+    def close(self) -> None:
+        """Release what outlives the process: a KV transport's exported memory."""
+        if self.runner.kv_transport is not None:
+            self.runner.kv_transport.close()
+
     # ----- requests ------------------------------------------------------------------
     def validate(self, request: EngineCoreRequest) -> None:
         """Raise ValueError for a request the engine cannot serve, before touching state."""

@@ -9,6 +9,7 @@ it is back.
 
 from __future__ import annotations
 
+import glob
 import os
 import random
 import signal
@@ -21,7 +22,7 @@ import pytest
 
 from cadence import LLM, SamplingParams
 from server_checks import CMPL, MODEL, assert_error
-from server_harness import ServerProcess
+from server_harness import ServerProcess, pid_alive
 
 pytestmark = pytest.mark.slow  # three engine processes start, and start again
 
@@ -56,9 +57,12 @@ def model_dir(tiny_model_dir) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir: str) -> Iterator[ServerProcess]:
+    before = set(glob.glob("/dev/shm/cadence-kv-*"))
     flags = ["--prefill-workers", "1", "--decode-workers", "1", "--served-model-name", MODEL, *FLAGS]
     with ServerProcess(model_dir, *flags) as running:
         yield running
+    # A killed prefill engine's files are removed by the server, a stopped one's by itself.
+    assert set(glob.glob("/dev/shm/cadence-kv-*")) <= before, "KV files outlived their engines"
 
 
 def offline_texts(model_dir: str, burst: list[tuple[list[int], int, int]]) -> list[list[str]]:
@@ -137,4 +141,15 @@ def test_a_dead_decode_engine_fails_its_requests_then_serves_again(server: Serve
         os.kill(decode_pid, signal.SIGKILL)
         assert_error(long.result(), 503, type="service_unavailable")
     wait_health(server, "decode-0", "serving")
+    assert texts_of(complete(server, list(range(1, 30)), 4, 1))
+
+
+def test_engines_outlast_a_sigterm_that_reaches_them(server: ServerProcess) -> None:
+    """A process-group SIGTERM (a terminal, systemd) reaches the engines too: they leave
+    stopping to the server, which drains first (then the fixture checks their files)."""
+    pids = server.engine_pids("cadence-prefill") + server.engine_pids("cadence-decode")
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert all(pid_alive(pid) for pid in pids)
     assert texts_of(complete(server, list(range(1, 30)), 4, 1))
