@@ -67,9 +67,6 @@ class KVEvents:
     prefilled: list[KVPrefilled]
     loaded: list[KVLoadOutcome]
 
-    def __bool__(self) -> bool:
-        return bool(self.reserved or self.prefilled or self.loaded)
-
 
 @dataclass
 class FinishedRequest:

@@ -46,7 +46,7 @@ class ServerConfig:
     # Start a dead engine again (with backoff), or leave it dead for an orchestrator.
     engine_restart: bool = True
     engine_restart_limit: int = 5  # failed starts in a row before the server exits non-zero
-    # Prefill and decode engines on this host (engine/kv_transfer/); default: one engine.
+    # Prefill and decode engines beside the server (engine/kv_transfer/); default: one engine.
     topology: Topology = field(default_factory=Topology)
 
 

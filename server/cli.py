@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group(
         "prefill/decode disaggregation",
-        "run prompts (prefill) and generation (decode) in separate engine processes on this host, each pinned "
+        "run prompts (prefill) and generation (decode) in separate engine processes beside the server, each pinned "
         "to its own share of the CPUs; the server routes every request and moves its prompt KV between them",
     )
     group.add_argument("--prefill-workers", type=int, default=0, help="prefill engines (with --decode-workers)")

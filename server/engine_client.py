@@ -122,7 +122,7 @@ class RequestCounters:
 
 @dataclass(frozen=True)
 class Topology:
-    """Prefill and decode engines on this host; none of either means colocated."""
+    """Prefill and decode engines beside the server, on its host; none of either means colocated."""
 
     num_prefill: int = 0
     num_decode: int = 0
@@ -238,7 +238,7 @@ class AsyncEngineClient:
 
     def _serving_slots(self) -> list[EngineSlot]:
         """The slots whose engines take requests: every decode engine, or the one engine."""
-        return [slot for slot in self.slots.values() if not slot.name.startswith("prefill")]
+        return [slot for slot in self.slots.values() if slot.args.kv_role != "prefill"]
 
     @property
     def is_healthy(self) -> bool:
@@ -286,7 +286,7 @@ class AsyncEngineClient:
     def on_outputs(self, slot: EngineSlot, message: EngineCoreOutputs) -> None:
         if self.coordinator is not None:
             self.coordinator.on_outputs(slot.name, message)
-            if slot.name.startswith("prefill"):
+            if slot.args.kv_role == "prefill":
                 return  # its refusals and KV events are the coordinator's business
         for request_id, reason in message.rejected.items():
             entry = self._release(request_id)
@@ -327,7 +327,7 @@ class AsyncEngineClient:
     def on_gave_up(self, slot: EngineSlot, reason: str) -> None:
         """An engine will not start again: the server ends once none can serve."""
         others = [s for s in self._serving_slots() if s is not slot]
-        if slot.name.startswith("prefill") or any(s.dead_reason is None or s.is_restarting for s in others):
+        if slot.args.kv_role == "prefill" or any(s.dead_reason is None or s.is_restarting for s in others):
             logger.error("%s; serving on without it", reason)
         elif self.on_fatal is not None:
             self.on_fatal(reason)

@@ -139,8 +139,8 @@ class DisaggregationCollector(Collector):
         counters = self.client.counters
         finished = sum(counters.finished.values())
         ratio = recommended_prefill_decode_ratio(
-            [slot.stats for name, slot in self.client.slots.items() if name.startswith("prefill")],
-            [slot.stats for name, slot in self.client.slots.items() if name.startswith("decode")],
+            [slot.stats for slot in self.client.slots.values() if slot.args.kv_role == "prefill"],
+            [slot.stats for slot in self.client.slots.values() if slot.args.kv_role == "decode"],
             transfer.mean_remote_prompt_tokens,
             counters.generation_tokens / finished if finished else 0.0,
         )

@@ -20,17 +20,26 @@ from multiprocessing.synchronize import Event
 import pytest
 import torch
 
-from cadence.engine.attention.backend import KVCache, split_kv_cache
-from cadence.engine.kv_transfer.layout import KVLayout
 from cadence.engine.kv_transfer.shared_memory import SharedMemoryTransport
 from cadence.engine.kv_transfer.transport import KVSource
 from cadence.engine.model_runner import TensorFactory, allocate_kv_cache
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
+from kv_transport_checks import (
+    BLOCK_SIZE,
+    CPU,
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    assert_bytes,
+    expect_copied,
+    fill,
+    layout,
+    snapshot,
+    tensors,
+)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a /dev/shm tmpfs")
 
-NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 3, 4, 2, 8
-CPU = torch.device("cpu")
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
@@ -41,40 +50,6 @@ def make_caches(zeros: TensorFactory, kv_cache_dtype: str, num_blocks: int = 12,
 
 def plain_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
-
-
-def tensors(caches: list[KVCache]) -> list[torch.Tensor]:
-    return [tensor for cache in caches for tensor in split_kv_cache(cache) if tensor is not None]
-
-
-def fill(caches: list[KVCache], seed: int) -> None:
-    """Random bytes, the same for a seed in any process."""
-    generator = torch.Generator().manual_seed(seed)
-    for tensor in tensors(caches):
-        raw = tensor.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
-
-
-def snapshot(caches: list[KVCache]) -> list[torch.Tensor]:
-    return [tensor.view(torch.uint8).clone() for tensor in tensors(caches)]
-
-
-def expect_copied(before: list[torch.Tensor], source: list[KVCache], remote: list[int], local: list[int]):
-    expected = [tensor.clone() for tensor in before]
-    for target, tensor in zip(expected, tensors(source), strict=True):
-        target[:, local] = tensor.view(torch.uint8)[:, remote]
-    return expected
-
-
-def assert_bytes(caches: list[KVCache], expected: list[torch.Tensor]) -> None:
-    actual = snapshot(caches)
-    assert len(actual) == len(expected)
-    for ours, theirs in zip(actual, expected):
-        assert torch.equal(ours, theirs)
-
-
-def layout(kv_cache_dtype: str) -> KVLayout:
-    return KVLayout("test", NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, "float32", kv_cache_dtype)
 
 
 def files_of(source: KVSource) -> list[str]:

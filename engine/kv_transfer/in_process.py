@@ -11,11 +11,11 @@ import weakref
 
 from cadence.engine.attention.backend import KVCache
 from cadence.engine.kv_transfer.layout import KVLayout
-from cadence.engine.kv_transfer.transport import KVSource, KVTransport, copy_blocks
+from cadence.engine.kv_transfer.transport import KVSource, SynchronousTransport, copy_blocks
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
 
 
-class InProcessTransport(KVTransport):
+class InProcessTransport(SynchronousTransport):
     """Blocks copied straight out of another engine's tensors in this process."""
 
     name = "in-process"
@@ -25,7 +25,7 @@ class InProcessTransport(KVTransport):
     def __init__(self) -> None:
         self.kv_caches: list[KVCache] = []
         self.address = f"in-process:{uuid.uuid4().hex}"
-        self._results: list[KVLoadResult] = []
+        super().__init__()
 
     def export(self, kv_caches: list[KVCache], layout: KVLayout) -> KVSource:
         self.kv_caches = kv_caches
@@ -40,13 +40,6 @@ class InProcessTransport(KVTransport):
             return
         copy_blocks(exporter.kv_caches, kv_caches, load.remote_block_ids, load.local_block_ids)
         self._results.append(KVLoadResult(load.request_id, len(load.local_block_ids)))
-
-    def cancel(self, request_id: str) -> None:
-        pass  # every load is over by the time anyone could cancel it
-
-    def poll(self) -> list[KVLoadResult]:
-        results, self._results = self._results, []
-        return results
 
     def close(self) -> None:
         InProcessTransport._exported.pop(self.address, None)

@@ -38,7 +38,7 @@ import torch
 
 from cadence.engine.attention.backend import KVCache, QuantizedKVCache, split_kv_cache
 from cadence.engine.kv_transfer.layout import KVLayout
-from cadence.engine.kv_transfer.transport import KVSource, KVTransport, copy_blocks
+from cadence.engine.kv_transfer.transport import KVSource, SynchronousTransport, copy_blocks
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
 
 _SCHEME = "shm:"
@@ -129,7 +129,7 @@ def _map_read_only(file: _TensorFile) -> tuple[torch.Tensor, tuple[int, int]]:
     return raw.view(file.dtype).view(file.shape), (stat.st_dev, stat.st_ino)
 
 
-class SharedMemoryTransport(KVTransport):
+class SharedMemoryTransport(SynchronousTransport):
     """KV caches in tmpfs files that engine processes on one host map and read."""
 
     name = "shared-memory"
@@ -143,7 +143,7 @@ class SharedMemoryTransport(KVTransport):
         self._numbers = itertools.count()
         self._paths: list[str] = []  # still to unlink
         self._mappings: dict[str, _Mapping] = {}  # sources read from, by address
-        self._results: list[KVLoadResult] = []
+        super().__init__()
         # Also at exit or when the transport is collected: the list, not `self`, is held.
         self._finalizer = weakref.finalize(self, _unlink_all, self._paths)
 
@@ -241,13 +241,6 @@ class SharedMemoryTransport(KVTransport):
         for ids, tensors, side in ((load.remote_block_ids, source, "source"), (load.local_block_ids, target, "local")):
             if ids and tensors and not all(0 <= i < tensors[0].shape[1] for i in ids):
                 raise _LoadError(f"{side} block ids out of range 0..{tensors[0].shape[1] - 1}: {ids}")
-
-    def cancel(self, request_id: str) -> None:
-        pass  # every load is over by the time anyone could cancel it
-
-    def poll(self) -> list[KVLoadResult]:
-        results, self._results = self._results, []
-        return results
 
     def close(self) -> None:
         """Unlink our files (our own tensors stay usable) and drop the sources' mappings."""

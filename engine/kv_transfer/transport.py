@@ -61,6 +61,21 @@ class KVTransport(ABC):
         """Stop exporting and release what the transport holds."""
 
 
+class SynchronousTransport(KVTransport):
+    """A transport whose loads end inside `start_load`: their results wait for `poll`,
+    and nothing is ever left to cancel."""
+
+    def __init__(self) -> None:
+        self._results: list[KVLoadResult] = []
+
+    def cancel(self, request_id: str) -> None:
+        pass
+
+    def poll(self) -> list[KVLoadResult]:
+        results, self._results = self._results, []
+        return results
+
+
 def copy_blocks(source: list[KVCache], target: list[KVCache], source_ids: list[int], target_ids: list[int]) -> None:
     """Copy whole blocks, every layer, keys and values (and scales of a quantized cache)."""
     src = torch.tensor(source_ids, dtype=torch.int64)
