@@ -89,7 +89,7 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         transport = None
         if args.kv_role != "colocated":
-            transport = create_kv_transport(args.kv_transport, exporting=args.kv_role == "prefill")
+            transport = create_kv_transport(args.kv_transport, exporting=args.kv_role == "prefill", host=args.kv_host)
         self.runner = ModelRunner(
             self.model,
             num_blocks,
