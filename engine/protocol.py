@@ -144,6 +144,24 @@ class EngineCoreOutputs:
 
 
 @dataclass
+class LinkHello:
+    """Router to worker, first on a new link: `session` names the link; the worker answers
+    with its engine's EngineReady, or EngineDead while it has none (server/worker_link.py)."""
+
+    session: str
+
+
+@dataclass
+class LinkHeartbeat:
+    """Either way over a router-worker link, when nothing else was sent for a while."""
+
+
+@dataclass
+class LinkGoodbye:
+    """Router to worker: this session is over; everything it started is aborted."""
+
+
+@dataclass
 class EngineDead:
     """The engine hit an error it cannot recover from and is exiting."""
 
@@ -161,6 +179,9 @@ Message = (
     | LoadKV
     | ReleaseKV
     | CancelKVWait
+    | LinkHello
+    | LinkHeartbeat
+    | LinkGoodbye
 )
 
 # Wire codes. Append only: a code never changes meaning.
@@ -188,6 +209,10 @@ _CODES: dict[type, int] = {
     LoadKV: 19,
     ReleaseKV: 20,
     CancelKVWait: 21,
+    # A router's link to a worker on another host.
+    LinkHello: 22,
+    LinkHeartbeat: 23,
+    LinkGoodbye: 24,
 }
 _TYPES = {code: cls for cls, code in _CODES.items()}
 

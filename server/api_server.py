@@ -18,13 +18,15 @@ from fastapi.responses import JSONResponse, Response
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.llm import load_tokenizer
 from cadence.server.api_models import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from cadence.server.engine_client import AsyncEngineClient, RestartPolicy, Topology
+from cadence.server.engine_client import AsyncEngineClient, RestartPolicy
 from cadence.server.errors import APIError, install_error_handlers, unavailable
 from cadence.server.guards import install_guards
 from cadence.server.metrics import build_registry, render
 from cadence.server.prompts import PromptBuilder
 from cadence.server.serving_chat import ChatHandler
 from cadence.server.serving_completions import CompletionHandler
+from cadence.server.topology import LinkTiming, Topology, WorkerList
+from cadence.server.worker_link import tcp_address
 
 VERSION = "0.1.0"
 
@@ -48,6 +50,13 @@ class ServerConfig:
     engine_restart_limit: int = 5  # failed starts in a row before the server exits non-zero
     # Prefill and decode engines beside the server (engine/kv_transfer/); default: one engine.
     topology: Topology = field(default_factory=Topology)
+    # A worker (topology.role prefill or decode): where routers reach its engine; port 0
+    # takes any free port, announced at /worker.
+    link_host: str = "127.0.0.1"
+    link_port: int = 0
+    link_timing: LinkTiming = field(default_factory=LinkTiming)
+    # A router: the workers whose engines it drives, instead of engines of its own.
+    workers: WorkerList | None = None
 
 
 @dataclass
@@ -72,11 +81,16 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        client.spawn(engine_args)
+        if config.workers is not None:
+            client.connect(config.workers, config.link_timing)
+        else:
+            client.spawn(engine_args)
         try:
             # The tokenizer loads here while the engine process loads the model.
             tokenizer = await asyncio.to_thread(load_tokenizer, engine_args.model)
             info = await client.wait_ready(config.engine_start_timeout, tokenizer)
+            if config.topology.role != "colocated":
+                client.open_link(tcp_address(config.link_host, config.link_port), config.link_timing)
             prompts = PromptBuilder(tokenizer, info.max_model_len, info.vocab_size)
             serving.append(
                 Serving(
@@ -141,6 +155,13 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
             return Response(status_code=200)
         # Disaggregated: healthy while a decode engine serves; each engine's state is shown.
         return JSONResponse({"engines": client.health()})
+
+    @app.get("/worker")
+    async def worker() -> Response:
+        """What a router needs to drive this worker's engine."""
+        if client.link is None:
+            raise APIError(404, "this server is not a prefill or decode worker", type="not_found_error")
+        return JSONResponse({"role": config.topology.role, "link_port": client.link.port})
 
     @app.get("/version")
     async def version() -> dict:

@@ -15,6 +15,7 @@ import signal
 import sys
 
 from cadence.engine.engine_args import ENGINE_OPTIONS, LOG_FORMAT, EngineArgs, engine_args_for
+from cadence.server.cli_disaggregation import add_disaggregation_flags, add_router_command
 
 logger = logging.getLogger("cadence")
 
@@ -112,21 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "model", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)"
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (not on /health, /version, "
-        "and /metrics unless --protect-metrics)",
-    )
-    serve.add_argument("--protect-metrics", action="store_true", help="with --api-key, /metrics needs the key too")
-    serve.add_argument("--served-model-name", nargs="+", default=None, help="names clients use in 'model'")
+    add_http_flags(serve)
     add_engine_flags(serve)
-    serve.add_argument(
-        "--max-waiting", type=int, default=1024, help="sequences that may wait beyond max-num-seqs before 429s"
-    )
-    serve.add_argument("--max-request-body-bytes", type=parse_size, default=16 << 20)
     serve.add_argument(
         "--engine-restart",
         choices=["always", "never"],
@@ -140,37 +128,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=5,
         help="failed engine starts in a row after which the server exits with status 1",
     )
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
     add_disaggregation_flags(serve)
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_router_command(commands, add_http_flags)
     add_quantize_command(commands)
     return parser
 
 
-def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
-    group = serve.add_argument_group(
-        "prefill/decode disaggregation",
-        "run prompts (prefill) and generation (decode) in separate engine processes beside the server, each pinned "
-        "to its own share of the CPUs; the server routes every request and moves its prompt KV between them",
-    )
-    group.add_argument("--prefill-workers", type=int, default=0, help="prefill engines (with --decode-workers)")
-    group.add_argument("--decode-workers", type=int, default=0, help="decode engines (with --prefill-workers)")
-    group.add_argument(
-        "--kv-transport",
+def add_http_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of whatever serves the OpenAI API: `cadence serve` and `cadence router`."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
         default=None,
-        help="how decode engines read prompt KV: shared-memory (one host, the default), or nixl (UCX, as vLLM, "
-        "SGLang and Dynamo do; install it with pip install --no-deps nixl-cu12)",
+        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (not on /health, /version, "
+        "and /metrics unless --protect-metrics)",
     )
-    group.add_argument(
-        "--min-remote-prefill-tokens",
-        type=_at_least_one,
-        default=1,
-        help="prompts with fewer uncached tokens are computed on their decode engine",
+    parser.add_argument("--protect-metrics", action="store_true", help="with --api-key, /metrics needs the key too")
+    parser.add_argument("--served-model-name", nargs="+", default=None, help="names clients use in 'model'")
+    parser.add_argument(
+        "--max-waiting", type=int, default=1024, help="sequences that may wait beyond max-num-seqs before 429s"
     )
-    group.add_argument("--kv-wait-timeout", type=float, default=None, help="seconds a decode engine waits for KV")
-    group.add_argument(
-        "--kv-hold-timeout", type=float, default=None, help="seconds a prefill engine holds KV nobody acknowledged"
-    )
+    parser.add_argument("--max-request-body-bytes", type=parse_size, default=16 << 20)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def add_quantize_command(commands: argparse._SubParsersAction) -> None:
@@ -241,9 +222,11 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from cadence.server.api_server import ServerConfig, build_app
-    from cadence.server.engine_client import Topology
+    from cadence.server.cli_disaggregation import kv_host_for, topology_from, worker_list_from
+    from cadence.server.topology import LinkTiming
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    args.kv_host = kv_host_for(args)
     engine_args = engine_args_from(args)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     config = ServerConfig(
@@ -252,14 +235,13 @@ def serve(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting,
         max_request_body_bytes=args.max_request_body_bytes,
         protect_metrics=args.protect_metrics,
-        engine_restart=args.engine_restart == "always",
-        engine_restart_limit=args.engine_restart_limit,
-        topology=Topology(
-            args.prefill_workers,
-            args.decode_workers,
-            args.kv_transport or "shared-memory",
-            args.min_remote_prefill_tokens,
-        ),
+        engine_restart=getattr(args, "engine_restart", "always") == "always",
+        engine_restart_limit=getattr(args, "engine_restart_limit", 5),
+        topology=topology_from(args),
+        link_host=args.host,
+        link_port=getattr(args, "link_port", 0),
+        link_timing=LinkTiming(timeout=args.link_timeout, heartbeat=min(LinkTiming.heartbeat, args.link_timeout / 4)),
+        workers=worker_list_from(args),
     )
     fatal: list[str] = []
     server: uvicorn.Server | None = None
@@ -299,7 +281,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "router"):
         serve(args)
     elif args.command == "quantize":
         quantize(args)

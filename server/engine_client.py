@@ -21,11 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -45,7 +44,10 @@ from cadence.engine.protocol import (
     Message,
 )
 from cadence.server.engine_process import EngineDeadError
-from cadence.server.engine_slot import EngineSlot, RestartPolicy
+from cadence.server.engine_slot import EngineSlot, RestartPolicy, Slot
+from cadence.server.remote_slot import RemoteSlot
+from cadence.server.topology import LinkTiming, Topology, WorkerList, split_cpus
+from cadence.server.worker_link import WorkerLink
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ __all__ = [
     "RequestStream",
     "RestartPolicy",
     "Topology",
+    "WorkerList",
 ]
 
 
@@ -120,45 +123,6 @@ class RequestCounters:
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
 
 
-@dataclass(frozen=True)
-class Topology:
-    """Prefill and decode engines beside the server, on its host; none of either means colocated."""
-
-    num_prefill: int = 0
-    num_decode: int = 0
-    kv_transport: str = "shared-memory"
-    # Prompts with fewer uncached tokens than this are computed on their decode engine.
-    min_remote_prefill_tokens: int = 1
-
-    @property
-    def disaggregated(self) -> bool:
-        return self.num_prefill + self.num_decode > 0
-
-    def __post_init__(self) -> None:
-        if self.disaggregated and (self.num_prefill < 1 or self.num_decode < 1):
-            raise ValueError("disaggregated serving needs at least one prefill and one decode engine")
-
-    def engines(self, args: EngineArgs) -> dict[str, EngineArgs]:
-        """Each engine's name and arguments."""
-        if not self.disaggregated:
-            return {"engine": args}
-        engines = {}
-        for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
-            for index in range(count):
-                engines[f"{role}-{index}"] = replace(args, kv_role=role, kv_transport=self.kv_transport)
-        return engines
-
-
-def split_cpus(names: list[str]) -> dict[str, list[int] | None]:
-    """Give each engine its own share of this process's CPUs, or none when there are
-    fewer CPUs than engines (then they share, as one engine alone would)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(names) < 2 or len(cpus) < len(names):
-        return dict.fromkeys(names)
-    share = len(cpus) // len(names)
-    return {name: cpus[i * share : (i + 1) * share] for i, name in enumerate(names)}
-
-
 @dataclass
 class _InFlight:
     stream: RequestStream
@@ -183,8 +147,13 @@ class AsyncEngineClient:
         self.topology = topology or Topology()
         self.info: EngineReady | None = None
         self.counters = RequestCounters()
-        self.slots: dict[str, EngineSlot] = {}
+        self.slots: dict[str, Slot] = {}
         self.coordinator: Coordinator | None = None
+        self.link: WorkerLink | None = None  # a worker's: routers elsewhere drive its engine
+        self.workers: WorkerList | None = None  # a router's: it drives engines elsewhere
+        self._link_timing = LinkTiming()
+        self._decode_ready = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._in_flight: dict[str, _InFlight] = {}
         self._num_sequences = 0
         self._socket_dir = tempfile.mkdtemp(prefix="cadence-")
@@ -207,10 +176,26 @@ class AsyncEngineClient:
         if self.topology.disaggregated:
             self.coordinator = Coordinator(self._send, self.topology.min_remote_prefill_tokens)
 
+    def connect(self, workers: WorkerList, timing: LinkTiming) -> None:
+        """Be a router: drive the engines of workers on other hosts, and follow their list.
+        `wait_ready` then waits for the first decode worker; the others join as they answer."""
+        self.workers, self._link_timing = workers, timing
+        self.coordinator = Coordinator(self._send, self.topology.min_remote_prefill_tokens)
+        self.update_workers(workers.current())
+        self._start_task(self._follow_worker_list(), "cadence-worker-list")
+
     async def wait_ready(self, timeout: float, tokenizer: PreTrainedTokenizerBase | None) -> EngineReady:
         """Wait for every engine's first EngineReady, then start reading their outputs."""
-        assert self.slots, "spawn() first"
+        assert self.slots or self.workers is not None, "spawn() or connect() first"
         self.processor.tokenizer = tokenizer
+        if self.workers is not None:
+            try:
+                await asyncio.wait_for(self._decode_ready.wait(), timeout)
+            except TimeoutError:
+                reasons = "; ".join(slot.unavailable_reason for slot in self.slots.values())
+                raise EngineDeadError(f"no decode worker was ready within {timeout:g} s: {reasons}") from None
+            assert self.info is not None
+            return self.info
         readies = await asyncio.gather(*(slot.wait_ready(timeout) for slot in self.slots.values()))
         for slot, info in zip(self.slots.values(), readies):
             logger.info(
@@ -227,18 +212,34 @@ class AsyncEngineClient:
         self.info = readies[-1]  # a decode engine's when disaggregated: it serves the requests
         return self.info
 
+    def open_link(self, address: str, timing: LinkTiming) -> WorkerLink:
+        """Be a worker: let routers on other hosts drive this server's one engine."""
+        (slot,) = self.slots.values()
+        assert self.info is not None, "wait_ready() first"
+        self.link = WorkerLink(self._contexts[1], address, slot.send, timing)
+        self.link.on_engine_ready(self.info)
+        self.link.start()
+        return self.link
+
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Tell the engines to stop, wait for them, and kill any that will not."""
         self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        if self.link is not None:
+            await self.link.close()
         await asyncio.gather(*(slot.shutdown(timeout) for slot in self.slots.values()))
         for context in self._contexts:
             context.term()
         shutil.rmtree(self._socket_dir, ignore_errors=True)
         self._fail(list(self._in_flight), EngineDeadError("the server is shutting down"))
 
-    def _serving_slots(self) -> list[EngineSlot]:
-        """The slots whose engines take requests: every decode engine, or the one engine."""
-        return [slot for slot in self.slots.values() if slot.args.kv_role != "prefill"]
+    def _serving_slots(self) -> list[Slot]:
+        """The slots whose engines take requests: every decode engine a router (or this
+        server) routes to, or the one engine (a worker's, whatever its role)."""
+        if self.coordinator is None:
+            return list(self.slots.values())
+        return [slot for slot in self.slots.values() if slot.role != "prefill"]
 
     @property
     def is_healthy(self) -> bool:
@@ -283,10 +284,14 @@ class AsyncEngineClient:
         }
 
     # ----- what slots report ---------------------------------------------------------
-    def on_outputs(self, slot: EngineSlot, message: EngineCoreOutputs) -> None:
+    def on_outputs(self, slot: Slot, message: EngineCoreOutputs) -> None:
+        if self.slots.get(slot.name) is not slot:
+            return  # a worker no longer listed
+        if self.link is not None:
+            self.link.on_outputs(message)  # routers' requests; this server's own are below
         if self.coordinator is not None:
             self.coordinator.on_outputs(slot.name, message)
-            if slot.args.kv_role == "prefill":
+            if slot.role == "prefill":
                 return  # its refusals and KV events are the coordinator's business
         for request_id, reason in message.rejected.items():
             entry = self._release(request_id)
@@ -309,28 +314,77 @@ class AsyncEngineClient:
                 self._release(request_id)
             entry.stream._notify()
 
-    def on_dead(self, slot: EngineSlot, reason: str) -> None:
+    def on_dead(self, slot: Slot, reason: str) -> None:
         """Fail what the engine held; a prefill engine's prompts go elsewhere."""
+        if self.slots.get(slot.name) is not slot:
+            return
+        if self.link is not None:
+            self.link.on_engine_dead(reason)
         if self.coordinator is None:
             lost = list(self._in_flight)
         else:
             lost = self.coordinator.remove_engine(slot.name)
-            if slot.info is not None and slot.info.kv_source is not None:
+            if slot.owns_process and slot.info is not None and slot.info.kv_source is not None:
                 discard_source(slot.info.kv_source)  # a killed engine could not
         self._fail(lost, EngineDeadError(reason))
 
-    def on_ready(self, slot: EngineSlot) -> None:
-        """A restarted engine takes work again."""
-        if self.coordinator is not None and slot.info is not None:
+    def on_ready(self, slot: Slot) -> None:
+        """An engine takes work (again): a restarted one, or a worker that answered.
+        ValueError if the engine cannot work with the others (its KV layout, its limits)."""
+        if self.slots.get(slot.name) is not slot or slot.info is None:
+            return
+        if self.coordinator is not None:
             self.coordinator.add_engine(slot.name, slot.info)
+        if self.link is not None:
+            self.link.on_engine_ready(slot.info)
+        if slot.role == "decode" and self.workers is not None:
+            if self.info is None:
+                self.info = slot.info  # the limits requests are checked against
+            self._decode_ready.set()
 
-    def on_gave_up(self, slot: EngineSlot, reason: str) -> None:
+    def on_gave_up(self, slot: Slot, reason: str) -> None:
         """An engine will not start again: the server ends once none can serve."""
         others = [s for s in self._serving_slots() if s is not slot]
-        if slot.args.kv_role == "prefill" or any(s.dead_reason is None or s.is_restarting for s in others):
+        if slot.role == "prefill" or any(s.dead_reason is None or s.is_restarting for s in others):
             logger.error("%s; serving on without it", reason)
         elif self.on_fatal is not None:
             self.on_fatal(reason)
+
+    # ----- a router's workers ----------------------------------------------------------
+    def update_workers(self, listed: dict[str, str]) -> None:
+        """Drive the workers newly listed (URL -> role); stop driving those no longer listed."""
+        for url in [url for url, slot in self.slots.items() if listed.get(url) != slot.role]:
+            slot = self.slots[url]
+            self.on_dead(slot, f"{url} is no longer listed as a {slot.role} worker")
+            del self.slots[url]
+            self._start_task(slot.shutdown(5.0), f"cadence-forget-{url}")
+            logger.warning("stopped driving %s", url)
+        for url, role in listed.items():
+            if url not in self.slots:
+                self.slots[url] = RemoteSlot(url, role, self._contexts[1], self, self._link_timing)
+                self.slots[url].spawn()
+                logger.info("driving %s as a %s worker", url, role)
+
+    async def _follow_worker_list(self, interval: float = 2.0) -> None:
+        """Re-read the worker file; a list that cannot be read keeps the last good one."""
+        assert self.workers is not None
+        complaint = ""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                listed = await asyncio.to_thread(self.workers.current)
+            except (OSError, ValueError) as error:
+                if str(error) != complaint:
+                    logger.error("keeping the last worker list: %s", error)
+                complaint = str(error)
+                continue
+            complaint = ""
+            self.update_workers(listed)
+
+    def _start_task(self, work: Coroutine[None, None, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ----- requests ------------------------------------------------------------------
     @property

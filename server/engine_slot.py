@@ -41,16 +41,49 @@ class RestartPolicy:
         return min(self.max_delay, self.first_delay * 2 ** (failures - 1))
 
 
+class Slot(Protocol):
+    """What the engine client needs of an engine: a local process (`EngineSlot`), or a
+    worker's engine on another host (server/remote_slot.py)."""
+
+    name: str
+    role: str  # "colocated", "prefill" or "decode"
+    owns_process: bool  # started here, so what it leaves behind is ours to clean up
+    info: EngineReady | None
+    stats: EngineStats
+    counters: SlotCounters
+    dead_reason: str | None
+
+    @property
+    def is_healthy(self) -> bool: ...
+
+    @property
+    def is_restarting(self) -> bool: ...
+
+    @property
+    def retry_after(self) -> int: ...
+
+    @property
+    def unavailable_reason(self) -> str: ...
+
+    def spawn(self) -> None: ...
+
+    async def wait_ready(self, timeout: float) -> EngineReady: ...
+
+    async def shutdown(self, timeout: float) -> None: ...
+
+    def send(self, message: Message) -> None: ...
+
+
 class SlotListener(Protocol):
     """What a slot tells its owner."""
 
-    def on_outputs(self, slot: EngineSlot, message: EngineCoreOutputs) -> None: ...
+    def on_outputs(self, slot: Slot, message: EngineCoreOutputs) -> None: ...
 
-    def on_dead(self, slot: EngineSlot, reason: str) -> None: ...
+    def on_dead(self, slot: Slot, reason: str) -> None: ...
 
-    def on_ready(self, slot: EngineSlot) -> None: ...
+    def on_ready(self, slot: Slot) -> None: ...
 
-    def on_gave_up(self, slot: EngineSlot, reason: str) -> None: ...
+    def on_gave_up(self, slot: Slot, reason: str) -> None: ...
 
 
 @dataclass
@@ -65,6 +98,8 @@ class SlotCounters:
 class EngineSlot:
     """Runs one engine process at a time under `name`, restarting it by `policy`."""
 
+    owns_process = True
+
     def __init__(
         self,
         name: str,
@@ -77,6 +112,7 @@ class EngineSlot:
     ) -> None:
         self.name = name
         self.args = args
+        self.role = args.kv_role
         self.socket_dir = os.path.join(socket_dir, name)
         os.makedirs(self.socket_dir, exist_ok=True)
         self.contexts = contexts

@@ -117,7 +117,9 @@ class DisaggregationCollector(Collector):
         loads.add_metric([self.model_name, "complete"], transfer.num_complete)
         loads.add_metric([self.model_name, "incomplete"], transfer.num_incomplete)
         yield loads
-        moved = CounterMetricFamily("cadence:kv_transfer_bytes", "KV bytes loaded across engines.", labels=labels)
+        moved = CounterMetricFamily(
+            "cadence:kv_transfer_bytes", "KV bytes loaded across engines.", labels=["model_name"]
+        )
         moved.add_metric(labels, transfer.bytes_transferred)
         yield moved
         prefills = CounterMetricFamily(
@@ -127,20 +129,24 @@ class DisaggregationCollector(Collector):
         prefills.add_metric([self.model_name, "decode"], transfer.num_local_prefills)
         yield prefills
         rerouted = CounterMetricFamily(
-            "cadence:kv_prefill_reroutes", "Prompts sent to another prefill engine after theirs died.", labels=labels
+            "cadence:kv_prefill_reroutes",
+            "Prompts sent to another prefill engine after theirs died.",
+            labels=["model_name"],
         )
         rerouted.add_metric(labels, transfer.num_rerouted)
         yield rerouted
         expired = CounterMetricFamily(
-            "cadence:kv_expired", "Waits for KV and holds of KV that ran out of time, all engines.", labels=labels
+            "cadence:kv_expired",
+            "Waits for KV and holds of KV that ran out of time, all engines.",
+            labels=["model_name"],
         )
         expired.add_metric(labels, sum(slot.stats.num_expired_kv for slot in self.client.slots.values()))
         yield expired
         counters = self.client.counters
         finished = sum(counters.finished.values())
         ratio = recommended_prefill_decode_ratio(
-            [slot.stats for slot in self.client.slots.values() if slot.args.kv_role == "prefill"],
-            [slot.stats for slot in self.client.slots.values() if slot.args.kv_role == "decode"],
+            [slot.stats for slot in self.client.slots.values() if slot.role == "prefill"],
+            [slot.stats for slot in self.client.slots.values() if slot.role == "decode"],
             transfer.mean_remote_prompt_tokens,
             counters.generation_tokens / finished if finished else 0.0,
         )
@@ -148,7 +154,7 @@ class DisaggregationCollector(Collector):
             "cadence:recommended_prefill_decode_ratio",
             "Prefill engines per decode engine that would keep both equally busy under the current traffic "
             "(0 until both have worked).",
-            labels=labels,
+            labels=["model_name"],
         )
         recommended.add_metric(labels, ratio)
         yield recommended

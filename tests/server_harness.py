@@ -49,21 +49,30 @@ class ServerProcess:
     """One `cadence serve` subprocess; use as a context manager."""
 
     def __init__(
-        self, model: str | None, *extra_args: str, startup_timeout: float = 180.0, env: dict[str, str] | None = None
+        self,
+        model: str | None,
+        *extra_args: str,
+        startup_timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+        command: str = "serve",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        wrapper: tuple[str, ...] = (),
     ) -> None:
-        """`env` adds to (or overrides) this process's environment for the server."""
-        self.port = free_port()
+        """`env` adds to (or overrides) this process's environment for the server;
+        `command` is the cadence subcommand; `wrapper` runs it (say, in a network namespace)."""
+        self.port = port or free_port()
         # What /metrics needs: a server started with --protect-metrics wants the API key.
         self.metrics_headers: dict[str, str] = {}
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "cadence.server.cli", "serve"]
+        self.base_url = f"http://{host}:{self.port}"
+        argv = [*wrapper, sys.executable, "-m", "cadence.server.cli", command]
         if model is not None:
-            command.append(model)
-        command += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *extra_args]
+            argv.append(model)
+        argv += ["--host", host, "--port", str(self.port), "--log-level", "warning", *extra_args]
         self.log_path = f"/tmp/cadence-test-server-{self.port}.log"
         self._log = open(self.log_path, "w+b")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=None if env is None else {**os.environ, **env}
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=None if env is None else {**os.environ, **env}
         )
         self._wait_healthy(startup_timeout)
 

@@ -91,9 +91,16 @@ class Coordinator:
             self._check_deadlines(engine_id, ready, self.prefill.values())
         for other_id, other in {**self.prefill, **self.decode}.items():
             assert other.kv_layout is not None
+            if other_id == engine_id:
+                continue
             mismatch = other.kv_layout.mismatch(ready.kv_layout)
-            if mismatch is not None and other_id != engine_id:
+            if mismatch is not None:
                 raise ValueError(f"engine {engine_id} cannot exchange KV with {other_id}: {mismatch}")
+            if (ready.max_model_len, ready.vocab_size) != (other.max_model_len, other.vocab_size):
+                raise ValueError(
+                    f"engine {engine_id} takes max_model_len {ready.max_model_len} and vocab_size "
+                    f"{ready.vocab_size}; {other_id} takes {other.max_model_len} and {other.vocab_size}"
+                )
         (self.prefill if ready.kv_role == "prefill" else self.decode)[engine_id] = ready
 
     def remove_engine(self, engine_id: str) -> list[str]:

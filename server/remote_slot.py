@@ -1,0 +1,230 @@
+"""A router's handle on one worker's engine on another host (`cadence router`).
+
+The worker is named by its HTTP URL. Its `/worker` route says which port its link
+listens on (server/worker_link.py); the slot opens a session there, gets the engine's
+EngineReady, and from then on drives the engine as an `EngineSlot` drives a local one:
+the client and the coordinator cannot tell the two apart.
+
+A session ends when the worker says its engine died, when it falls silent for longer
+than the link's timeout (a dead host, a partition), or when it refuses the session.
+The slot then reports the engine dead and keeps trying: each try is a new session on a
+new socket, so nothing queued for the old one reaches the new. A worker that answers
+again is re-admitted; the others never notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import urllib.request
+import uuid
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from cadence.engine.protocol import (
+    EngineCoreOutputs,
+    EngineDead,
+    EngineReady,
+    EngineStats,
+    LinkGoodbye,
+    LinkHeartbeat,
+    LinkHello,
+    Message,
+    decode,
+    encode,
+)
+from cadence.server.engine_process import EngineDeadError
+from cadence.server.engine_slot import SlotCounters, SlotListener
+from cadence.server.topology import LinkTiming
+from cadence.server.worker_link import tcp_address
+
+logger = logging.getLogger(__name__)
+
+# Seconds between tries to reach a worker that is gone or refused.
+RETRY_DELAY = 1.0
+
+
+def link_address(url: str, port: int) -> str:
+    """The ZMQ address of a worker's link: its HTTP host, the port it announced."""
+    return tcp_address(urlsplit(url).hostname or "127.0.0.1", port)
+
+
+def fetch_worker_info(url: str, timeout: float) -> dict:
+    """GET the worker's /worker description (blocking; run it in a thread)."""
+    with urllib.request.urlopen(url.rstrip("/") + "/worker", timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+class RemoteSlot:
+    """Drives the engine of the worker at `url`, whose role must be `role`."""
+
+    owns_process = False
+
+    def __init__(
+        self, url: str, role: str, context: zmq.asyncio.Context, listener: SlotListener, timing: LinkTiming
+    ) -> None:
+        self.name = url
+        self.role = role
+        self.context = context
+        self.listener = listener
+        self.timing = timing
+        self.info: EngineReady | None = None
+        self.stats = EngineStats()
+        self.counters = SlotCounters()
+        self.dead_reason: str | None = f"{url} has not been reached yet"
+        self._admitted = False
+        self._socket: zmq.asyncio.Socket | None = None
+        self._said_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        self._stopping = False
+
+    # ----- lifecycle -----------------------------------------------------------------
+    def spawn(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"cadence-link-{self.name}")
+
+    async def wait_ready(self, timeout: float) -> EngineReady:
+        await asyncio.wait_for(self._ready.wait(), timeout)
+        assert self.info is not None
+        return self.info
+
+    async def shutdown(self, timeout: float) -> None:
+        self._stopping = True
+        if self._socket is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                await self._socket.send(encode(LinkGoodbye()), flags=zmq.NOBLOCK)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._admitted and self.dead_reason is None
+
+    @property
+    def is_restarting(self) -> bool:
+        return not self.is_healthy and not self._stopping
+
+    @property
+    def retry_after(self) -> int:
+        return max(1, round(RETRY_DELAY))
+
+    @property
+    def unavailable_reason(self) -> str:
+        return self.dead_reason or f"{self.name} is not serving"
+
+    def send(self, message: Message) -> None:
+        if not self.is_healthy or self._socket is None:
+            raise EngineDeadError(self.unavailable_reason)
+        # Unbounded and connected, the socket queues at once; a failure shows in the future.
+        sent = asyncio.ensure_future(self._socket.send(encode(message), flags=zmq.NOBLOCK))
+        if sent.done() and sent.exception() is not None:
+            raise EngineDeadError(f"{self.name}: {sent.exception()}")
+        sent.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, never warned of
+        self._said_at = asyncio.get_running_loop().time()
+
+    # ----- sessions ------------------------------------------------------------------
+    async def _run(self) -> None:
+        while not self._stopping:
+            try:
+                described = await asyncio.to_thread(fetch_worker_info, self.name, self.timing.timeout)
+                if described.get("role") != self.role:
+                    raise ValueError(f"it is a {described.get('role')} worker, listed as {self.role}")
+                address = link_address(self.name, int(described["link_port"]))
+            except Exception as error:  # noqa: BLE001 - an unreachable or odd worker is retried
+                self._end(f"{self.name} cannot be reached: {error}")
+                await asyncio.sleep(RETRY_DELAY)
+                continue
+            socket = self.context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.setsockopt(zmq.RCVHWM, 0)
+            socket.connect(address)
+            self._socket = socket
+            try:
+                await self._session(socket)
+            finally:
+                self._socket = None
+                socket.close(linger=0)
+            await asyncio.sleep(RETRY_DELAY)
+
+    async def _session(self, socket: zmq.asyncio.Socket) -> None:
+        """One session: hello, then messages until the worker dies, falls silent or refuses.
+
+        A dropped connection ends the session at once: the worker's process is gone, or
+        it will take the reconnection for a stranger (ZMQ names each connection anew)."""
+        loop = asyncio.get_running_loop()
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            await socket.send(encode(LinkHello(uuid.uuid4().hex)))
+            heard_at = self._said_at = loop.time()
+            while not self._stopping:
+                ready = dict(await poller.poll(int(self.timing.heartbeat * 1000)))
+                while await socket.poll(0):  # what arrived before any disconnection, first
+                    heard_at = loop.time()
+                    if not self._handle(decode(await socket.recv())):
+                        return
+                if monitor in ready:
+                    self._end(f"{self.name} closed its link")
+                    return
+                now = loop.time()
+                if now - heard_at > self.timing.timeout:
+                    self._end(f"{self.name} was silent for {self.timing.timeout:g} s")
+                    return
+                if now - self._said_at >= self.timing.heartbeat:
+                    await socket.send(encode(LinkHeartbeat()))
+                    self._said_at = now
+        finally:
+            with contextlib.suppress(zmq.ZMQError):  # the context may be gone first
+                socket.disable_monitor()
+            monitor.close(linger=0)
+
+    def _handle(self, message: Message) -> bool:
+        """Act on one message from the worker; False when the session is over."""
+        if isinstance(message, EngineReady):
+            return self._admit(message)
+        if isinstance(message, EngineDead):
+            self._end(f"{self.name}: {message.message}")
+            return False
+        if isinstance(message, EngineCoreOutputs) and self._admitted:
+            self.stats = message.stats
+            self.listener.on_outputs(self, message)
+        return True
+
+    def _admit(self, ready: EngineReady) -> bool:
+        self.info = ready
+        self.dead_reason = None
+        self._admitted = True
+        try:
+            self.listener.on_ready(self)
+        except ValueError as error:  # a layout or limit the other engines do not share
+            self._admitted = False
+            self.dead_reason = f"{self.name} was refused: {error}"
+            logger.error("%s", self.dead_reason)
+            return False
+        logger.info("%s serves as a %s worker (%d KV blocks)", self.name, self.role, ready.num_kv_blocks)
+        self._ready.set()
+        return True
+
+    def _end(self, reason: str) -> None:
+        """The session is over: what the engine held is lost to this router."""
+        if self._admitted:
+            self._admitted = False
+            self.dead_reason = reason
+            self.counters.restarts += 1
+            self.counters.steps_before += self.stats.num_steps
+            self.counters.preemptions_before += self.stats.num_preemptions
+            self.stats = EngineStats()
+            logger.error("%s", reason)
+            self.listener.on_dead(self, reason)
+        elif self.dead_reason != reason:
+            self.dead_reason = reason
+            logger.warning("%s", reason)
