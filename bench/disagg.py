@@ -1,8 +1,9 @@
 """Colocated against prefill/decode-disaggregated serving of the default model, same cores.
 
-Two servers, one at a time: `cadence serve` (one engine on every core) and
+Servers, one at a time: `cadence serve` (colocated: one engine on every core) and
 `cadence serve --prefill-workers 1 --decode-workers 1` (two engines, each pinned to half
-the cores). Each gets the same mixed open-loop workload at each rate: long prompts with
+the cores) with each `--prefill-placement`: remote (always disaggregate), local (never)
+and cost (the router's cost model). Each gets the same mixed open-loop workload at each rate: long prompts with
 short outputs (the prefill-heavy part) and short prompts with long outputs (the part
 whose token stream a long prefill stalls), random token ids, arriving as a Poisson
 process. Reported per rate: TTFT and inter-token latency (ITL) at p50 and p99, the
@@ -31,6 +32,12 @@ from common.open_loop import TimedStream, percentile, run_open_loop
 from common.served_engine import EngineSpec, ServedEngine
 
 DISAGGREGATED = ["--prefill-workers", "1", "--decode-workers", "1"]
+CONFIGS = {
+    "colocated": [],
+    "always": [*DISAGGREGATED, "--prefill-placement", "remote"],
+    "never": [*DISAGGREGATED, "--prefill-placement", "local"],
+    "cost": [*DISAGGREGATED, "--prefill-placement", "cost"],
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,11 +52,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--itl-slo", type=float, default=0.25, help="seconds, a request's mean inter-token latency")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--min-remote-prefill-tokens",
-        type=int,
-        default=256,
-        help="the conditional configuration's threshold: shorter uncached prompts stay on the decode engine",
+        "--configs",
+        nargs="+",
+        choices=list(CONFIGS),
+        default=list(CONFIGS),
+        help="colocated: one engine; the others 1P+1D, with --prefill-placement remote (always), local (never) or cost",
     )
+    ap.add_argument("--max-local-prefill-stall", type=float, default=None, help="the cost configuration's limit")
     return ap.parse_args(argv)
 
 
@@ -96,10 +105,11 @@ def transfer_totals(base_url: str) -> tuple[float, float]:
 
 
 def configs(args: argparse.Namespace) -> dict[str, list[str]]:
-    """Each server's flags: one engine, always disaggregated, and disaggregated only for
-    prompts with enough uncached tokens."""
-    threshold = ["--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens)]
-    return {"colocated": [], "1P+1D always": DISAGGREGATED, "1P+1D conditional": DISAGGREGATED + threshold}
+    """Each chosen server's flags."""
+    chosen = {name: list(CONFIGS[name]) for name in args.configs}
+    if "cost" in chosen and args.max_local_prefill_stall is not None:
+        chosen["cost"] += ["--max-local-prefill-stall", str(args.max_local_prefill_stall)]
+    return chosen
 
 
 def measure(config: str, flags: list[str], args: argparse.Namespace) -> list[RateRun]:
@@ -167,9 +177,10 @@ def report(results: dict[str, list[RateRun]], args: argparse.Namespace) -> None:
                 f"{share} |"
             )
     print()
-    base = results["colocated"]
+    base_name = "colocated" if "colocated" in results else args.configs[0]
+    base = results[base_name]
     for config, runs in results.items():
-        if config == "colocated":
+        if runs is base:
             continue
         for index, rate in enumerate(args.rates):
             short_base = percentile([g for s in base[index].of("long output") for g in s.gaps], 0.99)
@@ -179,8 +190,9 @@ def report(results: dict[str, list[RateRun]], args: argparse.Namespace) -> None:
             goodput_base = base[index].goodput(args.ttft_slo, args.itl_slo)
             goodput_other = runs[index].goodput(args.ttft_slo, args.itl_slo)
             print(
-                f"rate {rate:g}/s, {config} against colocated: long-output ITL p99 x{short_base / short_other:.2f} "
-                f"better, TTFT p50 x{ttft_other / ttft_base:.2f}, goodput {goodput_other:.3f} vs {goodput_base:.3f}/s"
+                f"rate {rate:g}/s, {config} against {base_name}: "
+                f"long-output ITL p99 x{short_base / short_other:.2f} better, TTFT p50 x{ttft_other / ttft_base:.2f}, "
+                f"goodput {goodput_other:.3f} vs {goodput_base:.3f}/s"
             )
 
 

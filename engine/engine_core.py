@@ -149,6 +149,7 @@ class EngineCore:
             kv_source=self.kv_source,
             kv_wait_timeout=self.args.kv_wait_timeout,
             kv_hold_timeout=self.args.kv_hold_timeout,
+            max_num_batched_tokens=self.scheduler.config.max_num_batched_tokens,
         )
 
     def close(self) -> None:

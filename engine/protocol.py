@@ -127,6 +127,7 @@ class EngineReady:
     kv_source: KVSource | None = None  # where a prefill engine's blocks are read from
     kv_wait_timeout: float = 0.0
     kv_hold_timeout: float = 0.0
+    max_num_batched_tokens: int = 0  # the most tokens one step computes
 
 
 @dataclass

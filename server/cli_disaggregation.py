@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import socket
 
+from cadence.engine.kv_transfer.placement import PLACEMENTS, PlacementPolicy
 from cadence.server.topology import LinkTiming, Topology, WorkerList
 
 _WILDCARDS = ("0.0.0.0", "::", "")
@@ -62,6 +63,20 @@ def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
 def add_routing_flags(group: argparse._ArgumentGroup) -> None:
     """Flags of whoever routes requests between engines."""
     group.add_argument(
+        "--prefill-placement",
+        choices=PLACEMENTS,
+        default="cost",
+        help="where prompts are computed: cost weighs, per prompt, the prefill engines' queue and the transfer "
+        "against the decode engine's queue and how long it would stall its streams (from measured rates); remote "
+        "sends every prompt to a prefill engine; local computes them all on decode engines",
+    )
+    group.add_argument(
+        "--max-local-prefill-stall",
+        type=float,
+        default=PlacementPolicy.max_local_stall,
+        help="with cost: seconds one step of a prompt computed on a decode engine may add to its token streams",
+    )
+    group.add_argument(
         "--min-remote-prefill-tokens",
         type=_at_least_one,
         default=1,
@@ -111,7 +126,7 @@ def topology_from(args: argparse.Namespace) -> Topology:
         getattr(args, "prefill_workers", 0),
         getattr(args, "decode_workers", 0),
         getattr(args, "kv_transport", None) or default_transport,
-        args.min_remote_prefill_tokens,
+        PlacementPolicy(args.prefill_placement, args.min_remote_prefill_tokens, args.max_local_prefill_stall),
         role,
     )
 

@@ -174,13 +174,13 @@ class AsyncEngineClient:
             self.slots[name] = slot
             slot.spawn()
         if self.topology.disaggregated:
-            self.coordinator = Coordinator(self._send, self.topology.min_remote_prefill_tokens)
+            self.coordinator = Coordinator(self._send, self.topology.placement)
 
     def connect(self, workers: WorkerList, timing: LinkTiming) -> None:
         """Be a router: drive the engines of workers on other hosts, and follow their list.
         `wait_ready` then waits for the first decode worker; the others join as they answer."""
         self.workers, self._link_timing = workers, timing
-        self.coordinator = Coordinator(self._send, self.topology.min_remote_prefill_tokens)
+        self.coordinator = Coordinator(self._send, self.topology.placement)
         self.update_workers(workers.current())
         self._start_task(self._follow_worker_list(), "cadence-worker-list")
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from cadence.engine.engine_args import EngineArgs
+from cadence.engine.kv_transfer.placement import PlacementPolicy
 
 WORKER_ROLES = ("prefill", "decode")
 
@@ -20,8 +21,7 @@ class Topology:
     num_prefill: int = 0
     num_decode: int = 0
     kv_transport: str = "shared-memory"
-    # Prompts with fewer uncached tokens than this are computed on their decode engine.
-    min_remote_prefill_tokens: int = 1
+    placement: PlacementPolicy = field(default_factory=PlacementPolicy)  # where the router computes prompts
     role: str = "colocated"
 
     @property

@@ -7,6 +7,7 @@ import pytest
 
 from cadence.engine.kv_transfer.coordinator import Coordinator, NoEngineError, Phase
 from cadence.engine.kv_transfer.layout import KVLayout
+from cadence.engine.kv_transfer.placement import PlacementPolicy
 from cadence.engine.kv_transfer.transfer_stats import recommended_prefill_decode_ratio
 from cadence.engine.kv_transfer.transport import KVSource
 from cadence.engine.protocol import (
@@ -47,7 +48,9 @@ def sent() -> list[tuple[str, Message]]:
 
 @pytest.fixture
 def coordinator(sent: list[tuple[str, Message]]) -> Coordinator:
-    coordinator = Coordinator(lambda engine, message: sent.append((engine, message)), min_remote_prefill_tokens=4)
+    coordinator = Coordinator(
+        lambda engine, message: sent.append((engine, message)), PlacementPolicy(min_remote_prefill_tokens=4)
+    )
     coordinator.add_engine("p0", ready("prefill"))
     coordinator.add_engine("p1", ready("prefill"))
     coordinator.add_engine("d0", ready("decode"))

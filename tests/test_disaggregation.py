@@ -22,6 +22,7 @@ from cadence.engine.engine_core import EngineCore
 from cadence.engine.kv_transfer.coordinator import Phase
 from cadence.engine.kv_transfer.layout import KVLayout
 from cadence.engine.kv_transfer.local_cluster import LocalCluster
+from cadence.engine.kv_transfer.placement import PlacementPolicy
 from cadence.engine.kv_transfer.transport import KVSource, KVTransport
 from cadence.engine.protocol import EngineCoreRequest, LoadKV, Message, ReleaseKV
 from cadence.engine.sampling_params import SamplingParams
@@ -363,7 +364,7 @@ def test_one_token_requests_computed_on_the_decode_engine(model: str) -> None:
     while colocated.has_unfinished_requests():
         collect(colocated.step, expected, {})
     prefill, decode = engine(model, "prefill"), engine(model, "decode")
-    cluster = LocalCluster([prefill], [decode], min_remote_prefill_tokens=1000)
+    cluster = LocalCluster([prefill], [decode], placement=PlacementPolicy(min_remote_prefill_tokens=1000))
     tokens, _ = run(cluster, requests)
     assert tokens == expected
     assert cluster.coordinator.stats.num_remote_prefills == 0

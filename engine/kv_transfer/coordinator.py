@@ -4,9 +4,10 @@ One request, seen from here:
 
 1. RESERVING: sent to a decode engine as a "load" request. The engine reserves blocks
    for the prompt, adopting its prefix-cache hits, and parks it (no compute).
-2. The reservation comes back. If the prefix cache had the prompt, or too little is
-   left to be worth a transfer, the decode engine is told to compute the rest itself.
-   Otherwise PREFILLING: a prefill engine, the least loaded, gets a "send" request.
+2. The reservation comes back. If the prefix cache had the prompt, or the placement
+   (engine/kv_transfer/placement.py) finds computing it here sooner and harmless, the
+   decode engine is told to compute the rest itself. Otherwise PREFILLING: a prefill
+   engine, the least loaded, gets a "send" request.
 3. The prefill engine reports the prompt's KV computed, in which blocks. LOADING: the
    decode engine is told to read them.
 4. The decode engine reports the load's outcome (complete, or how far it got; it
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
+from cadence.engine.kv_transfer.placement import DecodeLoad, Placement, PlacementPolicy, place_prompt
 from cadence.engine.kv_transfer.transfer_stats import TransferStats
 from cadence.engine.protocol import (
     AbortRequests,
@@ -35,6 +37,7 @@ from cadence.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineReady,
+    EngineStats,
     LoadKV,
     Message,
     ReleaseKV,
@@ -59,6 +62,8 @@ class Route:
     prefill: str | None = None
     num_tokens_to_prefill: int = 0
     load_sent_at: float = 0.0
+    # Prompt tokens its decode engine was told to compute, until its first output.
+    local_tokens_pending: int = 0
 
 
 class NoEngineError(RuntimeError):
@@ -68,11 +73,10 @@ class NoEngineError(RuntimeError):
 class Coordinator:
     """Routes requests over prefill and decode engines and moves them through `Phase`."""
 
-    def __init__(self, send: Callable[[str, Message], None], min_remote_prefill_tokens: int = 1) -> None:
+    def __init__(self, send: Callable[[str, Message], None], placement: PlacementPolicy | None = None) -> None:
         self.send = send
-        # Fewer uncached prompt tokens than this are computed on the decode engine: a
-        # transfer's fixed cost would outweigh the prefill it saves.
-        self.min_remote_prefill_tokens = min_remote_prefill_tokens
+        self.placement = placement or PlacementPolicy()  # where prompts are computed
+        self.engine_stats: dict[str, EngineStats] = {}  # each engine's latest gauges
         self.prefill: dict[str, EngineReady] = {}
         self.decode: dict[str, EngineReady] = {}
         self.routes: dict[str, Route] = {}
@@ -106,6 +110,7 @@ class Coordinator:
     def remove_engine(self, engine_id: str) -> list[str]:
         """Forget a dead engine. Returns the requests that are lost with it (those it was
         decoding); everything else moves on without it."""
+        self.engine_stats.pop(engine_id, None)
         if self.prefill.pop(engine_id, None) is not None:
             for route in self.routes.values():
                 if route.prefill == engine_id and route.phase is Phase.PREFILLING:
@@ -125,7 +130,11 @@ class Coordinator:
         if request.request_id in self.routes:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         decode = min(self.decode, key=lambda e: (self._num_routes(e), e))
-        remote = request.sampling_params.prompt_logprobs is None and len(request.prompt_token_ids) > 1
+        remote = (
+            self.placement.mode != "local"
+            and request.sampling_params.prompt_logprobs is None
+            and len(request.prompt_token_ids) > 1
+        )
         self.routes[request.request_id] = Route(request, decode, Phase.RESERVING if remote else Phase.DECODING)
         self.send(decode, replace(request, remote_kv="load" if remote else None))
         if not remote:
@@ -151,6 +160,11 @@ class Coordinator:
 
     # ----- what engines report ------------------------------------------------------
     def on_outputs(self, engine_id: str, outputs: EngineCoreOutputs) -> None:
+        self.engine_stats[engine_id] = outputs.stats
+        for output in outputs.outputs:
+            route = self.routes.get(output.request_id)
+            if route is not None and route.local_tokens_pending and route.decode == engine_id:
+                route.local_tokens_pending = 0  # its prompt is computed
         for reservation in outputs.kv_reserved:
             route = self.routes.get(reservation.request_id)
             if route is None or route.decode != engine_id or route.phase is not Phase.RESERVING:
@@ -160,8 +174,8 @@ class Coordinator:
             if not reservation.needs_transfer:
                 route.phase = Phase.DECODING
                 self.stats.num_local_prefills += 1
-            elif uncached < self.min_remote_prefill_tokens:
-                self._compute_on_decode(route, "the uncached part is short")
+            elif (placement := self._place(route)).local:
+                self._compute_on_decode(route, placement.reason)
             else:
                 self._prefill_elsewhere(route, None)
         for prefilled in outputs.kv_prefilled:
@@ -241,6 +255,7 @@ class Coordinator:
         if route.prefill is not None and route.prefill in self.prefill:
             self.send(route.prefill, AbortRequests([route.request.request_id]))
         route.prefill, route.phase = None, Phase.DECODING
+        route.local_tokens_pending = route.num_tokens_to_prefill
         self.stats.num_local_prefills += 1
         self.send(route.decode, CancelKVWait([route.request.request_id], reason))
 
@@ -250,6 +265,23 @@ class Coordinator:
         busy = route.phase in (Phase.PREFILLING, Phase.LOADING)
         if busy and route.prefill is not None and route.prefill in self.prefill:
             self.send(route.prefill, AbortRequests([route.request.request_id]))
+
+    def _place(self, route: Route) -> Placement:
+        ready = self.decode[route.decode]
+        load = DecodeLoad(
+            self.engine_stats.get(route.decode, EngineStats()),
+            sum(r.local_tokens_pending for r in self.routes.values() if r.decode == route.decode),
+            ready.max_num_batched_tokens or route.num_tokens_to_prefill,
+        )
+        return place_prompt(
+            self.placement,
+            route.num_tokens_to_prefill,
+            load,
+            [self._queued_prefill_tokens(engine) for engine in self.prefill],
+            [self.engine_stats[engine] for engine in self.prefill if engine in self.engine_stats],
+            self.stats,
+            ready.kv_layout.bytes_per_token if ready.kv_layout is not None else 0,
+        )
 
     def _num_routes(self, engine_id: str) -> int:
         return sum(1 for route in self.routes.values() if route.decode == engine_id)

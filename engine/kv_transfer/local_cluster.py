@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from cadence.engine.engine_core import EngineCore
 from cadence.engine.kv_transfer.coordinator import Coordinator
+from cadence.engine.kv_transfer.placement import PlacementPolicy
 from cadence.engine.protocol import (
     AbortRequests,
     CancelKVWait,
@@ -24,11 +25,13 @@ class LocalCluster:
     KV events, which go to the coordinator.
     """
 
-    def __init__(self, prefill: list[EngineCore], decode: list[EngineCore], min_remote_prefill_tokens: int = 1) -> None:
+    def __init__(
+        self, prefill: list[EngineCore], decode: list[EngineCore], placement: PlacementPolicy | None = None
+    ) -> None:
         self.engines: dict[str, EngineCore] = {}
         self.engines.update({f"prefill-{i}": core for i, core in enumerate(prefill)})
         self.engines.update({f"decode-{i}": core for i, core in enumerate(decode)})
-        self.coordinator = Coordinator(self._deliver, min_remote_prefill_tokens)
+        self.coordinator = Coordinator(self._deliver, placement)
         for engine_id, core in self.engines.items():
             self.coordinator.add_engine(engine_id, core.ready_message())
         self._rejected: dict[str, dict[str, str]] = {}

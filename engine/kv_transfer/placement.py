@@ -1,0 +1,89 @@
+"""Where a prompt is computed: on a prefill engine (its KV then moves), or on the decode
+engine that will generate from it.
+
+Remote prefill costs the prefill engine's queue, the prompt itself and the transfer;
+local prefill costs the decode engine's own queue of local prompts and the prompt, and
+stalls every stream the decode engine is generating for while a chunk of the prompt
+runs in its step. The cost model (`cost`) computes the prompt locally when that is not
+slower to the first token and the stall stays under `max_local_stall`; so short prompts,
+or any prompt while the prefill pool is backed up, stay local, and long prompts move
+while streams are running. Every estimate comes from what the engines measured: the
+prefill engines' tokens per busy second, and the transfers' seconds per byte. Until
+those exist it decides as `remote` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cadence.engine.kv_transfer.transfer_stats import TransferStats, engine_rate
+from cadence.engine.protocol import EngineStats
+
+PLACEMENTS = ("cost", "remote", "local")
+
+
+@dataclass(frozen=True)
+class PlacementPolicy:
+    """How the router places prompts.
+
+    `remote` sends every prompt with at least `min_remote_prefill_tokens` uncached tokens
+    to a prefill engine; `local` computes every prompt on its decode engine (a prefill
+    pool that is being drained, or a baseline); `cost` weighs the two per prompt."""
+
+    mode: str = "remote"
+    min_remote_prefill_tokens: int = 1
+    # Seconds one step of a local prompt may add to the decode engine's token streams.
+    max_local_stall: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.mode not in PLACEMENTS:
+            raise ValueError(f"unknown prefill placement {self.mode!r}; use {', '.join(PLACEMENTS)}")
+        if self.min_remote_prefill_tokens < 1 or self.max_local_stall < 0:
+            raise ValueError("min_remote_prefill_tokens must be at least 1 and max_local_stall not negative")
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """What the router knows of one decode engine when a prompt arrives."""
+
+    stats: EngineStats
+    local_prompt_tokens: int  # prompts it was told to compute itself, not yet started on
+    chunk_tokens: int  # the most tokens one of its steps computes
+
+
+@dataclass(frozen=True)
+class Placement:
+    local: bool
+    reason: str
+
+
+def place_prompt(
+    policy: PlacementPolicy,
+    uncached_tokens: int,
+    decode: DecodeLoad,
+    prefill_queues: list[int],
+    prefill_stats: list[EngineStats],
+    transfer: TransferStats,
+    bytes_per_token: int,
+) -> Placement:
+    """Decide where a prompt with `uncached_tokens` to compute goes; `prefill_queues` are
+    the live prefill engines' queued prompt tokens."""
+    if policy.mode == "local":
+        return Placement(True, "prefill placement is local")
+    if not prefill_queues:
+        return Placement(True, "no prefill engine is available")
+    if uncached_tokens < policy.min_remote_prefill_tokens:
+        return Placement(True, "the uncached part is short")
+    rate = engine_rate(prefill_stats, "num_computed_tokens")
+    if policy.mode == "remote" or rate <= 0:
+        return Placement(False, "remote")
+    seconds_per_byte = transfer.latency_sum / transfer.bytes_transferred if transfer.bytes_transferred else 0.0
+    remote = (min(prefill_queues) + uncached_tokens) / rate + uncached_tokens * bytes_per_token * seconds_per_byte
+    local = (decode.local_prompt_tokens + uncached_tokens) / rate
+    streaming = decode.stats.num_running > 0
+    stall = min(uncached_tokens, decode.chunk_tokens) / rate if streaming else 0.0
+    if stall > policy.max_local_stall:
+        return Placement(False, f"a local step would stall {decode.stats.num_running} streams {stall:.3f} s")
+    if local > remote:
+        return Placement(False, f"remote is sooner ({remote:.3f} s against {local:.3f} s)")
+    return Placement(True, f"local is as soon ({local:.3f} s against {remote:.3f} s) and stalls {stall:.3f} s")

@@ -1,0 +1,107 @@
+"""Where the router computes a prompt (engine/kv_transfer/placement.py): the cost model's
+decisions from measured rates, queues and transfer costs, and the coordinator acting on
+them (a prompt kept local counts in its decode engine's queue until its first token)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cadence.engine.kv_transfer.coordinator import Coordinator, Phase
+from cadence.engine.kv_transfer.placement import DecodeLoad, PlacementPolicy, place_prompt
+from cadence.engine.kv_transfer.transfer_stats import TransferStats
+from cadence.engine.protocol import (
+    CancelKVWait,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    Message,
+)
+from cadence.engine.sampling_params import SamplingParams
+from cadence.scheduler.remote_kv import KVReservation
+from test_coordinator import LAYOUT, ready
+
+COST = PlacementPolicy("cost", max_local_stall=0.1)
+# A prefill engine that computed 1,000 tokens per busy second.
+MEASURED = [EngineStats(num_computed_tokens=5000, busy_seconds=5.0)]
+STREAMING = EngineStats(num_running=3)
+
+
+def transfer(seconds_per_byte: float) -> TransferStats:
+    stats = TransferStats()
+    stats.observe_load(seconds_per_byte * 1e6, True, 1_000_000)
+    return stats
+
+
+def place(uncached: int, decode: DecodeLoad, queues=(0,), stats=MEASURED, moved=None, policy=COST):
+    return place_prompt(policy, uncached, decode, list(queues), list(stats), moved or transfer(0.0), 1000)
+
+
+def test_before_any_measurement_prompts_go_to_prefill_engines() -> None:
+    assert not place(50, DecodeLoad(STREAMING, 0, 2048), stats=[]).local
+
+
+@pytest.mark.parametrize(
+    ("policy", "local"), [(PlacementPolicy("remote"), False), (PlacementPolicy("local"), True), (COST, True)]
+)
+def test_fixed_policies_ignore_the_costs(policy: PlacementPolicy, local: bool) -> None:
+    assert place(50, DecodeLoad(STREAMING, 0, 2048), policy=policy).local is local
+
+
+def test_a_prompt_that_would_stall_the_streams_moves() -> None:
+    decision = place(500, DecodeLoad(STREAMING, 0, 2048))  # 0.5 s in one step
+    assert not decision.local and "stall 3 streams 0.500 s" in decision.reason
+    # In chunks of 100 tokens each step stalls 0.1 s: local, when no later than remote.
+    assert place(500, DecodeLoad(STREAMING, 0, 100)).local
+    assert not place(500, DecodeLoad(STREAMING, 200, 100)).local  # its own queue makes it later
+
+
+def test_with_no_streams_running_a_long_prompt_stays_unless_the_prefill_side_is_sooner() -> None:
+    idle = DecodeLoad(EngineStats(), 0, 2048)
+    assert place(3000, idle, moved=transfer(1e-7)).local
+    assert not place(3000, DecodeLoad(EngineStats(), 4000, 2048), moved=transfer(1e-7)).local
+
+
+def test_a_backed_up_prefill_pool_keeps_short_prompts_local() -> None:
+    assert place(80, DecodeLoad(STREAMING, 0, 2048), queues=(5000, 7000)).local
+    assert not place(80, DecodeLoad(STREAMING, 9000, 2048), queues=(5000, 7000)).local
+    assert place(80, DecodeLoad(STREAMING, 0, 2048), queues=()).local  # no prefill engine at all
+
+
+def test_the_policy_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="placement"):
+        PlacementPolicy("sometimes")
+    with pytest.raises(ValueError):
+        PlacementPolicy("cost", max_local_stall=-1.0)
+
+
+def test_the_coordinator_places_by_cost_and_counts_local_prompts() -> None:
+    sent: list[tuple[str, Message]] = []
+    coordinator = Coordinator(lambda engine, message: sent.append((engine, message)), COST)
+    coordinator.add_engine("p0", ready("prefill"))
+    coordinator.add_engine("d0", ready("decode"))
+    assert LAYOUT.bytes_per_token > 0
+    coordinator.on_outputs("p0", EngineCoreOutputs([], MEASURED[0]))
+    coordinator.on_outputs("d0", EngineCoreOutputs([], STREAMING))
+    params = SamplingParams(max_tokens=4)
+    coordinator.add_request(EngineCoreRequest("short", list(range(1, 61)), params))
+    coordinator.on_outputs("d0", EngineCoreOutputs([], STREAMING, kv_reserved=[KVReservation("short", 0, 59)]))
+    assert isinstance(sent[-1][1], CancelKVWait) and coordinator.routes["short"].local_tokens_pending == 59
+    coordinator.add_request(EngineCoreRequest("long", list(range(1, 241)), params))
+    coordinator.on_outputs("d0", EngineCoreOutputs([], STREAMING, kv_reserved=[KVReservation("long", 0, 239)]))
+    engine, message = sent[-1]
+    assert engine == "p0" and isinstance(message, EngineCoreRequest) and message.remote_kv == "send"
+    assert coordinator.routes["long"].phase is Phase.PREFILLING
+    first = EngineCoreOutput("short", 0, [5])
+    coordinator.on_outputs("d0", EngineCoreOutputs([first], STREAMING))
+    assert coordinator.routes["short"].local_tokens_pending == 0
+
+
+def test_local_placement_sends_plain_requests() -> None:
+    sent: list[tuple[str, Message]] = []
+    coordinator = Coordinator(lambda engine, message: sent.append((engine, message)), PlacementPolicy("local"))
+    coordinator.add_engine("p0", ready("prefill"))
+    coordinator.add_engine("d0", ready("decode"))
+    coordinator.add_request(EngineCoreRequest("r", list(range(1, 100)), SamplingParams(max_tokens=4)))
+    assert len(sent) == 1 and sent[0][0] == "d0" and sent[0][1].remote_kv is None  # type: ignore[union-attr]
+    assert coordinator.stats.num_local_prefills == 1
