@@ -69,11 +69,11 @@ class EngineCoreLoop:
                 self._send_outputs(outputs)
                 continue
             # Prompt KV parked or held for another engine is not work, but has deadlines.
-            self.core.expire_kv_deadlines()
+            expired = self.core.expire_kv_deadlines()
             if self.core.has_work():
                 continue
-            if received:
-                # Idle, but aborts, rejections or KV messages changed what others should see.
+            if received or expired:
+                # Idle, but aborts, rejections, KV messages or expiries changed the gauges.
                 self._send_outputs([])
 
     def _idle_wait_ms(self) -> int:

@@ -307,9 +307,11 @@ class EngineCore:
         self._forgotten.clear()
         return events
 
-    def expire_kv_deadlines(self) -> None:
-        """End waits for KV that never came, and release KV no reader said it was done with."""
+    def expire_kv_deadlines(self) -> bool:
+        """End waits for KV that never came, and release KV no reader said it was done
+        with. Whether anything expired."""
         now = time.monotonic()
+        expired_before = self.num_expired_kv
         for sub_id, deadline in list(self._kv_deadlines.items()):
             if deadline > now:
                 continue
@@ -320,6 +322,7 @@ class EngineCore:
             elif sub_id in self.scheduler.held_kv:
                 self.release_sent_kv([self._sequences[sub_id][0]])
                 self.num_expired_kv += 1
+        return self.num_expired_kv > expired_before
 
     def next_kv_deadline(self) -> float | None:
         """When the earliest wait for, or hold of, prompt KV ends (time.monotonic)."""

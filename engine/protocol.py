@@ -154,7 +154,10 @@ class LinkHello:
 
 @dataclass
 class LinkHeartbeat:
-    """Either way over a router-worker link, when nothing else was sent for a while."""
+    """Either way over a router-worker link, when nothing else was sent for a while;
+    `draining` from a worker that is shutting down: send it no new requests."""
+
+    draining: bool = False
 
 
 @dataclass

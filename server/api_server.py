@@ -55,6 +55,7 @@ class ServerConfig:
     link_host: str = "127.0.0.1"
     link_port: int = 0
     link_timing: LinkTiming = field(default_factory=LinkTiming)
+    link_drain_timeout: float = 30.0  # a stopping worker waits this long for routers' requests
     # A router: the workers whose engines it drives, instead of engines of its own.
     workers: WorkerList | None = None
 
@@ -89,6 +90,11 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
             # The tokenizer loads here while the engine process loads the model.
             tokenizer = await asyncio.to_thread(load_tokenizer, engine_args.model)
             info = await client.wait_ready(config.engine_start_timeout, tokenizer)
+            if config.workers is not None and tokenizer is not None and len(tokenizer) > info.vocab_size:
+                raise RuntimeError(
+                    f"the tokenizer of {engine_args.model} has {len(tokenizer)} tokens, the workers' model "
+                    f"{info.vocab_size}: give the router the model the workers serve"
+                )
             if config.topology.role != "colocated":
                 client.open_link(tcp_address(config.link_host, config.link_port), config.link_timing)
             prompts = PromptBuilder(tokenizer, info.max_model_len, info.vocab_size)
@@ -99,6 +105,7 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
             )
             yield
         finally:
+            await client.drain_link(config.link_drain_timeout)
             await client.shutdown(config.engine_stop_timeout)
             for built in serving:
                 built.prompts.close()

@@ -240,6 +240,7 @@ def serve(args: argparse.Namespace) -> None:
         topology=topology_from(args),
         link_host=args.host,
         link_port=getattr(args, "link_port", 0),
+        link_drain_timeout=args.shutdown_timeout,
         link_timing=LinkTiming(timeout=args.link_timeout, heartbeat=min(LinkTiming.heartbeat, args.link_timeout / 4)),
         workers=worker_list_from(args),
     )

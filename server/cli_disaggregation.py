@@ -4,6 +4,7 @@ beside the server and for workers, and `cadence router`, which fronts workers el
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import socket
 
 from cadence.engine.kv_transfer.placement import PLACEMENTS, PlacementPolicy
@@ -57,6 +58,10 @@ def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
         help="with --role prefill and --kv-transport tcp: the address decode workers read KV from (default: --host, "
         "or this host's name's address when --host is a wildcard)",
     )
+    group.add_argument("--kv-wait-timeout", type=float, default=None, help="seconds a decode engine waits for KV")
+    group.add_argument(
+        "--kv-hold-timeout", type=float, default=None, help="seconds a prefill engine holds KV nobody acknowledged"
+    )
     add_routing_flags(group)
 
 
@@ -81,10 +86,6 @@ def add_routing_flags(group: argparse._ArgumentGroup) -> None:
         type=_at_least_one,
         default=1,
         help="prompts with fewer uncached tokens are computed on their decode engine",
-    )
-    group.add_argument("--kv-wait-timeout", type=float, default=None, help="seconds a decode engine waits for KV")
-    group.add_argument(
-        "--kv-hold-timeout", type=float, default=None, help="seconds a prefill engine holds KV nobody acknowledged"
     )
     group.add_argument(
         "--link-timeout",
@@ -122,13 +123,16 @@ def add_router_command(commands: argparse._SubParsersAction, add_http_flags: obj
 def topology_from(args: argparse.Namespace) -> Topology:
     role = getattr(args, "role", "colocated")
     default_transport = "tcp" if role != "colocated" else "shared-memory"
-    return Topology(
-        getattr(args, "prefill_workers", 0),
-        getattr(args, "decode_workers", 0),
-        getattr(args, "kv_transport", None) or default_transport,
-        PlacementPolicy(args.prefill_placement, args.min_remote_prefill_tokens, args.max_local_prefill_stall),
-        role,
-    )
+    try:
+        return Topology(
+            getattr(args, "prefill_workers", 0),
+            getattr(args, "decode_workers", 0),
+            getattr(args, "kv_transport", None) or default_transport,
+            PlacementPolicy(args.prefill_placement, args.min_remote_prefill_tokens, args.max_local_prefill_stall),
+            role,
+        )
+    except ValueError as error:
+        raise SystemExit(f"cadence {args.command}: {error}") from error
 
 
 def worker_list_from(args: argparse.Namespace) -> WorkerList | None:
@@ -136,7 +140,10 @@ def worker_list_from(args: argparse.Namespace) -> WorkerList | None:
     if args.command != "router":
         return None
     workers = WorkerList(tuple(args.prefill), tuple(args.decode), args.workers_file)
-    listed = workers.current()  # a bad file or flags fail at start, not later
+    try:
+        listed = workers.current()  # a bad file or flags fail at start, not later
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"cadence router: {error}") from error
     if args.workers_file is None and not ("prefill" in listed.values() and "decode" in listed.values()):
         raise SystemExit("cadence router: give --prefill and --decode worker URLs, or --workers-file")
     return workers
@@ -150,4 +157,10 @@ def kv_host_for(args: argparse.Namespace) -> str | None:
         return None
     if args.host not in _WILDCARDS:
         return str(args.host)
-    return socket.gethostbyname(socket.gethostname())
+    address = socket.gethostbyname(socket.gethostname())
+    if ipaddress.ip_address(address).is_loopback and (args.kv_transport or "tcp") == "tcp":
+        raise SystemExit(
+            f"cadence serve: this host's name resolves to {address}, which decode workers on other hosts cannot "
+            "reach; give --kv-host the address they reach this host at"
+        )
+    return address

@@ -153,7 +153,8 @@ class AsyncEngineClient:
         self.workers: WorkerList | None = None  # a router's: it drives engines elsewhere
         self._link_timing = LinkTiming()
         self._decode_ready = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # workers no longer listed, being let go
+        self._follow_task: asyncio.Task[None] | None = None
         self._in_flight: dict[str, _InFlight] = {}
         self._num_sequences = 0
         self._socket_dir = tempfile.mkdtemp(prefix="cadence-")
@@ -182,7 +183,7 @@ class AsyncEngineClient:
         self.workers, self._link_timing = workers, timing
         self.coordinator = Coordinator(self._send, self.topology.placement)
         self.update_workers(workers.current())
-        self._start_task(self._follow_worker_list(), "cadence-worker-list")
+        self._follow_task = asyncio.create_task(self._follow_worker_list(), name="cadence-worker-list")
 
     async def wait_ready(self, timeout: float, tokenizer: PreTrainedTokenizerBase | None) -> EngineReady:
         """Wait for every engine's first EngineReady, then start reading their outputs."""
@@ -212,6 +213,11 @@ class AsyncEngineClient:
         self.info = readies[-1]  # a decode engine's when disaggregated: it serves the requests
         return self.info
 
+    async def drain_link(self, timeout: float) -> None:
+        """A worker that is stopping: routers send nothing new; wait for what they sent."""
+        if self.link is not None:
+            await self.link.drain(timeout)
+
     def open_link(self, address: str, timing: LinkTiming) -> WorkerLink:
         """Be a worker: let routers on other hosts drive this server's one engine."""
         (slot,) = self.slots.values()
@@ -224,13 +230,14 @@ class AsyncEngineClient:
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Tell the engines to stop, wait for them, and kill any that will not."""
         self._stopping = True
-        for task in self._tasks:
-            task.cancel()
+        if self._follow_task is not None:
+            self._follow_task.cancel()
         if self.link is not None:
             await self.link.close()
-        await asyncio.gather(*(slot.shutdown(timeout) for slot in self.slots.values()))
+        # Workers no longer listed are still being let go: their sockets must close first.
+        await asyncio.gather(*self._tasks, *(slot.shutdown(timeout) for slot in self.slots.values()))
         for context in self._contexts:
-            context.term()
+            context.destroy(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
         self._fail(list(self._in_flight), EngineDeadError("the server is shutting down"))
 
@@ -349,6 +356,11 @@ class AsyncEngineClient:
             logger.error("%s; serving on without it", reason)
         elif self.on_fatal is not None:
             self.on_fatal(reason)
+
+    def on_draining(self, slot: Slot) -> None:
+        """A worker is shutting down (or serving again): route new requests accordingly."""
+        if self.coordinator is not None and self.slots.get(slot.name) is slot:
+            self.coordinator.set_draining(slot.name, slot.draining)
 
     # ----- a router's workers ----------------------------------------------------------
     def update_workers(self, listed: dict[str, str]) -> None:

@@ -52,6 +52,7 @@ class Slot(Protocol):
     stats: EngineStats
     counters: SlotCounters
     dead_reason: str | None
+    draining: bool  # finishing what it has before it stops: give it nothing new
 
     @property
     def is_healthy(self) -> bool: ...
@@ -85,6 +86,8 @@ class SlotListener(Protocol):
 
     def on_gave_up(self, slot: Slot, reason: str) -> None: ...
 
+    def on_draining(self, slot: Slot) -> None: ...
+
 
 @dataclass
 class SlotCounters:
@@ -113,6 +116,7 @@ class EngineSlot:
         self.name = name
         self.args = args
         self.role = args.kv_role
+        self.draining = False  # a local engine is stopped with the server, never drained
         self.socket_dir = os.path.join(socket_dir, name)
         os.makedirs(self.socket_dir, exist_ok=True)
         self.contexts = contexts

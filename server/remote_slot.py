@@ -44,8 +44,11 @@ from cadence.server.worker_link import tcp_address
 
 logger = logging.getLogger(__name__)
 
-# Seconds between tries to reach a worker that is gone or refused.
+# Seconds between tries to reach a worker that is gone, and one that was refused.
 RETRY_DELAY = 1.0
+REFUSED_DELAY = 10.0
+# Messages handled between checks of the connection, the silence and the heartbeat.
+_BATCH = 64
 
 
 def link_address(url: str, port: int) -> str:
@@ -53,9 +56,13 @@ def link_address(url: str, port: int) -> str:
     return tcp_address(urlsplit(url).hostname or "127.0.0.1", port)
 
 
+# Workers are reached directly: a proxy from the environment would stand between them.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def fetch_worker_info(url: str, timeout: float) -> dict:
     """GET the worker's /worker description (blocking; run it in a thread)."""
-    with urllib.request.urlopen(url.rstrip("/") + "/worker", timeout=timeout) as response:
+    with _OPENER.open(url.rstrip("/") + "/worker", timeout=timeout) as response:
         return json.loads(response.read())
 
 
@@ -77,6 +84,7 @@ class RemoteSlot:
         self.counters = SlotCounters()
         self.dead_reason: str | None = f"{url} has not been reached yet"
         self._admitted = False
+        self.draining = False  # the worker is shutting down: it gets no new requests
         self._socket: zmq.asyncio.Socket | None = None
         self._said_at = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -131,6 +139,7 @@ class RemoteSlot:
     # ----- sessions ------------------------------------------------------------------
     async def _run(self) -> None:
         while not self._stopping:
+            delay = RETRY_DELAY
             try:
                 described = await asyncio.to_thread(fetch_worker_info, self.name, self.timing.timeout)
                 if described.get("role") != self.role:
@@ -138,23 +147,27 @@ class RemoteSlot:
                 address = link_address(self.name, int(described["link_port"]))
             except Exception as error:  # noqa: BLE001 - an unreachable or odd worker is retried
                 self._end(f"{self.name} cannot be reached: {error}")
-                await asyncio.sleep(RETRY_DELAY)
+                await asyncio.sleep(delay)
                 continue
             socket = self.context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.SNDHWM, 0)
-            socket.setsockopt(zmq.RCVHWM, 0)
-            socket.connect(address)
-            self._socket = socket
             try:
-                await self._session(socket)
+                for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.IPV6, 1)):
+                    socket.setsockopt(option, value)
+                socket.connect(address)
+                self._socket = socket
+                if not await self._session(socket):
+                    delay = REFUSED_DELAY
+            except Exception as error:
+                logger.exception("the link to %s failed", self.name)
+                self._end(f"the link to {self.name} failed: {error!r}")
             finally:
                 self._socket = None
                 socket.close(linger=0)
-            await asyncio.sleep(RETRY_DELAY)
+            await asyncio.sleep(delay)
 
-    async def _session(self, socket: zmq.asyncio.Socket) -> None:
-        """One session: hello, then messages until the worker dies, falls silent or refuses.
+    async def _session(self, socket: zmq.asyncio.Socket) -> bool:
+        """One session: hello, then messages until the worker dies, falls silent or
+        refuses. False if the worker was refused (it is tried again less often).
 
         A dropped connection ends the session at once: the worker's process is gone, or
         it will take the reconnection for a stranger (ZMQ names each connection anew)."""
@@ -168,40 +181,54 @@ class RemoteSlot:
             heard_at = self._said_at = loop.time()
             while not self._stopping:
                 ready = dict(await poller.poll(int(self.timing.heartbeat * 1000)))
-                while await socket.poll(0):  # what arrived before any disconnection, first
+                # What arrived before any disconnection first; a bounded batch, so a
+                # backlog cannot keep heartbeats (and everything else) from running.
+                for _ in range(_BATCH):
+                    if not await socket.poll(0):
+                        break
                     heard_at = loop.time()
-                    if not self._handle(decode(await socket.recv())):
-                        return
+                    over = self._handle(decode(await socket.recv()))
+                    if over is not None:
+                        if not over:
+                            await socket.send(encode(LinkGoodbye()))
+                        return over
                 if monitor in ready:
                     self._end(f"{self.name} closed its link")
-                    return
+                    return True
                 now = loop.time()
                 if now - heard_at > self.timing.timeout:
                     self._end(f"{self.name} was silent for {self.timing.timeout:g} s")
-                    return
+                    return True
                 if now - self._said_at >= self.timing.heartbeat:
                     await socket.send(encode(LinkHeartbeat()))
                     self._said_at = now
+            return True
         finally:
             with contextlib.suppress(zmq.ZMQError):  # the context may be gone first
                 socket.disable_monitor()
             monitor.close(linger=0)
 
-    def _handle(self, message: Message) -> bool:
-        """Act on one message from the worker; False when the session is over."""
+    def _handle(self, message: Message) -> bool | None:
+        """Act on one message from the worker: None while the session goes on, else
+        whether it ended as sessions do (False: the worker was refused)."""
         if isinstance(message, EngineReady):
-            return self._admit(message)
+            return None if self._admit(message) else False
         if isinstance(message, EngineDead):
-            self._end(f"{self.name}: {message.message}")
-            return False
-        if isinstance(message, EngineCoreOutputs) and self._admitted:
+            self._end(f"{self.name}: {message.message}", engine_died=True)
+            return True
+        if isinstance(message, LinkHeartbeat) and message.draining != self.draining and self._admitted:
+            self.draining = message.draining
+            logger.warning("%s is %s", self.name, "draining" if self.draining else "serving again")
+            self.listener.on_draining(self)
+        elif isinstance(message, EngineCoreOutputs) and self._admitted:
             self.stats = message.stats
             self.listener.on_outputs(self, message)
-        return True
+        return None
 
     def _admit(self, ready: EngineReady) -> bool:
         self.info = ready
         self.dead_reason = None
+        self.draining = False
         self._admitted = True
         try:
             self.listener.on_ready(self)
@@ -214,14 +241,14 @@ class RemoteSlot:
         self._ready.set()
         return True
 
-    def _end(self, reason: str) -> None:
-        """The session is over: what the engine held is lost to this router."""
+    def _end(self, reason: str, engine_died: bool = False) -> None:
+        """The session is over: what the engine held is lost to this router. (The
+        worker's step and preemption totals are its engine's own, so they are not
+        carried over; a restart is counted when the worker says its engine died.)"""
         if self._admitted:
             self._admitted = False
             self.dead_reason = reason
-            self.counters.restarts += 1
-            self.counters.steps_before += self.stats.num_steps
-            self.counters.preemptions_before += self.stats.num_preemptions
+            self.counters.restarts += engine_died
             self.stats = EngineStats()
             logger.error("%s", reason)
             self.listener.on_dead(self, reason)

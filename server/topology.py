@@ -68,6 +68,8 @@ class WorkerList:
             if not isinstance(urls, list | tuple) or not all(isinstance(url, str) for url in urls):
                 raise ValueError(f"{where}: {role!r} must be a list of URLs")
             for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"{where}: {url!r} is not an http(s) URL (a MODEL goes before the flags)")
                 if listed.setdefault(url.rstrip("/"), role) != role:
                     raise ValueError(f"{where}: {url} is listed as both prefill and decode")
 

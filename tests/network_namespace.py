@@ -4,7 +4,6 @@ veth pair, where `ip netns` works (root on Linux); loopback where it does not.""
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ def other_host() -> Iterator[Hosts]:
     """A namespace with its own stack, at 10.231.x.2, reached from here at 10.231.x.1."""
     tag = f"{os.getpid() % 100000}"
     namespace, outside, inside = f"cadence-{tag}", f"cdv{tag}a", f"cdv{tag}b"
-    subnet = f"10.231.{random.randrange(256)}"
+    subnet = f"10.231.{os.getpid() % 256}"  # distinct from concurrent runs' (their pids differ)
     if shutil.which("ip") is None or os.geteuid() != 0:
         yield Hosts("127.0.0.1", "127.0.0.1", (), "loopback")
         return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -30,8 +31,13 @@ from server_harness import ServerProcess
 
 pytestmark = pytest.mark.slow  # four servers and their engines start
 
-LINK_TIMEOUT = 2.0
+LINK_TIMEOUT = 3.0
+# Prompt KV offered to a reader outlives a router that died by the hold deadline at most.
+KV_HOLD_TIMEOUT = 10.0
 WORKER_FLAGS = [*FLAGS, "--served-model-name", MODEL, "--link-timeout", str(LINK_TIMEOUT)]
+WORKER_FLAGS += ["--kv-wait-timeout", str(KV_HOLD_TIMEOUT - 2), "--kv-hold-timeout", str(KV_HOLD_TIMEOUT)]
+# Every prompt to a prefill worker: these tests are about the links, not the cost model.
+ROUTER_FLAGS = ["--prefill-placement", "remote", "--link-timeout", str(LINK_TIMEOUT), "--served-model-name", MODEL]
 
 
 @dataclass
@@ -70,8 +76,8 @@ def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[Cluster]:
             ]
             holder.prefill, holder.decode = prefill.result(), [future.result() for future in decode]
         holder.write_workers(holder.decode)
-        flags = ["--workers-file", holder.workers_file, "--link-timeout", str(LINK_TIMEOUT), "--served-model-name"]
-        holder.router = stack.enter_context(ServerProcess(model, *flags, MODEL, command="router"))
+        flags = ["--workers-file", holder.workers_file, *ROUTER_FLAGS]
+        holder.router = stack.enter_context(ServerProcess(model, *flags, command="router"))
         for server in [holder.prefill, *holder.decode]:
             wait_health(holder.router, server.base_url, "serving")
         yield holder
@@ -109,14 +115,17 @@ def test_the_router_follows_its_worker_file(cluster: Cluster) -> None:
     while gone in httpx.get(f"{cluster.router.base_url}/health", timeout=5).json()["engines"]:
         assert time.monotonic() < deadline, cluster.router.log()
         time.sleep(0.2)
+    before = metric(cluster.decode[1], "cadence:generation_tokens_total")
     burst = prompts(3, 6)
     assert [texts_of(r) for r in burst_texts(cluster.router, burst)] == offline_texts(cluster.model, burst)
+    assert metric(cluster.decode[1], "cadence:generation_tokens_total") == before  # it got none of them
     cluster.write_workers(cluster.decode)
     wait_health(cluster.router, gone, "serving")
 
 
 def test_a_dead_prefill_worker_costs_no_request_and_is_taken_back(cluster: Cluster) -> None:
     burst = prompts(1, 16)
+    computed_on_decode = metric(cluster.router, "cadence:prefills_total", engine_role="decode")
 
     def kill() -> None:
         time.sleep(0.3)
@@ -124,6 +133,8 @@ def test_a_dead_prefill_worker_costs_no_request_and_is_taken_back(cluster: Clust
 
     responses = burst_texts(cluster.router, burst, kill)
     assert [texts_of(r) for r in responses] == offline_texts(cluster.model, burst)
+    # The burst outlived the worker: some of its prompts were computed on decode workers.
+    assert metric(cluster.router, "cadence:prefills_total", engine_role="decode") > computed_on_decode
     assert httpx.get(f"{cluster.router.base_url}/health", timeout=5).status_code == 200
     cluster.prefill = cluster.start_prefill(port=cluster.prefill.port)
     wait_health(cluster.router, cluster.prefill.base_url, "serving")
@@ -135,17 +146,21 @@ def test_a_dead_prefill_worker_costs_no_request_and_is_taken_back(cluster: Clust
 
 def test_a_dead_router_strands_nothing_on_its_workers(cluster: Cluster) -> None:
     urls = ["--prefill", cluster.prefill.base_url, "--decode", cluster.decode[0].base_url]
-    flags = [*urls, "--link-timeout", str(LINK_TIMEOUT), "--served-model-name", MODEL]
-    doomed = ServerProcess(cluster.model, *flags, command="router")
+    doomed = ServerProcess(cluster.model, *urls, *ROUTER_FLAGS, command="router")
+    decode = cluster.decode[0]
     with ThreadPoolExecutor(6) as pool:
-        for index in range(6):
-            pool.submit(complete, doomed, list(range(1 + index, 30)), 220, 1)
-        time.sleep(1.0)
-        assert metric(cluster.decode[0], "cadence:num_requests_running") > 0.0
+        for index in range(6):  # 24 sequences of 220 tokens: seconds of work for the decode worker
+            pool.submit(complete, doomed, list(range(1 + index, 30)), 220, 4)
+        deadline = time.monotonic() + 30
+        while metric(decode, "cadence:num_requests_running") < 4:
+            assert time.monotonic() < deadline, decode.log()
+            time.sleep(0.05)
         doomed.stop(signal.SIGKILL)
-    deadline = time.monotonic() + LINK_TIMEOUT + 10
-    for worker in (cluster.decode[0], cluster.prefill):
+        killed_at = time.monotonic()
+    for worker in (decode, cluster.prefill):
         while metric(worker, "cadence:num_requests_running") + metric(worker, "cadence:kv_cache_usage_perc") > 0:
-            assert time.monotonic() < deadline, worker.log()
+            assert time.monotonic() < killed_at + KV_HOLD_TIMEOUT + 10, worker.log()
             time.sleep(0.2)
+    # The worker saw the connection drop, and aborted what that router had started.
+    assert re.search(r"ended \(the router's connection dropped\); aborting its [1-9]\d* requests", decode.log())
     assert texts_of(complete(cluster.router, list(range(1, 30)), 4, 1))  # the other router is unaffected

@@ -34,7 +34,8 @@ def model_dir(tiny_model_dir) -> str:
 @pytest.fixture(scope="module")
 def server(model_dir: str) -> Iterator[ServerProcess]:
     before = set(glob.glob("/dev/shm/cadence-kv-*"))
-    flags = ["--prefill-workers", "1", "--decode-workers", "1", "--served-model-name", MODEL, *FLAGS]
+    flags = ["--prefill-workers", "1", "--decode-workers", "1", "--prefill-placement", "remote", *FLAGS]
+    flags += ["--served-model-name", MODEL]
     with ServerProcess(model_dir, *flags) as running:
         yield running
     # A killed prefill engine's files are removed by the server, a stopped one's by itself.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import zmq
@@ -42,6 +43,7 @@ from cadence.server.topology import LinkTiming
 from cadence.server.worker_link import WorkerLink
 
 FAST = LinkTiming(heartbeat=0.05, timeout=0.6)
+PATIENT = LinkTiming(heartbeat=0.05, timeout=30.0)  # so that silence cannot be what ends a session
 READY = EngineReady(64, 100, 4, "cpu", "float32", 10, kv_role="decode")
 
 
@@ -52,6 +54,7 @@ class Listener:
     outputs: list[EngineCoreOutputs] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
     ready: int = 0
+    draining: list[bool] = field(default_factory=list)
 
     def on_outputs(self, slot: object, message: EngineCoreOutputs) -> None:
         self.outputs.append(message)
@@ -64,6 +67,9 @@ class Listener:
 
     def on_gave_up(self, slot: object, reason: str) -> None:
         raise AssertionError("a remote slot never gives up")
+
+    def on_draining(self, slot: Any) -> None:
+        self.draining.append(slot.draining)
 
     def request_ids(self) -> list[str]:
         return [o.request_id for message in self.outputs for o in message.outputs]
@@ -85,13 +91,17 @@ async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def run(scenario: Callable[[zmq.asyncio.Context, WorkerLink, list[Message]], Awaitable[None]], monkeypatch) -> None:
+def run(
+    scenario: Callable[[zmq.asyncio.Context, WorkerLink, list[Message]], Awaitable[None]],
+    monkeypatch,
+    timing: LinkTiming = FAST,
+) -> None:
     """Run a scenario against a worker link whose engine records what reaches it."""
 
     async def main() -> None:
         context = zmq.asyncio.Context()
         engine: list[Message] = []
-        link = WorkerLink(context, "tcp://127.0.0.1:0", engine.append, FAST)
+        link = WorkerLink(context, "tcp://127.0.0.1:0", engine.append, timing)
         link.on_engine_ready(READY)
         link.start()
         info = {"role": "decode", "link_port": link.port}
@@ -105,8 +115,8 @@ def run(scenario: Callable[[zmq.asyncio.Context, WorkerLink, list[Message]], Awa
     asyncio.run(main())
 
 
-async def connected(context: zmq.asyncio.Context, listener: Listener) -> RemoteSlot:
-    slot = RemoteSlot("http://127.0.0.1:1", "decode", context, listener, FAST)
+async def connected(context: zmq.asyncio.Context, listener: Listener, timing: LinkTiming = FAST) -> RemoteSlot:
+    slot = RemoteSlot("http://127.0.0.1:1", "decode", context, listener, timing)
     slot.spawn()
     assert await slot.wait_ready(5.0) == READY
     return slot
@@ -154,18 +164,85 @@ def test_each_router_hears_and_steers_only_its_own_requests(monkeypatch) -> None
 def test_goodbye_aborts_the_unfinished_requests_of_that_session_only(monkeypatch) -> None:
     async def scenario(context, link, engine) -> None:
         mine, other = Listener(), Listener()
-        a, b = await connected(context, mine), await connected(context, other)
-        for request_id in ("done", "pair", "open"):
+        a, b = await connected(context, mine, PATIENT), await connected(context, other, PATIENT)
+        for request_id in ("done", "pair", "open", "held", "stopped"):
             a.send(request(request_id, n=2 if request_id == "pair" else 1))
         b.send(request("theirs"))
-        await eventually(lambda: len(engine) == 4)
-        link.on_outputs(EngineCoreOutputs([output("done", True), output("pair", True, index=1)], EngineStats()))
-        await eventually(lambda: len(mine.outputs) == 1)
+        await eventually(lambda: len(engine) == 6)
+        link.on_outputs(
+            EngineCoreOutputs(
+                [output("done", True), output("pair", True, index=1)],
+                EngineStats(),
+                kv_prefilled=[KVPrefilled("held", [4], 2)],
+            )
+        )
+        await eventually(lambda: len(mine.outputs) == 1 and len(other.outputs) == 1)  # the gauges reach both
+        b.send(AbortRequests(sequences=[("stopped", 0)]))  # not b's
+        a.send(AbortRequests(sequences=[("stopped", 0)]))  # a stop string ended it
+        await eventually(lambda: len(engine) == 7)
         await a.shutdown(1.0)
-        await eventually(lambda: len(engine) == 5)
-        assert engine[4] == AbortRequests(["pair", "open"])  # "pair" has a sequence left
+        await eventually(lambda: len(engine) == 8)
+        # "pair" has a sequence left; "held" KV may be being read: its hold deadline frees it.
+        assert engine[6:] == [AbortRequests(sequences=[["stopped", 0]]), AbortRequests(["pair", "open"])]  # type: ignore[list-item]
         assert len(link.sessions) == 1
         await b.shutdown(1.0)
+
+    run(scenario, monkeypatch, PATIENT)
+
+
+def test_a_router_whose_connection_drops_is_dropped_at_once(monkeypatch) -> None:
+    async def scenario(context, link, engine) -> None:
+        raw = context.socket(zmq.DEALER)
+        raw.connect(link.address)
+        await raw.send_multipart([b"two", b"frames"])  # not a message: dropped, the link goes on
+        await raw.send(encode(LinkHello("gone")))
+        assert isinstance(decode(await raw.recv()), EngineReady)
+        await raw.send(encode(request("g1")))
+        await eventually(lambda: len(engine) == 1)
+        raw.close(linger=0)
+        await eventually(lambda: len(engine) == 2, timeout=5.0)  # the timeout is 30 s
+        assert engine[1] == AbortRequests(["g1"]) and not link.sessions
+
+    run(scenario, monkeypatch, PATIENT)
+
+
+def test_a_draining_worker_is_told_apart_and_waited_for(monkeypatch) -> None:
+    async def scenario(context, link, engine) -> None:
+        listener = Listener()
+        slot = await connected(context, listener)
+        slot.send(request("last"))
+        await eventually(lambda: len(engine) == 1)
+        drained = asyncio.create_task(link.drain(5.0))
+        await eventually(lambda: listener.draining == [True])
+        late = context.socket(zmq.DEALER)
+        late.connect(link.address)
+        await late.send(encode(LinkHello("late")))
+        answer = decode(await late.recv())
+        assert isinstance(answer, EngineDead) and "shutting down" in answer.message
+        await asyncio.sleep(0.2)
+        assert not drained.done()  # "last" is still running
+        link.on_outputs(EngineCoreOutputs([output("last", True)], EngineStats()))
+        await asyncio.wait_for(drained, 2.0)
+        assert listener.request_ids() == ["last"] and slot.is_healthy
+        late.close(linger=0)
+        await slot.shutdown(1.0)
+
+    run(scenario, monkeypatch)
+
+
+def test_a_failing_listener_ends_the_session_instead_of_hanging_it(monkeypatch) -> None:
+    class Broken(Listener):
+        def on_outputs(self, slot: object, message: EngineCoreOutputs) -> None:
+            raise RuntimeError("a bug in the router")
+
+    async def scenario(context, link, engine) -> None:
+        listener = Broken()
+        slot = await connected(context, listener)
+        link.on_outputs(EngineCoreOutputs([], EngineStats()))
+        await eventually(lambda: bool(listener.dead))
+        assert "a bug in the router" in listener.dead[0]
+        await eventually(lambda: listener.ready == 2)  # a new session
+        await slot.shutdown(1.0)
 
     run(scenario, monkeypatch)
 
@@ -228,11 +305,9 @@ def test_engine_death_ends_sessions_and_a_new_engine_is_taken_up(monkeypatch) ->
 
 
 def test_a_worker_that_goes_away_is_noticed_before_the_timeout(monkeypatch) -> None:
-    patient = LinkTiming(heartbeat=0.05, timeout=30.0)
-
     async def scenario(context, link, engine) -> None:
         listener = Listener()
-        slot = RemoteSlot("http://127.0.0.1:1", "decode", context, listener, patient)
+        slot = RemoteSlot("http://127.0.0.1:1", "decode", context, listener, PATIENT)
         slot.spawn()
         await slot.wait_ready(5.0)
         started = asyncio.get_running_loop().time()

@@ -80,6 +80,7 @@ class Coordinator:
         self.prefill: dict[str, EngineReady] = {}
         self.decode: dict[str, EngineReady] = {}
         self.routes: dict[str, Route] = {}
+        self.draining: set[str] = set()  # engines finishing their work, to be given none
         self.stats = TransferStats()
 
     # ----- engines -------------------------------------------------------------------
@@ -106,11 +107,20 @@ class Coordinator:
                     f"{ready.vocab_size}; {other_id} takes {other.max_model_len} and {other.vocab_size}"
                 )
         (self.prefill if ready.kv_role == "prefill" else self.decode)[engine_id] = ready
+        self.draining.discard(engine_id)
+
+    def set_draining(self, engine_id: str, draining: bool) -> None:
+        """A draining engine keeps the requests it has and gets no new ones."""
+        if draining:
+            self.draining.add(engine_id)
+        else:
+            self.draining.discard(engine_id)
 
     def remove_engine(self, engine_id: str) -> list[str]:
         """Forget a dead engine. Returns the requests that are lost with it (those it was
         decoding); everything else moves on without it."""
         self.engine_stats.pop(engine_id, None)
+        self.draining.discard(engine_id)
         if self.prefill.pop(engine_id, None) is not None:
             for route in self.routes.values():
                 if route.prefill == engine_id and route.phase is Phase.PREFILLING:
@@ -125,11 +135,12 @@ class Coordinator:
     # ----- requests -----------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> str:
         """Send a request to the least loaded decode engine; returns that engine's id."""
-        if not self.decode:
-            raise NoEngineError("no decode engine is available")
+        open_engines = [engine for engine in self.decode if engine not in self.draining]
+        if not open_engines:
+            raise NoEngineError("no decode engine is available" + (" (draining)" if self.decode else ""))
         if request.request_id in self.routes:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        decode = min(self.decode, key=lambda e: (self._num_routes(e), e))
+        decode = min(open_engines, key=lambda e: (self._num_routes(e), e))
         remote = (
             self.placement.mode != "local"
             and request.sampling_params.prompt_logprobs is None
@@ -233,7 +244,7 @@ class Coordinator:
     def _prefill_elsewhere(self, route: Route, reason: str | None) -> None:
         """Send the prompt to the least loaded live prefill engine, or compute it on the
         decode engine when there is none."""
-        candidates = [e for e in self.prefill if e != route.prefill]
+        candidates = [e for e in self.prefill if e != route.prefill and e not in self.draining]
         if not candidates:
             self._compute_on_decode(route, reason or "no prefill engine is available")
             return
@@ -277,7 +288,7 @@ class Coordinator:
             self.placement,
             route.num_tokens_to_prefill,
             load,
-            [self._queued_prefill_tokens(engine) for engine in self.prefill],
+            [self._queued_prefill_tokens(engine) for engine in self.prefill if engine not in self.draining],
             [self.engine_stats[engine] for engine in self.prefill if engine in self.engine_stats],
             self.stats,
             ready.kv_layout.bytes_per_token if ready.kv_layout is not None else 0,
