@@ -227,7 +227,10 @@ def serve(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     args.kv_host = kv_host_for(args)
-    engine_args = engine_args_from(args)
+    try:
+        engine_args = engine_args_from(args)
+    except ValueError as error:  # an option's value: say which, without a traceback
+        raise SystemExit(f"cadence {args.command}: {error}") from error
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     config = ServerConfig(
         served_model_names=names,

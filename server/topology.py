@@ -30,10 +30,10 @@ class Topology:
         return self.num_prefill + self.num_decode > 0
 
     def __post_init__(self) -> None:
-        if self.disaggregated and (self.num_prefill < 1 or self.num_decode < 1):
-            raise ValueError("disaggregated serving needs at least one prefill and one decode engine")
         if self.role != "colocated" and (self.role not in WORKER_ROLES or self.disaggregated):
             raise ValueError(f"a worker's role is one of {WORKER_ROLES}, with no engines of other roles beside it")
+        if self.disaggregated and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError("disaggregated serving needs at least one prefill and one decode engine")
 
     def engines(self, args: EngineArgs) -> dict[str, EngineArgs]:
         """Each engine's name and arguments."""
