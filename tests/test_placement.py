@@ -50,16 +50,18 @@ def test_fixed_policies_ignore_the_costs(policy: PlacementPolicy, local: bool) -
 
 def test_a_prompt_that_would_stall_the_streams_moves() -> None:
     decision = place(500, DecodeLoad(STREAMING, 0, 2048))  # 0.5 s in one step
-    assert not decision.local and "stall 3 streams 0.500 s" in decision.reason
+    assert not decision.local and "stall the decode engine 0.500 s" in decision.reason
     # In chunks of 100 tokens each step stalls 0.1 s: local, when no later than remote.
     assert place(500, DecodeLoad(STREAMING, 0, 100)).local
     assert not place(500, DecodeLoad(STREAMING, 200, 100)).local  # its own queue makes it later
 
 
-def test_with_no_streams_running_a_long_prompt_stays_unless_the_prefill_side_is_sooner() -> None:
+def test_an_idle_decode_engine_keeps_short_prompts_but_not_long_ones() -> None:
     idle = DecodeLoad(EngineStats(), 0, 2048)
-    assert place(3000, idle, moved=transfer(1e-7)).local
-    assert not place(3000, DecodeLoad(EngineStats(), 4000, 2048), moved=transfer(1e-7)).local
+    assert place(90, idle, moved=transfer(1e-7)).local
+    # Requests that arrive during a long local step would wait for it.
+    assert not place(3000, idle, moved=transfer(1e-7)).local
+    assert not place(90, DecodeLoad(EngineStats(), 4000, 2048), moved=transfer(1e-7)).local
 
 
 def test_a_backed_up_prefill_pool_keeps_short_prompts_local() -> None:

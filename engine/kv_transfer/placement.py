@@ -3,11 +3,11 @@ engine that will generate from it.
 
 Remote prefill costs the prefill engine's queue, the prompt itself and the transfer;
 local prefill costs the decode engine's own queue of local prompts and the prompt, and
-stalls every stream the decode engine is generating for while a chunk of the prompt
-runs in its step. The cost model (`cost`) computes the prompt locally when that is not
-slower to the first token and the stall stays under `max_local_stall`; so short prompts,
-or any prompt while the prefill pool is backed up, stay local, and long prompts move
-while streams are running. Every estimate comes from what the engines measured: the
+stalls every stream the decode engine is generating for (and every load it is to
+start) while a chunk of the prompt runs in its step. The cost model (`cost`) computes
+the prompt locally when that is not slower to the first token and the stall stays under
+`max_local_stall`; so short prompts stay local while the prefill pool is busy, and long
+prompts move. Every estimate comes from what the engines measured: the
 prefill engines' tokens per busy second, and the transfers' seconds per byte. Until
 those exist it decides as `remote` does.
 """
@@ -32,8 +32,9 @@ class PlacementPolicy:
 
     mode: str = "remote"
     min_remote_prefill_tokens: int = 1
-    # Seconds one step of a local prompt may add to the decode engine's token streams.
-    max_local_stall: float = 0.1
+    # Seconds one step of a local prompt may add to the decode engine's token streams:
+    # a few decode steps (bench/disagg.py on two CPU cores: about 70 ms each).
+    max_local_stall: float = 0.25
 
     def __post_init__(self) -> None:
         if self.mode not in PLACEMENTS:
@@ -80,10 +81,10 @@ def place_prompt(
     seconds_per_byte = transfer.latency_sum / transfer.bytes_transferred if transfer.bytes_transferred else 0.0
     remote = (min(prefill_queues) + uncached_tokens) / rate + uncached_tokens * bytes_per_token * seconds_per_byte
     local = (decode.local_prompt_tokens + uncached_tokens) / rate
-    streaming = decode.stats.num_running > 0
-    stall = min(uncached_tokens, decode.chunk_tokens) / rate if streaming else 0.0
+    # Counted even while nothing streams: requests that arrive meanwhile would wait.
+    stall = min(uncached_tokens, decode.chunk_tokens) / rate
     if stall > policy.max_local_stall:
-        return Placement(False, f"a local step would stall {decode.stats.num_running} streams {stall:.3f} s")
+        return Placement(False, f"a local step would stall the decode engine {stall:.3f} s")
     if local > remote:
         return Placement(False, f"remote is sooner ({remote:.3f} s against {local:.3f} s)")
     return Placement(True, f"local is as soon ({local:.3f} s against {remote:.3f} s) and stalls {stall:.3f} s")
