@@ -28,6 +28,7 @@ from cadence.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
+    ExtendKVWait,
     LoadKV,
     Message,
     ReleaseKV,
@@ -110,6 +111,8 @@ class EngineCoreLoop:
             self.core.release_sent_kv(message.request_ids)
         elif isinstance(message, CancelKVWait):
             self.core.cancel_kv_wait(message.request_ids, message.reason)
+        elif isinstance(message, ExtendKVWait):
+            self.core.extend_kv_wait(message.request_ids)
         elif isinstance(message, Shutdown):
             self.stopping = True
         else:

@@ -281,6 +281,14 @@ class EngineCore:
             if sub_id is not None:
                 self.scheduler.cancel_kv_wait(sub_id, reason)
 
+    def extend_kv_wait(self, request_ids: Iterable[str]) -> None:
+        """Wait `kv_wait_timeout` more from now for these parked requests' KV."""
+        deadline = time.monotonic() + self.args.kv_wait_timeout
+        for request_id in request_ids:
+            sub_id = self._first_sequence(request_id)
+            if sub_id is not None and sub_id in self.scheduler.awaiting_kv and sub_id in self._kv_deadlines:
+                self._kv_deadlines[sub_id] = deadline
+
     def release_sent_kv(self, request_ids: Iterable[str]) -> None:
         """The readers of these prompts' KV are done (or gone): free the blocks."""
         for request in self.scheduler.release_sent_kv(list(request_ids)):

@@ -108,6 +108,14 @@ class CancelKVWait:
 
 
 @dataclass
+class ExtendKVWait:
+    """To a decode engine: the prefill engine computing these prompts lives and works;
+    wait `kv_wait_timeout` more from now (its own deadline only catches lost messages)."""
+
+    request_ids: list[str]
+
+
+@dataclass
 class Shutdown:
     """Ask the engine process to stop after the current step."""
 
@@ -183,6 +191,7 @@ Message = (
     | LoadKV
     | ReleaseKV
     | CancelKVWait
+    | ExtendKVWait
     | LinkHello
     | LinkHeartbeat
     | LinkGoodbye
@@ -217,6 +226,7 @@ _CODES: dict[type, int] = {
     LinkHello: 22,
     LinkHeartbeat: 23,
     LinkGoodbye: 24,
+    ExtendKVWait: 25,
 }
 _TYPES = {code: cls for cls, code in _CODES.items()}
 

@@ -40,6 +40,7 @@ from cadence.engine.protocol import (
     EngineDead,
     EngineReady,
     EngineStats,
+    ExtendKVWait,
     LinkGoodbye,
     LinkHeartbeat,
     LinkHello,
@@ -55,7 +56,7 @@ from cadence.server.topology import LinkTiming
 logger = logging.getLogger(__name__)
 
 # What a router may ask of a worker's engine; Shutdown, for one, stays the worker's own.
-_ENGINE_MESSAGES = (EngineCoreRequest, AbortRequests, LoadKV, ReleaseKV, CancelKVWait)
+_ENGINE_MESSAGES = (EngineCoreRequest, AbortRequests, LoadKV, ReleaseKV, CancelKVWait, ExtendKVWait)
 
 
 def tcp_address(host: str, port: int) -> str:
@@ -227,7 +228,7 @@ class WorkerLink:
                 return
             self._owner[message.request_id] = peer
             session.requests[message.request_id] = set(range(message.sampling_params.n))
-        elif isinstance(message, AbortRequests | ReleaseKV | CancelKVWait | LoadKV):
+        elif isinstance(message, AbortRequests | ReleaseKV | CancelKVWait | ExtendKVWait | LoadKV):
             ids = [message.request_id] if isinstance(message, LoadKV) else list(message.request_ids)
             if isinstance(message, AbortRequests):
                 ids += [request_id for request_id, _ in message.sequences]

@@ -3,6 +3,8 @@ including events that arrive twice, late, from the wrong engine, or after a refu
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cadence.engine.kv_transfer.coordinator import Coordinator, NoEngineError, Phase
@@ -17,6 +19,7 @@ from cadence.engine.protocol import (
     EngineCoreRequest,
     EngineReady,
     EngineStats,
+    ExtendKVWait,
     LoadKV,
     Message,
     ReleaseKV,
@@ -170,3 +173,19 @@ def test_transfer_stats_count_loads_bytes_and_latency(coordinator: Coordinator, 
     assert (stats.num_complete, stats.num_incomplete, stats.latency_count) == (1, 0, 1)
     assert stats.bytes_transferred == 19 * LAYOUT.bytes_per_token
     assert stats.mean_remote_prompt_tokens == 19
+
+
+def test_a_working_prefill_engine_keeps_its_decode_engines_waiting(sent: list) -> None:
+    coordinator = Coordinator(lambda engine, message: sent.append((engine, message)))
+    coordinator.add_engine("p0", ready("prefill"))
+    coordinator.add_engine("d0", ready("decode", wait=0.003))  # renewed after a third of this
+    coordinator.add_request(request())
+    coordinator.on_outputs("d0", events(reserved=[KVReservation("r", 0, 19)]))
+    time.sleep(0.002)
+    coordinator.on_outputs("p0", events())  # a step of the prefill engine: it lives
+    assert sent[-1] == ("d0", ExtendKVWait(["r"]))
+    coordinator.on_outputs("p0", events(prefilled=[KVPrefilled("r", [3, 4, 5, 6, 7], 19)]))
+    sent.clear()
+    time.sleep(0.002)
+    coordinator.on_outputs("p0", events())  # loading: the wait must stay shorter than the hold
+    assert not any(isinstance(message, ExtendKVWait) for _, message in sent)

@@ -213,6 +213,20 @@ class FaultyTransport(KVTransport):
         self.inner.close()
 
 
+def test_a_decode_engine_waits_on_when_told_its_prompt_is_being_computed(model: str) -> None:
+    decode = engine(model, "decode", kv_wait_timeout=5.0)
+    decode.add_request(EngineCoreRequest("r", list(range(1, 40)), SamplingParams(max_tokens=2), remote_kv="load"))
+    decode.step()
+    (reservation,) = decode.take_kv_events().reserved
+    first = decode.next_kv_deadline()
+    assert reservation.request_id == "r" and first is not None
+    time.sleep(0.05)
+    decode.extend_kv_wait(["r", "unknown"])
+    later = decode.next_kv_deadline()
+    assert later is not None and later >= first + 0.05
+    decode.close()
+
+
 @pytest.mark.parametrize("mode", ["broken", "hang"])
 def test_broken_and_stuck_transfers_recompute_the_rest(model: str, reference, mode: str) -> None:
     prefill = engine(model, "prefill")

@@ -38,6 +38,7 @@ from cadence.engine.protocol import (
     EngineCoreRequest,
     EngineReady,
     EngineStats,
+    ExtendKVWait,
     LoadKV,
     Message,
     ReleaseKV,
@@ -64,6 +65,8 @@ class Route:
     load_sent_at: float = 0.0
     # Prompt tokens its decode engine was told to compute, until its first output.
     local_tokens_pending: int = 0
+    # When its decode engine last heard that the prefill engine works on (time.monotonic).
+    wait_extended_at: float = 0.0
 
 
 class NoEngineError(RuntimeError):
@@ -172,6 +175,8 @@ class Coordinator:
     # ----- what engines report ------------------------------------------------------
     def on_outputs(self, engine_id: str, outputs: EngineCoreOutputs) -> None:
         self.engine_stats[engine_id] = outputs.stats
+        if engine_id in self.prefill:
+            self._extend_waits(engine_id)
         for output in outputs.outputs:
             route = self.routes.get(output.request_id)
             if route is not None and route.local_tokens_pending and route.decode == engine_id:
@@ -252,6 +257,7 @@ class Coordinator:
             self.stats.num_rerouted += 1
         engine = min(candidates, key=lambda e: (self._queued_prefill_tokens(e), e))
         route.prefill, route.phase = engine, Phase.PREFILLING
+        route.wait_extended_at = time.monotonic()
         request = route.request
         self.stats.num_remote_prefills += 1
         self.stats.remote_prompt_tokens += route.num_tokens_to_prefill
@@ -276,6 +282,24 @@ class Coordinator:
         busy = route.phase in (Phase.PREFILLING, Phase.LOADING)
         if busy and route.prefill is not None and route.prefill in self.prefill:
             self.send(route.prefill, AbortRequests([route.request.request_id]))
+
+    def _extend_waits(self, prefill_engine: str) -> None:
+        """A prefill engine that reports a step lives: its queued prompts' decode engines
+        wait on. Their deadlines are for lost messages and hung engines, not for queues;
+        without this an overloaded prefill pool would have its prompts computed on the
+        decode engines, stalling their streams. Only while prefilling: from LOADING on the
+        wait must stay shorter than the prefill engine's hold."""
+        now = time.monotonic()
+        due: dict[str, list[str]] = {}
+        for request_id, route in self.routes.items():
+            if route.prefill != prefill_engine or route.phase is not Phase.PREFILLING:
+                continue
+            decode = self.decode.get(route.decode)
+            if decode is not None and now - route.wait_extended_at >= decode.kv_wait_timeout / 3:
+                route.wait_extended_at = now
+                due.setdefault(route.decode, []).append(request_id)
+        for decode_engine, request_ids in due.items():
+            self.send(decode_engine, ExtendKVWait(request_ids))
 
     def _place(self, route: Route) -> Placement:
         ready = self.decode[route.decode]

@@ -12,6 +12,7 @@ from cadence.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    ExtendKVWait,
     LoadKV,
     Message,
     ReleaseKV,
@@ -108,6 +109,8 @@ class LocalCluster:
             core.release_sent_kv(message.request_ids)
         elif isinstance(message, CancelKVWait):
             core.cancel_kv_wait(message.request_ids, message.reason)
+        elif isinstance(message, ExtendKVWait):
+            core.extend_kv_wait(message.request_ids)
         elif isinstance(message, AbortRequests):
             core.abort_requests(message.request_ids)
         else:
