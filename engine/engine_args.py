@@ -63,7 +63,7 @@ class EngineArgs:
     kv_role: str = "colocated"
     kv_transport: str = "in-process"  # how a decode engine reads a prefill engine's blocks
     # kv_transport="tcp": the address an exporting (prefill) engine binds and advertises
-    # for KV reads over TCP (an address, host name or interface of this host); other hosts must reach it.
+    # for KV reads over TCP (an address, host name or interface); its readers must reach it.
     kv_host: str = "127.0.0.1"
     # Seconds a decode engine waits for a parked prompt's KV before computing it itself,
     # and a prefill engine holds computed KV for a reader that never says it is done.

@@ -15,7 +15,7 @@ import signal
 import sys
 
 from cadence.engine.engine_args import ENGINE_OPTIONS, LOG_FORMAT, EngineArgs, engine_args_for
-from cadence.server.cli_disaggregation import add_disaggregation_flags, add_router_command
+from cadence.server.cli_disaggregation import add_disaggregation_flags, add_router_command, at_least_one
 
 logger = logging.getLogger("cadence")
 
@@ -40,13 +40,6 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4GiB or 512MiB)")
     number, unit = match.groups()
     return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
-
-
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_engine_flags(serve: argparse.ArgumentParser) -> None:
@@ -124,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--engine-restart-limit",
-        type=_at_least_one,
+        type=at_least_one,
         default=5,
         help="failed engine starts in a row after which the server exits with status 1",
     )

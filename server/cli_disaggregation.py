@@ -13,7 +13,7 @@ from cadence.server.topology import LinkTiming, Topology, WorkerList
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
-def _at_least_one(text: str) -> int:
+def at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
@@ -56,7 +56,7 @@ def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
         "--kv-host",
         default=None,
         help="with --role prefill and --kv-transport tcp: the address decode workers read KV from (default: --host, "
-        "or this host's name's address when --host is a wildcard)",
+        "or the address the host name resolves to when --host is a wildcard)",
     )
     group.add_argument("--kv-wait-timeout", type=float, default=None, help="seconds a decode engine waits for KV")
     group.add_argument(
@@ -83,7 +83,7 @@ def add_routing_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--min-remote-prefill-tokens",
-        type=_at_least_one,
+        type=at_least_one,
         default=1,
         help="prompts with fewer uncached tokens are computed on their decode engine",
     )
@@ -160,7 +160,7 @@ def kv_host_for(args: argparse.Namespace) -> str | None:
     address = socket.gethostbyname(socket.gethostname())
     if ipaddress.ip_address(address).is_loopback and (args.kv_transport or "tcp") == "tcp":
         raise SystemExit(
-            f"cadence serve: this host's name resolves to {address}, which decode workers on other hosts cannot "
-            "reach; give --kv-host the address they reach this host at"
+            f"cadence serve: the host name resolves to {address}, a loopback address that decode workers "
+            "elsewhere cannot reach; give --kv-host the address they reach this worker at"
         )
     return address

@@ -3,10 +3,15 @@ load of some blocks must leave in the reader's caches (every other byte as it wa
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from cadence.engine.attention.backend import KVCache, split_kv_cache
 from cadence.engine.kv_transfer.layout import KVLayout
+from cadence.engine.kv_transfer.transport import KVTransport
+from cadence.engine.model_runner import allocate_kv_cache
+from cadence.scheduler.remote_kv import KVLoadResult
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 3, 4, 2, 8
 CPU = torch.device("cpu")
@@ -46,3 +51,20 @@ def assert_bytes(caches: list[KVCache], expected: list[torch.Tensor]) -> None:
 
 def layout(kv_cache_dtype: str) -> KVLayout:
     return KVLayout("test", NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, "float32", kv_cache_dtype)
+
+
+def make_caches(kv_cache_dtype: str, num_blocks: int = 12, num_layers: int = NUM_LAYERS, head_dim: int = HEAD_DIM):
+    """Plain CPU caches of the tests' geometry."""
+    shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    return [allocate_kv_cache(shape, torch.float32, kv_cache_dtype, CPU) for _ in range(num_layers)]
+
+
+def wait_for(transport: KVTransport, count: int, seconds: float = 10.0) -> list[KVLoadResult]:
+    """Poll until `count` loads are reported; fail, never hang, past the deadline."""
+    results: list[KVLoadResult] = []
+    deadline = time.monotonic() + seconds
+    while len(results) < count:
+        assert time.monotonic() < deadline, f"only {results} reported within {seconds} s"
+        results += transport.poll()
+        time.sleep(0.001)
+    return results

@@ -17,26 +17,21 @@ from collections.abc import Callable, Iterator
 from multiprocessing.queues import Queue
 
 import pytest
-import torch
 
 pytest.importorskip("nixl_cu12", reason="the NIXL transport needs the nixl_cu12 package")
 
 from cadence.engine.kv_transfer.local_cluster import LocalCluster
 from cadence.engine.kv_transfer.nixl import NixlTransport
-from cadence.engine.kv_transfer.transport import KVSource, KVTransport
-from cadence.engine.model_runner import allocate_kv_cache
+from cadence.engine.kv_transfer.transport import KVSource
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
 from kv_transport_checks import (
-    BLOCK_SIZE,
-    CPU,
-    HEAD_DIM,
-    NUM_KV_HEADS,
-    NUM_LAYERS,
     assert_bytes,
     expect_copied,
     fill,
     layout,
+    make_caches,
     snapshot,
+    wait_for,
 )
 
 
@@ -60,22 +55,6 @@ def make_transport(nixl_works: None) -> Iterator[Callable[..., NixlTransport]]:
     yield make
     for transport in made:
         transport.close()
-
-
-def make_caches(kv_cache_dtype: str, num_blocks: int = 12, num_layers: int = NUM_LAYERS, head_dim: int = HEAD_DIM):
-    shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
-    return [allocate_kv_cache(shape, torch.float32, kv_cache_dtype, CPU) for _ in range(num_layers)]
-
-
-def wait_for(transport: KVTransport, count: int, seconds: float = 10.0) -> list[KVLoadResult]:
-    """Poll until `count` loads are reported; fail, never hang, past the deadline."""
-    results: list[KVLoadResult] = []
-    deadline = time.monotonic() + seconds
-    while len(results) < count:
-        assert time.monotonic() < deadline, f"only {results} reported within {seconds} s"
-        results += transport.poll()
-        time.sleep(0.001)
-    return results
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])

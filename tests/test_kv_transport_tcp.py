@@ -21,25 +21,21 @@ from multiprocessing.queues import Queue
 
 import numpy as np
 import pytest
-import torch
 import zmq
 
 from cadence.engine.kv_transfer import tcp
 from cadence.engine.kv_transfer.tcp import TcpTransport
-from cadence.engine.kv_transfer.transport import KVSource, KVTransport
-from cadence.engine.model_runner import allocate_kv_cache
+from cadence.engine.kv_transfer.transport import KVSource
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
 from kv_transport_checks import (
-    BLOCK_SIZE,
-    CPU,
-    HEAD_DIM,
-    NUM_KV_HEADS,
     NUM_LAYERS,
     assert_bytes,
     expect_copied,
     fill,
     layout,
+    make_caches,
     snapshot,
+    wait_for,
 )
 
 
@@ -54,22 +50,6 @@ def make_transport() -> Iterator[Callable[..., TcpTransport]]:
     yield make
     for transport in made:
         transport.close()
-
-
-def make_caches(kv_cache_dtype: str, num_blocks: int = 12, num_layers: int = NUM_LAYERS, head_dim: int = HEAD_DIM):
-    shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
-    return [allocate_kv_cache(shape, torch.float32, kv_cache_dtype, CPU) for _ in range(num_layers)]
-
-
-def wait_for(transport: KVTransport, count: int, seconds: float = 10.0) -> list[KVLoadResult]:
-    """Poll until `count` loads are reported; fail, never hang, past the deadline."""
-    results: list[KVLoadResult] = []
-    deadline = time.monotonic() + seconds
-    while len(results) < count:
-        assert time.monotonic() < deadline, f"only {results} reported within {seconds} s"
-        results += transport.poll()
-        time.sleep(0.001)
-    return results
 
 
 def at(source: KVSource, endpoint: str) -> KVSource:

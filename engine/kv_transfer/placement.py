@@ -33,7 +33,7 @@ class PlacementPolicy:
     mode: str = "remote"
     min_remote_prefill_tokens: int = 1
     # Seconds one step of a local prompt may add to the decode engine's token streams:
-    # a few decode steps (bench/disagg.py on two CPU cores: about 70 ms each).
+    # a few decode steps' worth (bench/disagg.py measures what it costs).
     max_local_stall: float = 0.25
 
     def __post_init__(self) -> None:
