@@ -26,17 +26,25 @@ case "$stage" in
     tests)
         # -rs lists every skip: on a GPU none of these should say "needs CUDA". The kernel and
         # backend tests go along unfiltered: on a GPU their tensors sit on it (helpers.DEVICE),
-        # so their interpreter shapes then run through the compiled kernels.
-        python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors \
+        # so their interpreter shapes then run through the compiled kernels. Triton compiles on
+        # the host, so several pytest workers share the one GPU; a hung test fails after 120 s.
+        # Both runs go ahead whatever the first one's result; the stage fails if either did.
+        parallel=()
+        python3 -c "import xdist, pytest_timeout" 2>/dev/null && parallel=(-n 8 --timeout 120)
+        status=0
+        python3 -m pytest -q -rs -p no:cacheprovider "${parallel[@]}" --continue-on-collection-errors \
             tests/test_kernels_*.py tests/test_triton_backend.py tests/test_fp8.py tests/test_batch_invariant_cuda.py 2>&1 \
-            | tee "$out/tests.log"
-        python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors -m gpu tests \
+            | tee "$out/tests.log" || status=1
+        python3 -m pytest -q -rs -p no:cacheprovider "${parallel[@]}" --continue-on-collection-errors -m gpu tests \
             --ignore-glob="tests/test_kernels_*.py" --ignore=tests/test_triton_backend.py --ignore=tests/test_fp8.py \
             --ignore=tests/test_batch_invariant_cuda.py \
-            2>&1 | tee -a "$out/tests.log"
+            2>&1 | tee -a "$out/tests.log" || status=1
+        exit "$status"
         ;;
     kernels)
-        python3 bench/kernels.py --only ceilings quant attention --quick --budget-s 500 --out "$out" 2>&1 \
+        # M from 1 to 256 for the quantized GEMMs: the "never slower than dense" target's range.
+        python3 bench/kernels.py --only ceilings quant attention --quick --m 1 2 3 4 8 16 64 256 \
+            --budget-s "${KERNELS_BUDGET_S:-500}" --out "$out" 2>&1 \
             | tee "$out/kernels.log"
         ;;
     decode)

@@ -162,13 +162,13 @@ def quant_shape(b: Bench, name: str, k: int, n: int, fp8: object | None) -> obje
             w4a16.reference,
         ),
     }
-    # Where the tiled kernels split K by default (one M block, above the GEMVs' rows),
+    # Where the tiled kernels split K by default (one M block; int4 above its GEMV's rows),
     # the same kernels unsplit, to tune launch.TILED_PROGRAMS_PER_SM.
     unsplit: dict[str, tuple[Callable, Callable, range]] = {
         "w8a16 unsplit": (
             lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out, k_splits=1),
             kernels["w8a16"][1],
-            range(w8a16.DEFAULT_SMALL_M_THRESHOLD + 1, 65),
+            range(1, 65),
         ),
         f"{w4_sym} unsplit": (
             lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out, k_splits=1),
@@ -274,6 +274,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="tiny shapes; on a machine without CUDA it runs the Triton interpreter on CPU",
     )
+    p.add_argument("--m", type=int, nargs="+", help="the quantized GEMM section's M values (overrides --quick's)")
     p.add_argument("--out", help="folder for kernels.json and kernels.md (rewritten after each section)")
     p.add_argument(
         "--budget-s",
@@ -300,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     l2_bytes = getattr(props, "L2_cache_size", 50 << 20) if props else 0
     # The interpreter has no SMs: 8 is paged_attention's own nominal CPU figure.
     sizes = pick_sizes(args, props.multi_processor_count if props else 8)
+    if args.m:
+        sizes.quant_m = args.m
     report = Report(device_info(device), on_gpu, args.budget_s)
     print(report.header()[2], flush=True)
     report.ceilings = measure_ceilings(device, args.smoke)

@@ -177,6 +177,8 @@ def _weight_tile(
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     SYM_ZERO: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Expert ``expert``'s weight rows k0 + offs_k x columns offs_n as ``[BLOCK_K, BLOCK_N]``."""
     e = expert.to(tl.int64)  # E * N * K can pass 2**31 elements
@@ -195,6 +197,9 @@ def _weight_tile(
             GROUP,
             HAS_ZEROS,
             SYM_ZERO,
+            BLOCK_K,
+            BLOCK_N,
+            False,
         )
     else:
         kk = k0 + offs_k
@@ -283,6 +288,8 @@ def _moe_gemm_kernel(
             GROUP,
             HAS_ZEROS,
             SYM_ZERO,
+            BLOCK_K,
+            BLOCK_N,
         )
         if FP32_IEEE:  # fp32 activations ask for fp32 accuracy, not TF32
             acc = tl.dot(a, w, acc, input_precision="ieee")
@@ -308,6 +315,8 @@ def _moe_gemm_kernel(
                 GROUP,
                 HAS_ZEROS,
                 SYM_ZERO,
+                BLOCK_K,
+                BLOCK_N,
             )
             if FP32_IEEE:
                 acc_up = tl.dot(a, w, acc_up, input_precision="ieee")

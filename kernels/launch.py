@@ -1,5 +1,5 @@
 """What the matmul kernels' entry points share: where Triton can run, [..., K] inputs, and
-how a GEMV splits K to fill the GPU."""
+how a split-K launch fills the GPU."""
 
 from __future__ import annotations
 
@@ -28,11 +28,6 @@ def as_rows(x: torch.Tensor, n: int, out: torch.Tensor | None) -> tuple[torch.Te
     return rows, out, lead
 
 
-# Programs per SM the W8A16 GEMV aims for (its small 4 KB steps want many resident
-# programs to keep loads in flight; ncu on the first, similar W4A16 GEMV at 2 per SM found
-# it waiting on memory with DRAM mostly idle). The W4A16 GEMV's 8 KB pipelined tiles want at most 3 per SM and
-# choose their own (w4a16_gemv.choose_splits): both were measured on an H100.
-GEMV_PROGRAMS_PER_SM = 8
 # The tiled W8A16/W4A16 GEMMs at small M (3-64 rows). Without a split, Llama-8B's o_proj
 # and down_proj (N = 4096, BLOCK_N = 64) are 64 programs: half of an H100's 132 SMs sit
 # idle and each program walks all of K alone (slower than dense at M = 3-16). ptxas gives

@@ -5,13 +5,15 @@
 Two kernels over the one layout in ``quant_formats`` (qweight int32 [K // 8, N], packed
 along K):
 
-* ``w4a16_gemv.py`` for decode-sized M (<= ``small_m_threshold``, at most 4): every row
-  against each weight byte read once, bandwidth-bound (see there).
-* ``_w4a16_gemm_kernel`` above that: a classic tiled GEMM with ``tl.dot``. It picks
-  BLOCK_K dividing the group size, so a K tile lies in one group and the scale (and
-  zero) is a single ``[BLOCK_N]`` vector load per tile. Weights are dequantized to the
-  activation dtype (rounding once, as the reference does) and accumulated in fp32.
-  While M fits one block, K is split across programs (``split_k.py``) to fill the GPU.
+* ``w4a16_gemv.py`` for decode-sized M (<= ``small_m_threshold``: 2 by default, at most
+  4): every row against each weight byte read once, bandwidth-bound (see there).
+* ``_w4a16_gemm_kernel`` above that: a classic tiled GEMM with ``tl.dot``, launched as
+  ``tile_configs.py`` says. It picks BLOCK_K dividing the group size, so a K tile lies in
+  one group and the scale (and zero) is a single ``[BLOCK_N]`` vector load per tile. Each
+  packed int32 is loaded once and its nibbles spread along K in registers. Weights are
+  dequantized to the activation dtype (rounding once, as the reference does) and
+  accumulated in fp32. While M fits one block, K is split across programs
+  (``split_k.py``) to fill the GPU.
 * from ``DEQUANT_MIN_M`` rows (prefill): the whole weight dequantized for the call and
   a dense torch.matmul (``dequant.py``).
 """
@@ -23,16 +25,17 @@ import triton
 import triton.language as tl
 
 from cadence.kernels import split_k
-from cadence.kernels.batch_invariant_gemm import BLOCK_M as INVARIANT_BLOCK_M
 from cadence.kernels.dequant import DEQUANT_MIN_M, int4_to_dense
 from cadence.kernels.launch import as_rows, check_activations, num_sms, tiled_split_k, triton_usable
 from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
+from cadence.kernels.tile_configs import INVARIANT, w4a16_tile
 from cadence.kernels.w4a16_gemv import GEMV_MAX_M, w4a16_gemv
 from cadence.kernels.w4a16_gemv import supports as gemv_supports
 
-# On an H100 (Llama-8B's four projections, CUDA-graph replays) the GEMV beats the tiled
-# GEMM at every M it serves (bench/HISTORY.md).
-DEFAULT_SMALL_M_THRESHOLD = GEMV_MAX_M
+# On an H100 (Llama-8B's four projections, bf16, CUDA-graph replays) the GEMV beats the
+# tuned tiled GEMM at M <= 2 (112 µs at M = 2 against 121), and loses from M = 3 (135
+# against 121; tile_configs.py).
+DEFAULT_SMALL_M_THRESHOLD = min(2, GEMV_MAX_M)
 
 
 def reference(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
@@ -54,15 +57,25 @@ def _dequant_tile(
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     SYM_ZERO: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS_ONCE: tl.constexpr,
 ):
     """Dequantize rows ``k0 + offs_k`` x columns ``offs_n`` (fp32 [BLOCK_K, BLOCK_N]).
 
     qweight, scales and zeros are contiguous (row stride N), checked by the wrapper.
+    WORDS_ONCE loads each int32 once and spreads its eight nibbles along K in registers;
+    otherwise each of the eight k sharing a word loads it again (the same cache line).
     """
-    kk = k0 + offs_k
-    # Eight consecutive k share one int32; the repeated addresses hit the same cache line.
-    packed = tl.load(qw_ptr + (kk // 8)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-    codes = (packed >> ((kk % 8) * 4)[:, None]) & 0xF
+    if WORDS_ONCE:
+        words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        packed = tl.load(qw_ptr + words[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+        shifts = tl.arange(0, 8) * 4
+        codes = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+    else:
+        kk = k0 + offs_k
+        packed = tl.load(qw_ptr + (kk // 8)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+        codes = (packed >> ((kk % 8) * 4)[:, None]) & 0xF
     g = k0 // GROUP  # the whole tile is in one group (BLOCK_K divides GROUP)
     scale = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if HAS_ZEROS:
@@ -101,6 +114,7 @@ def _w4a16_gemm_kernel(
     BLOCK_K: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     SPLIT: tl.constexpr,
+    WORDS_ONCE: tl.constexpr,
 ):
     """Program (m, n, s) multiplies K slice s (whole BLOCK_K tiles) of a [BLOCK_M, BLOCK_N]
     output tile; with SPLIT (one M block only) the slices meet in ``split_k.store_tile``."""
@@ -119,7 +133,22 @@ def _w4a16_gemm_kernel(
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0
         )
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N, GROUP, HAS_ZEROS, SYM_ZERO)
+        w = _dequant_tile(
+            qw_ptr,
+            s_ptr,
+            z_ptr,
+            k0,
+            offs_k,
+            offs_n,
+            mask_n,
+            N,
+            GROUP,
+            HAS_ZEROS,
+            SYM_ZERO,
+            BLOCK_K,
+            BLOCK_N,
+            WORDS_ONCE,
+        )
         w = w.to(x.dtype)
         if FP32_IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")  # not TF32 for fp32 inputs
@@ -162,7 +191,12 @@ def w4a16_matmul(
     *,
     small_m_threshold: int = DEFAULT_SMALL_M_THRESHOLD,
     dequant_min_m: int = DEQUANT_MIN_M,
+    block_m: int | None = None,
     block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    words_once: bool = True,
     k_splits: int | None = None,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
@@ -173,7 +207,10 @@ def w4a16_matmul(
     tiled GEMM splits K into ``k_splits`` slices (default: ``launch.tiled_split_k``; 1
     turns it off; the GEMV and dequantize paths choose their own). CPU tensors without
     ``TRITON_INTERPRET=1`` take :func:`reference`. ``out`` (optional, ``[M, N]``, x's
-    dtype) lets tests pre-fill it with NaN to catch unwritten elements. ``batch_invariant``
+    dtype) lets tests pre-fill it with NaN to catch unwritten elements. ``block_m``,
+    ``block_n``, ``block_k`` (capped by the group size), ``num_warps``, ``num_stages`` and
+    ``words_once`` override the tiled GEMM's launch (``bench/tune_tiled.py`` sweeps them).
+    ``batch_invariant``
     runs every M through the tiled GEMM with one M tile and no split, so a row's bits do not
     depend on the other rows (``batch_invariant_gemm.py``).
     """
@@ -205,11 +242,11 @@ def w4a16_matmul(
         contiguous = Int4Weight(qweight, scales, zeros, group)
         w4a16_gemv(x2, contiguous, out, num_sms(x.device))
     else:
-        bk = _block_k_for(group)
+        tile = INVARIANT if batch_invariant else w4a16_tile(m)
+        bk = _block_k_for(group, block_k or tile.block_k)
         if bk < 16:
             raise ValueError(f"group_size {group} must be a multiple of 16 for the tiled kernel")
-        bm = INVARIANT_BLOCK_M if batch_invariant else 16 if m <= 16 else 32 if m <= 32 else 64
-        bn = block_n or 64
+        bm, bn = block_m or tile.block_m, block_n or tile.block_n
         m_blocks, n_blocks = triton.cdiv(m, bm), triton.cdiv(n, bn)
         splits = tiled_split_k(m, m_blocks, n_blocks, k // bk, k // 2, out, k_splits)
         _w4a16_gemm_kernel[(m_blocks, n_blocks, splits)](
@@ -234,6 +271,9 @@ def w4a16_matmul(
             BLOCK_K=bk,
             FP32_IEEE=x.dtype == torch.float32,
             SPLIT=splits > 1,
+            WORDS_ONCE=words_once,
+            num_warps=num_warps or tile.num_warps,
+            num_stages=num_stages or tile.num_stages,
             **common,
         )
     return out.reshape(*lead, n)

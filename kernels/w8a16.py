@@ -2,17 +2,14 @@
 
     out[M, N] = x[M, K] @ (qweight[N, K] * scale[N, None]).T
 
-The weight is read in its nn.Linear layout ``int8 [N, K]`` (see ``quant_formats``). Two
-kernels:
+The weight is read in its nn.Linear layout ``int8 [N, K]`` (see ``quant_formats``):
 
-* ``_w8a16_gemv_kernel`` for decode-sized M (<= ``DEFAULT_SMALL_M_THRESHOLD``, 2): each
-  program streams BLOCK_N whole weight rows along K, contiguous bytes, with products
-  accumulated elementwise and reduced once at the end; K is split across programs (in
-  one launch, ``split_k.py``) until the GPU has several programs per SM, since a GEMV is
-  won by keeping many loads in flight.
-* ``_w8a16_kernel`` above that: a tiled GEMM that loads ``[BLOCK_K, BLOCK_N]`` tiles
-  through transposed strides for ``tl.dot``. While M fits one block, K is split across
-  programs as for the GEMV, since N / BLOCK_N tiles alone leave much of a GPU idle.
+* ``_w8a16_kernel`` at every decode-sized M: a tiled GEMM that loads ``[BLOCK_K, BLOCK_N]``
+  tiles through transposed strides for ``tl.dot``, with the launch from
+  ``tile_configs.py``. While M fits one block, K is split across programs (in one launch,
+  ``split_k.py``), since N / BLOCK_N tiles alone leave much of a GPU idle. On an H100 it
+  beats the elementwise GEMV this file used to have for M <= 2, at M = 1 as well
+  (102 against 130 µs over Llama-8B's four projections).
 * from ``DEQUANT_MIN_M`` rows (prefill): the whole weight dequantized for the call and a
   dense torch.matmul (``dequant.py``), which rounds the weight to x's dtype once.
 
@@ -27,22 +24,14 @@ import triton
 import triton.language as tl
 
 from cadence.kernels import split_k
-from cadence.kernels.batch_invariant_gemm import BLOCK_M as INVARIANT_BLOCK_M
 from cadence.kernels.dequant import DEQUANT_MIN_M, int8_to_dense
 from cadence.kernels.launch import (
-    GEMV_PROGRAMS_PER_SM,
     as_rows,
     check_activations,
-    num_sms,
-    split_k_to_fill,
     tiled_split_k,
     triton_usable,
 )
-
-# Rows up to this many take the GEMV kernel. On an H100 (Llama-8B's four projections,
-# bf16) the GEMV still beats the tiled kernel at M = 2; by M = 4 its [M, N, K]
-# accumulator makes it the slower one (bench/RESULTS.md).
-DEFAULT_SMALL_M_THRESHOLD = 2
+from cadence.kernels.tile_configs import INVARIANT, w8a16_tile
 
 
 def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -130,90 +119,31 @@ def _w8a16_kernel(
     )
 
 
-@triton.jit
-def _w8a16_gemv_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    out_ptr,
-    ws_ptr,
-    counter_ptr,
-    M,
-    N,
-    K,
-    k_per_split,
-    num_splits,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_om,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """Program (n, s) sums K slice s of BLOCK_N output channels for every row (M <= BLOCK_M)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    k_stop = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        kk = k0 + offs_k
-        mask_k = kk < k_stop
-        # Row n's bytes are contiguous along K: wide, coalesced loads.
-        w = tl.load(
-            w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0
-        ).to(tl.float32)
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        acc += x[:, None, :] * w[None, :, :]
-    scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    result = tl.sum(acc, axis=2) * scale[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT:
-        tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], result, mask=out_mask)
-        split_k.finish(
-            ws_ptr, counter_ptr, out_ptr, stride_om, pid_n, offs_n, mask_n, M, N, num_splits, BLOCK_M, BLOCK_N
-        )
-    else:
-        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
 def w8a16_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scale: torch.Tensor,
     out: torch.Tensor | None = None,
     *,
-    small_m_threshold: int = DEFAULT_SMALL_M_THRESHOLD,
     dequant_min_m: int = DEQUANT_MIN_M,
     block_m: int | None = None,
-    block_n: int = 64,
-    block_k: int = 64,
-    gemv_block_n: int = 16,
-    gemv_block_k: int = 256,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     k_splits: int | None = None,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``x [..., K]`` (fp16/fp32) @ dequant(``qweight int8 [N, K]``, ``scale [N]``).T -> ``[..., N]``.
 
-    Rows M <= ``small_m_threshold`` take the GEMV, more the tiled kernel, and from
-    ``dequant_min_m`` a transient dense weight and torch.matmul (``dequant.py``). The
-    tiled kernel splits K into ``k_splits`` slices (default: ``launch.tiled_split_k``;
-    1 turns it off; the GEMV and dequantize paths choose their own). CPU tensors without
+    Rows below ``dequant_min_m`` take the tiled kernel, more a transient dense weight and
+    torch.matmul (``dequant.py``). The tiled kernel splits K into ``k_splits`` slices
+    (default: ``launch.tiled_split_k``; 1 turns it off). CPU tensors without
     ``TRITON_INTERPRET=1`` take :func:`reference` (Triton cannot run).
     ``out`` (optional, ``[M, N]`` contiguous, x's dtype) lets callers and tests pre-fill it.
-    ``batch_invariant`` runs every M through the tiled kernel with one M tile and no
+    ``block_*``, ``num_warps`` and ``num_stages`` override the tiled kernel's launch
+    (``bench/tune_tiled.py`` sweeps them).
+    ``batch_invariant`` runs every M through the tiled kernel with one tile and no
     split, so a row's bits do not depend on the other rows (``batch_invariant_gemm.py``).
     """
     n, k = qweight.shape
@@ -229,17 +159,14 @@ def w8a16_matmul(
     if not triton_usable(x):
         out.copy_(reference(x2, qweight, scale))
         return out.reshape(*lead, n)
+    tile = INVARIANT if batch_invariant else w8a16_tile(m)
     if batch_invariant:
-        small_m_threshold, dequant_min_m, block_m, k_splits = 0, m + 1, INVARIANT_BLOCK_M, 1
+        dequant_min_m, k_splits = m + 1, 1
     if m >= dequant_min_m:
         torch.matmul(x2, int8_to_dense(qweight, scale, x2.dtype).t(), out=out)
         return out.reshape(*lead, n)
-    # tl.dot needs every block dim >= 16; larger M tiles only when there are rows to fill.
-    if m <= small_m_threshold and qweight.stride(1) == 1:
-        _gemv(x2, qweight, scale, out, gemv_block_n, gemv_block_k)
-        return out.reshape(*lead, n)
-    bm = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
-    m_blocks, n_blocks, k_tiles = triton.cdiv(m, bm), triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    bm, bn, bk = block_m or tile.block_m, block_n or tile.block_n, block_k or tile.block_k
+    m_blocks, n_blocks, k_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn), triton.cdiv(k, bk)
     splits = tiled_split_k(m, m_blocks, n_blocks, k_tiles, k, out, k_splits)
     _w8a16_kernel[(m_blocks, n_blocks, splits)](
         x2,
@@ -251,7 +178,7 @@ def w8a16_matmul(
         m,
         n,
         k,
-        triton.cdiv(k_tiles, splits) * block_k,
+        triton.cdiv(k_tiles, splits) * bk,
         splits,
         x2.stride(0),
         x2.stride(1),
@@ -260,43 +187,11 @@ def w8a16_matmul(
         out.stride(0),
         out.stride(1),
         BLOCK_M=bm,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
         FP32_IEEE=x.dtype == torch.float32,
         SPLIT=splits > 1,
+        num_warps=num_warps or tile.num_warps,
+        num_stages=num_stages or tile.num_stages,
     )
     return out.reshape(*lead, n)
-
-
-def _gemv(
-    x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int
-) -> None:
-    m, k = x2.shape
-    n = qweight.shape[0]
-    block_k = min(block_k, triton.next_power_of_2(k))
-    k_tiles = triton.cdiv(k, block_k)
-    n_blocks = triton.cdiv(n, block_n)
-    splits = split_k_to_fill(n_blocks, k_tiles, num_sms(x2.device), GEMV_PROGRAMS_PER_SM)
-    k_per_split = triton.cdiv(k_tiles, splits) * block_k
-    assert out.stride(1) == 1
-    _w8a16_gemv_kernel[(n_blocks, splits)](
-        x2,
-        qweight,
-        scale,
-        out,
-        split_k.workspace(splits, m, n, n_blocks, out),
-        split_k.counters(x2.device),
-        m,
-        n,
-        k,
-        k_per_split,
-        splits,
-        x2.stride(0),
-        x2.stride(1),
-        qweight.stride(0),
-        out.stride(0),
-        BLOCK_M=triton.next_power_of_2(m),
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        SPLIT=splits > 1,
-    )

@@ -213,7 +213,6 @@ def test_every_wrapper_launch_was_recorded(compiled) -> None:
     assert kernels == {
         "_batch_invariant_gemm_kernel",
         "_w8a16_kernel",
-        "_w8a16_gemv_kernel",
         "_w4a16_gemv_kernel",
         "_w4a16_gemm_kernel",
         "_w8a8_fp8_kernel",

@@ -17,9 +17,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
 
-from cadence.kernels import launch, split_k, w4a16, w4a16_gemv, w8a16
-from cadence.kernels.launch import GEMV_PROGRAMS_PER_SM, TILED_PROGRAMS_PER_SM, split_k_to_fill
+from cadence.kernels import launch, split_k, tile_configs, w4a16, w4a16_gemv, w8a16
+from cadence.kernels.launch import TILED_PROGRAMS_PER_SM, split_k_to_fill
 from cadence.kernels.quant_formats import (
     Int4Weight,
     dequantize_int4,
@@ -92,17 +93,17 @@ def test_w8a16_matches_reference(dtype: torch.dtype, m: int, k: int, n: int) -> 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("k", [1000, 512])
-def test_w8a16_gemv_splits_ragged_k(dtype: torch.dtype, m: int, k: int) -> None:
-    """The decode kernel: K in 64-wide tiles split across programs, the last one partial."""
+def test_w8a16_decode_rows_split_ragged_k(dtype: torch.dtype, m: int, k: int) -> None:
+    """Decode rows: K in whole tiles split across programs, the last tile partial."""
     g = gen(300 + m + k)
     n = 40
     w, x = torch.randn(n, k, generator=g).to(DEVICE), torch.randn(m, k, generator=g).to(DEVICE, dtype)
     q, scale = quantize_int8(w.to(dtype))
-    first = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=2, gemv_block_k=64)
+    first = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), k_splits=4)
     assert rel_err(first, w8a16.reference(x, q, scale)) < KERNEL_TOL[dtype]
     # The split slices are summed in a fixed order, and the tickets re-arm for the next call.
     assert not split_k.counters(x.device).any()
-    again = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=2, gemv_block_k=64)
+    again = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), k_splits=4)
     assert torch.equal(again, first)
 
 
@@ -155,7 +156,7 @@ def test_w4a16_gemv_split_k_matches_reference(dtype: torch.dtype, m: int, n: int
         assert qw.zeros is not None
         qw = Int4Weight(qw.qweight, qw.scales, qw.zeros.float() + 0.25, group)
     for _ in range(2):  # the second call finds the split counters re-armed
-        out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype, DEVICE))
+        out = w4a16.w4a16_matmul(x, qw, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=w4a16_gemv.GEMV_MAX_M)
         assert rel_err(out, w4a16.reference(x, qw)) < KERNEL_TOL[dtype]
         assert not split_k.counters(x.device).any()
 
@@ -169,9 +170,9 @@ def test_w4a16_gemv_splits_toward_three_programs_per_sm() -> None:
     assert w4a16_gemv.choose_splits(n_blocks=1, k_tiles=3, num_sms=132) == 1  # K tiles must divide
 
 
-def test_gemv_split_k_fills_the_gpu_with_whole_tiles() -> None:
+def test_split_k_fills_the_gpu_with_whole_tiles() -> None:
     def fill(n_blocks: int, k_tiles: int) -> int:
-        return split_k_to_fill(n_blocks, k_tiles, num_sms=132, programs_per_sm=GEMV_PROGRAMS_PER_SM)
+        return split_k_to_fill(n_blocks, k_tiles, num_sms=132, programs_per_sm=8)
 
     assert fill(n_blocks=448, k_tiles=64) == 4  # 1792 programs >= 8 per SM
     assert fill(n_blocks=64, k_tiles=32) == 16  # capped: two tiles per slice
@@ -220,27 +221,27 @@ def launched_splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.parametrize("m", [3, 17, 40])  # BLOCK_M 16, 32, 64: one M block each
 def test_w8a16_tiled_split_k_matches_reference(dtype: torch.dtype, m: int, launched_splits: list[int]) -> None:
     """The tiled kernel splits a long, ragged K; the partials meet in order. Counts that
-    do not divide the 16 tiles leave the last slices short or empty (5: 4 x 4 tiles + 0)."""
-    n, k = 72, 1000  # two column blocks, the last ragged; 16 K tiles, the last partial
+    do not divide the K tiles leave the last slices short or empty (8 tiles of 128 in 5
+    slices: 4 x 2 tiles + 0)."""
+    n, k = 72, 1000  # two column blocks, the last ragged; K tiles whose last is partial
     g = gen(400 + m)
     w, x = torch.randn(n, k, generator=g).to(DEVICE), torch.randn(m, k, generator=g).to(DEVICE, dtype)
     q, scale = quantize_int8(w.to(dtype))
     ref = w8a16.reference(x, q, scale)
-    default = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=0)
-    assert launched_splits == [launch.tiled_split_k(m, 1, 2, 16, k, default, None)]
+    default = w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE))
+    k_tiles = triton.cdiv(k, tile_configs.w8a16_tile(m).block_k)
+    assert launched_splits == [launch.tiled_split_k(m, 1, 2, k_tiles, k, default, None)]
     assert launched_splits[0] > 1 or m > 3  # M = 3 splits by default; more rows cost more traffic
     results = [default]
     for k_splits in (4, 5, 1):
         launched_splits.clear()
-        results.append(
-            w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=0, k_splits=k_splits)
-        )
+        results.append(w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), k_splits=k_splits))
         assert launched_splits == [k_splits]
     for out in results:
         assert rel_err(out, ref) < KERNEL_TOL[dtype]
     assert not split_k.counters(x.device).any()  # the tickets re-arm for the next call
     assert torch.equal(
-        w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), small_m_threshold=0, k_splits=4), results[1]
+        w8a16.w8a16_matmul(x, q, scale, out=poisoned(m, n, dtype, DEVICE), k_splits=4), results[1]
     )  # the sum's order is fixed
 
 
@@ -251,7 +252,7 @@ def test_w4a16_tiled_split_k_matches_reference(
     dtype: torch.dtype, m: int, group: int, symmetric: bool, launched_splits: list[int]
 ) -> None:
     """Above the GEMV's rows the tiled GEMM splits K in whole tiles, groups intact; 5
-    slices of 16 or 32 tiles leave the last one short or empty."""
+    slices of 16, 32 or 64 tiles leave the last one short or empty."""
     n, k = 72, 2048
     g = gen(500 + m + group)
     w, x = torch.randn(n, k, generator=g).to(DEVICE), torch.randn(m, k, generator=g).to(DEVICE, dtype)
@@ -263,7 +264,9 @@ def test_w4a16_tiled_split_k_matches_reference(
         assert rel_err(out, ref) < KERNEL_TOL[dtype]
         assert not split_k.counters(x.device).any()
         if k_splits is None:
-            assert launched_splits == [launch.tiled_split_k(m, 1, 2, k // min(group, 64), k // 2, out, None)]
+            tile = tile_configs.w4a16_tile(m)
+            n_blocks, k_tiles = triton.cdiv(n, tile.block_n), k // min(group, tile.block_k)
+            assert launched_splits == [launch.tiled_split_k(m, 1, n_blocks, k_tiles, k // 2, out, None)]
             assert launched_splits[0] > 1 or m > 5  # 5 rows split by default; more cost more traffic
         else:
             assert launched_splits == [k_splits]
@@ -281,7 +284,7 @@ def test_tiled_kernels_write_an_output_with_any_column_stride(kernel: str) -> No
 
     def run(out: torch.Tensor, k_splits: int | None = None) -> torch.Tensor:
         if kernel == "w8a16":
-            return w8a16.w8a16_matmul(x, q8, s8, out=out, small_m_threshold=0, k_splits=k_splits)
+            return w8a16.w8a16_matmul(x, q8, s8, out=out, k_splits=k_splits)
         return w4a16.w4a16_matmul(x, qw, out=out, k_splits=k_splits)
 
     ref = w8a16.reference(x, q8, s8) if kernel == "w8a16" else w4a16.reference(x, qw)

@@ -31,7 +31,7 @@ from cadence.kernels.quant_formats import dequantize_int8, quantize_int8
 from cadence.tools import gptq_model
 from gguf_writer import write_tiny_gguf_in
 from helpers import CPU_PATH_TOL, dense_embedding, head_of, load_llama, rel_err
-from quant_eval import TINY_PROMPTS, greedy_tokens, prefix_agreement, tiny_llm
+from quant_eval import TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
 from sdpa_contexts import VarlenSdpaContext
 from tiny_models import build_tiny_model
 
@@ -93,39 +93,38 @@ def test_a_tied_embedding_reads_the_heads_int8_rows(tiny_model_dir) -> None:
 
 
 def test_int8_head_on_a_quantized_body_serves_end_to_end(tiny_model_dir) -> None:
+    """The int8 head costs the int8 body almost nothing in perplexity on the model's own
+    sample text. Greedy agreement is printed, not bounded: on this random model four
+    8-token continuations move by a quarter between kernel choices of equal accuracy
+    (dense 0.41-0.50 with the head, 0.63-0.72 without, on CPU and on an H100)."""
     path = tiny_model_dir("tied")
-    dense = greedy_tokens(tiny_llm(path, None), TINY_PROMPTS, max_tokens=8)
-    # The body's packed kernels at every batch size, as this agreement bound was set for
-    # (the head has no packed kernel): on this random model, the body's kernel choice alone
-    # moves it by about a tenth either way.
-    llm = LLM(
-        path,
-        dtype="float32",
-        quantization="int8",
-        block_size=4,
-        max_model_len=256,
-        num_gpu_blocks=256,
-        cpu_kernels="packed",
-    )
-    both = LLM(
-        path,
-        dtype="float32",
-        quantization="int8",
-        quantize_lm_head=True,
-        block_size=4,
-        max_model_len=256,
-        num_gpu_blocks=256,
-        cpu_kernels="packed",
-    )
-    assert is_int8(getattr(both.engine.model, "lm_head", None))
-    body_only = greedy_tokens(llm, TINY_PROMPTS, max_tokens=8)
-    with_head = greedy_tokens(both, TINY_PROMPTS, max_tokens=8)
-    agreement = prefix_agreement(dense, with_head)
+    dense = tiny_llm(path, None)
+    text = dense_sample(dense)
+    dense_ppl = perplexity(dense, text)
+    engines = {}
+    for head in (False, True):
+        engines[head] = LLM(
+            path,
+            dtype="float32",
+            quantization="int8",
+            quantize_lm_head=head,
+            block_size=4,
+            max_model_len=256,
+            num_gpu_blocks=256,
+            cpu_kernels="packed",  # the body's packed kernels at every batch size
+        )
+    assert is_int8(getattr(engines[True].engine.model, "lm_head", None))
+    body_ppl, both_ppl = perplexity(engines[False], text), perplexity(engines[True], text)
+    reference = greedy_tokens(dense, TINY_PROMPTS, max_tokens=8)
+    agreement = prefix_agreement(reference, greedy_tokens(engines[True], TINY_PROMPTS, max_tokens=8))
     print(
-        f"tiny tied model, int8 body + int8 head: greedy agreement {agreement:.2f} "
-        f"(int8 body only {prefix_agreement(dense, body_only):.2f})"
+        f"tiny tied model: perplexity dense {dense_ppl:.3f}, int8 body {body_ppl:.3f}, with the int8 head "
+        f"{both_ppl:.3f}; greedy agreement with dense {agreement:.2f}"
     )
-    assert agreement >= 0.5
+    # Measured on CPU: +0.8% and -0.3% over the body alone (packed and dense kernels); the
+    # int8 body itself is +9-12% over dense. A wrong scale or row would cost orders more.
+    assert both_ppl < 1.05 * body_ppl
+    assert body_ppl < 1.25 * dense_ppl
 
 
 def test_the_head_is_quantized_in_row_chunks_without_changing_it(tiny_model_dir, monkeypatch) -> None:
