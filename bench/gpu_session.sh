@@ -6,16 +6,18 @@
 #   bash bench/gpu_session.sh kernels   # bench/kernels.py quant + attention sections, quick sizes
 #   bash bench/gpu_session.sh decode    # bench/gpu_decode.py at Llama-8B shapes, graphs only
 #   bash bench/gpu_session.sh invariant # what --batch-invariant costs at batch 1/16/64 (gpu_decode.py)
+#   bash bench/gpu_session.sh serve     # `cadence serve`, 8B-shaped: batch 1-256, graphs/eager, bf16/int8/int4
+#   bash bench/gpu_session.sh tune      # bench/tune_tiled.py: the tiled GEMMs' launches, against dense
 #
-# The device machine has torch and triton but no pip index: `gguf` comes from a wheel in
-# .whl/ (carry it: `pip download gguf --no-deps -d .whl` here first), installed into
-# /tmp/site, and this checkout is imported as `cadence` through a symlink in /tmp/pkg.
+# The device machine has torch and triton but no pip index: `bash bench/gpu_wheels.sh` here
+# puts gguf and the server's packages in .whl/ (carry it), installed into /tmp/site, and
+# this checkout is imported as `cadence` through a symlink in /tmp/pkg.
 set -euo pipefail
-stage="${1:?usage: gpu_session.sh tests|kernels|decode|invariant}"
+stage="${1:?usage: gpu_session.sh tests|kernels|decode|invariant|serve|tune}"
 out="${OUT:-/tmp/gpu_session}"
 mkdir -p "$out" /tmp/pkg
-if compgen -G ".whl/gguf*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf*.whl
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 ln -sfn "$PWD" /tmp/pkg/cadence
 export PYTHONPATH="/tmp/site:/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -57,6 +59,12 @@ case "$stage" in
         python3 bench/gpu_decode.py --batch-invariant --new-tokens 64 2>&1 | tee "$out/invariant.log"
         python3 bench/gpu_decode.py --batch-invariant --new-tokens 64 --layers 32 --hidden 4096 --intermediate 14336 \
             2>&1 | tee -a "$out/invariant.log"
+        ;;
+    serve)
+        (cd bench && python3 gpu_serve.py) 2>&1 | tee "$out/serve.log"
+        ;;
+    tune)
+        (cd bench && python3 tune_tiled.py --budget-s "${TUNE_BUDGET_S:-240}" --out "$out") 2>&1 | tee "$out/tune.log"
         ;;
     *)
         echo "unknown stage: $stage" >&2
