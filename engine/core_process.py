@@ -110,7 +110,7 @@ class EngineCoreLoop:
         elif isinstance(message, ReleaseKV):
             self.core.release_sent_kv(message.request_ids)
         elif isinstance(message, CancelKVWait):
-            self.core.cancel_kv_wait(message.request_ids, message.reason)
+            self.core.cancel_kv_wait(message.request_ids, message.reason, message.chunk_tokens)
         elif isinstance(message, ExtendKVWait):
             self.core.extend_kv_wait(message.request_ids)
         elif isinstance(message, Shutdown):

@@ -27,6 +27,9 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # The most tokens of one prompt a step computes (0: the whole budget), as vLLM's flag:
+    # a long prompt then shares steps with the running streams instead of stalling them.
+    long_prefill_token_threshold: int = 0
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_gpu_blocks: int | None = None
@@ -90,6 +93,8 @@ class EngineArgs:
         # both are known, when the router admits them.
         if not (self.kv_wait_timeout > 0 and self.kv_hold_timeout > 0):
             raise ValueError("kv_wait_timeout and kv_hold_timeout must be positive seconds")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be 0 (no cap) or a number of tokens")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use auto, int8 or fp8")
 

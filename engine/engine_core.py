@@ -83,6 +83,7 @@ class EngineCore:
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens or max(2048, args.max_num_seqs),
                 max_model_len=self.max_model_len,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
             ),
             CacheConfig(num_blocks, args.block_size, args.enable_prefix_caching),
         )
@@ -150,6 +151,7 @@ class EngineCore:
             kv_wait_timeout=self.args.kv_wait_timeout,
             kv_hold_timeout=self.args.kv_hold_timeout,
             max_num_batched_tokens=self.scheduler.config.max_num_batched_tokens,
+            long_prefill_token_threshold=self.scheduler.config.long_prefill_token_threshold,
         )
 
     def close(self) -> None:
@@ -273,13 +275,14 @@ class EngineCore:
         else:
             self.scheduler.start_kv_load(sub_id, source, block_ids)
 
-    def cancel_kv_wait(self, request_ids: Iterable[str], reason: str) -> None:
-        """Stop waiting for these requests' KV (their prefill engine is gone): each
-        computes what did not arrive here."""
+    def cancel_kv_wait(self, request_ids: Iterable[str], reason: str, chunk_tokens: int = 0) -> None:
+        """Stop waiting for these requests' KV (their prefill engine is gone, or the router
+        placed them here): each computes what did not arrive here, `chunk_tokens` at most
+        a step when that is set."""
         for request_id in request_ids:
             sub_id = self._first_sequence(request_id)
             if sub_id is not None:
-                self.scheduler.cancel_kv_wait(sub_id, reason)
+                self.scheduler.cancel_kv_wait(sub_id, reason, chunk_tokens)
 
     def extend_kv_wait(self, request_ids: Iterable[str]) -> None:
         """Wait `kv_wait_timeout` more from now for these parked requests' KV."""

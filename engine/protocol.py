@@ -101,10 +101,12 @@ class ReleaseKV:
 
 @dataclass
 class CancelKVWait:
-    """To a decode engine: this KV will not come; compute what is missing here."""
+    """To a decode engine: this KV will not come; compute what is missing here, at most
+    `chunk_tokens` of each prompt a step when that is set (0: the engine's own limits)."""
 
     request_ids: list[str]
     reason: str
+    chunk_tokens: int = 0
 
 
 @dataclass
@@ -136,6 +138,7 @@ class EngineReady:
     kv_wait_timeout: float = 0.0
     kv_hold_timeout: float = 0.0
     max_num_batched_tokens: int = 0  # the most tokens one step computes
+    long_prefill_token_threshold: int = 0  # the most of one prompt's tokens a step computes (0: no cap)
 
 
 @dataclass

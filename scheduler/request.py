@@ -98,6 +98,9 @@ class Request:
     stop_token_id: int | None = None  # the stop token that finished it, if any
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
+    # The most of its tokens one step computes (0: the scheduler's own limits); a router
+    # that has a decode engine compute a prompt sets it so that its streams keep flowing.
+    max_chunk_tokens: int = 0
     # What the model runner holds of this request; None while it holds nothing (before
     # admission, and after a preemption until the request is admitted again).
     runner_view: RunnerView | None = None

@@ -36,10 +36,20 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # At most this many of one prompt's tokens per step (0: as many as the budget holds),
+    # so a long prompt shares each step with the others' tokens instead of filling it.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise ValueError(f"invalid scheduler limits: {self}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must not be negative: {self}")
+
+    def chunk(self, request: Request, remaining: int, budget: int) -> int:
+        """Tokens of `request`, with `remaining` to compute, that one step takes."""
+        caps = [cap for cap in (self.long_prefill_token_threshold, request.max_chunk_tokens) if cap > 0]
+        return min(remaining, budget, *caps)
 
 
 @dataclass(frozen=True)
@@ -154,12 +164,14 @@ class Scheduler:
         )
         return None
 
-    def cancel_kv_wait(self, request_id: str, reason: str) -> bool:
+    def cancel_kv_wait(self, request_id: str, reason: str, chunk_tokens: int = 0) -> bool:
         """Stop waiting for a parked request's KV (its source died, or its deadline
-        passed): it computes what did not arrive here. False if it was not parked."""
+        passed): it computes what did not arrive here, at most `chunk_tokens` a step when
+        that is set. False if it was not parked."""
         request = self.awaiting_kv.get(request_id)
         if request is None:
             return False
+        request.max_chunk_tokens = chunk_tokens
         self._drop_unsent_load(request_id)
         if request_id in self._loading:
             self._kv_cancels.append(request_id)  # the runner's result ends the wait
@@ -277,7 +289,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens_to_compute - request.num_computed_tokens, budget)
+            num_new = self.config.chunk(request, request.num_tokens_to_compute - request.num_computed_tokens, budget)
             while True:
                 new_copies = self.kv_cache.allocate_slots(request, num_new)
                 if new_copies is not None:
@@ -310,7 +322,7 @@ class Scheduler:
                 # The prefix cache had the whole prompt: it runs here like any other.
             cached_prefix = [] if request.block_ids else self.kv_cache.find_cached_prefix(request)
             num_computed = request.num_computed_tokens + len(cached_prefix) * self.kv_cache.block_size
-            num_new = min(request.num_tokens_to_compute - num_computed, budget)
+            num_new = self.config.chunk(request, request.num_tokens_to_compute - num_computed, budget)
             new_copies = self.kv_cache.allocate_slots(request, num_new, cached_prefix)
             if new_copies is None:
                 # Children further back may pin the blocks this one needs; with nothing

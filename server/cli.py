@@ -51,6 +51,12 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
     flag("--max-model-len", type=int)
     flag("--max-num-seqs", type=int)
     flag("--max-num-batched-tokens", type=int)
+    flag(
+        "--long-prefill-token-threshold",
+        type=int,
+        help="the most tokens of one prompt a step computes (0: no cap), so a long prompt shares "
+        "steps with the running streams instead of stalling them",
+    )
     flag("--num-gpu-blocks", type=int, help="KV-cache blocks (on any device)")
     flag("--kv-cache-memory", type=parse_size, help="KV-cache size, e.g. 2GiB")
     flag("--block-size", type=int)

@@ -84,6 +84,7 @@ def test_default_quantization_follows_the_model(tiny_model_dir, tiny_gguf, cache
             ["--no-enable-prefix-caching", "--enforce-eager", "--quantization", "none", "--no-quantize-lm-head"],
             {"enable_prefix_caching": False, "enforce_eager": True, "quantization": "none", "quantize_lm_head": False},
         ),
+        (["--long-prefill-token-threshold", "64"], {"long_prefill_token_threshold": 64}),
     ],
 )
 def test_serve_flags_and_llm_options_give_the_same_engine_args(tiny_model_dir, flags, options) -> None:
@@ -92,6 +93,11 @@ def test_serve_flags_and_llm_options_give_the_same_engine_args(tiny_model_dir, f
     assert from_cli == engine_args_for(folder, **options)
     if not flags:
         assert from_cli == EngineArgs(model=folder)  # an unset flag keeps the engine's default
+
+
+def test_a_negative_long_prefill_threshold_is_refused() -> None:
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        EngineArgs(model="m", long_prefill_token_threshold=-1)
 
 
 def test_llm_on_a_gguf_gives_the_servers_greedy_tokens(tiny_gguf, cache_home) -> None:

@@ -48,19 +48,35 @@ def test_fixed_policies_ignore_the_costs(policy: PlacementPolicy, local: bool) -
     assert place(50, DecodeLoad(STREAMING, 0, 2048), policy=policy).local is local
 
 
-def test_a_prompt_that_would_stall_the_streams_moves() -> None:
-    decision = place(500, DecodeLoad(STREAMING, 0, 2048))  # 0.5 s in one step
-    assert not decision.local and "stall the decode engine 0.500 s" in decision.reason
-    # In chunks of 100 tokens each step stalls 0.1 s: local, when no later than remote.
-    assert place(500, DecodeLoad(STREAMING, 0, 100)).local
-    assert not place(500, DecodeLoad(STREAMING, 200, 100)).local  # its own queue makes it later
+def test_a_local_prompt_runs_in_chunks_of_the_stall_limit() -> None:
+    """1,000 tokens per second and 0.1 s a step: 100-token chunks, when local is no later."""
+    decision = place(500, DecodeLoad(STREAMING, 0, 2048), moved=transfer(1e-7))
+    assert decision.local and decision.chunk_tokens == 100
+    assert place(500, DecodeLoad(STREAMING, 0, 40), moved=transfer(1e-7)).chunk_tokens == 40  # the engine's own cap
+    assert place(60, DecodeLoad(STREAMING, 0, 2048), moved=transfer(1e-7)).chunk_tokens == 0  # one step holds it
+    # Five chunks share five decode steps of 50 ms: 0.75 s locally against 0.55 s remote.
+    busy = DecodeLoad(EngineStats(num_running=3, num_steps=10, busy_seconds=0.5), 0, 2048)
+    decision = place(500, busy, moved=transfer(1e-7))
+    assert not decision.local and "remote is sooner" in decision.reason
+    assert place(500, busy, queues=(1000,), moved=transfer(1e-7)).local  # unless the prefill queue is long
+    assert not place(500, DecodeLoad(STREAMING, 1100, 2048), queues=(1000,)).local  # or its own queue is longer
 
 
-def test_an_idle_decode_engine_keeps_short_prompts_but_not_long_ones() -> None:
-    idle = DecodeLoad(EngineStats(), 0, 2048)
+def test_chunks_too_small_to_be_worth_a_step_send_the_prompt_away() -> None:
+    tight = PlacementPolicy("cost", max_local_stall=0.01)  # 10 tokens a step
+    decision = place(500, DecodeLoad(STREAMING, 0, 2048), queues=(5000,), policy=tight)
+    assert not decision.local and "holds only 10 tokens" in decision.reason
+    assert place(8, DecodeLoad(STREAMING, 0, 2048), queues=(5000,), policy=tight).local  # it fits one step
+
+
+def test_streams_make_a_long_local_prompt_pay_for_their_steps() -> None:
+    """Idle, the decode engine takes a prompt its transfer would delay; with streams each
+    chunk also waits for their tokens (20 ms steps here), and the prompt moves."""
+    idle = DecodeLoad(EngineStats(num_steps=10, busy_seconds=0.2), 0, 2048)
     assert place(90, idle, moved=transfer(1e-7)).local
-    # Requests that arrive during a long local step would wait for it.
-    assert not place(3000, idle, moved=transfer(1e-7)).local
+    assert place(3000, idle, moved=transfer(1e-7)).local  # 3.0 s here, 3.3 s with the transfer
+    streaming = DecodeLoad(EngineStats(num_running=3, num_steps=10, busy_seconds=0.2), 0, 2048)
+    assert not place(3000, streaming, moved=transfer(1e-7)).local  # 3.0 s + 30 steps of 20 ms
     assert not place(90, DecodeLoad(EngineStats(), 4000, 2048), moved=transfer(1e-7)).local
 
 
@@ -97,6 +113,12 @@ def test_the_coordinator_places_by_cost_and_counts_local_prompts() -> None:
     first = EngineCoreOutput("short", 0, [5])
     coordinator.on_outputs("d0", EngineCoreOutputs([first], STREAMING))
     assert coordinator.routes["short"].local_tokens_pending == 0
+    # With "long" queued on the prefill engine, the next long prompt is sooner here, in
+    # chunks of 0.1 s at the prefill engine's 1,000 tokens a second.
+    coordinator.add_request(EngineCoreRequest("next", list(range(1, 241)), params))
+    coordinator.on_outputs("d0", EngineCoreOutputs([], STREAMING, kv_reserved=[KVReservation("next", 0, 239)]))
+    engine, message = sent[-1]
+    assert engine == "d0" and isinstance(message, CancelKVWait) and message.chunk_tokens == 100
 
 
 def test_local_placement_sends_plain_requests() -> None:

@@ -129,6 +129,28 @@ def test_chunked_prefill_respects_budget_and_finishes() -> None:
     assert scheduler.kv_cache.usage == 0.0
 
 
+def test_long_prefill_threshold_caps_each_prompts_chunk() -> None:
+    """A prompt takes at most the threshold per step, so the budget's rest goes to the
+    others: the running stream keeps its token every step, and a second prompt starts."""
+    config = SchedulerConfig(max_num_batched_tokens=16, max_model_len=256, long_prefill_token_threshold=5)
+    scheduler = Scheduler(config, CacheConfig(64, 4))
+    model = FakeModel(scheduler, random.Random(1))
+    scheduler.add_request(make_request("stream", [1, 2, 3], 0, max_tokens=20))
+    first = scheduler.schedule()
+    scheduler.update(first, model.execute(first))
+    scheduler.add_request(make_request("long", list(range(1, 23)), 1, max_tokens=3))
+    scheduler.add_request(make_request("other", list(range(40, 52)), 2, max_tokens=3))
+    steps = []
+    for _ in range(3):
+        output = scheduler.schedule()
+        steps.append(output.num_scheduled_tokens)
+        scheduler.update(output, model.execute(output))
+    assert steps == [{"stream": 1, "long": 5, "other": 5}] * 2 + [{"stream": 1, "long": 5, "other": 2}]
+    finished = run_to_completion(scheduler, model)
+    assert set(finished) == {"stream", "long", "other"}
+    assert scheduler.kv_cache.usage == 0.0
+
+
 def test_prefix_cache_hit_reuses_blocks_and_leaves_one_token() -> None:
     scheduler = Scheduler(SchedulerConfig(max_model_len=256), CacheConfig(64, 4))
     model = FakeModel(scheduler, random.Random(0))

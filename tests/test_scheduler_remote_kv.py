@@ -177,6 +177,28 @@ def test_failed_transfers_recompute_the_rest_here(fault: str) -> None:
     assert decode.kv_cache.pool.num_free_blocks == 64 and prefill.kv_cache.pool.num_free_blocks == 64
 
 
+def test_a_prompt_the_router_keeps_here_runs_in_its_chunks() -> None:
+    """Placed on the decode engine with a chunk, the prompt takes that many tokens a step
+    beside a running stream, and its output is right."""
+    _, decode = pair()
+    model = FakeModel(decode, random.Random(2))
+    decode.add_request(make_request("stream", [1, 2, 3], 0, max_tokens=12))
+    step(decode, model)
+    decode.add_request(make_request("r", list(range(1, 30)), 1, max_tokens=2, remote_kv=RemoteKV.LOAD))
+    step(decode, model)  # reserves, and parks it waiting for KV
+    assert decode.cancel_kv_wait("r", "placed here", chunk_tokens=8)
+    chunks = []
+    while decode.requests.get("r") is not None and decode.requests["r"].num_computed_tokens < 29:
+        output = decode.schedule()
+        chunks.append(output.num_scheduled_tokens.get("r", 0))
+        assert output.num_scheduled_tokens.get("stream") == 1  # the stream keeps its token every step
+        decode.update(output, model.execute(output))
+    assert chunks == [8, 8, 8, 5]
+    while decode.has_unfinished_requests():
+        step(decode, model)
+    assert decode.kv_cache.pool.num_free_blocks == 64
+
+
 def test_abort_mid_load_frees_blocks_only_after_the_runner_lets_go() -> None:
     prefill, decode = pair()
     p_model = FakeModel(prefill, random.Random(0))

@@ -191,7 +191,7 @@ class Coordinator:
                 route.phase = Phase.DECODING
                 self.stats.num_local_prefills += 1
             elif (placement := self._place(route)).local:
-                self._compute_on_decode(route, placement.reason)
+                self._compute_on_decode(route, placement.reason, placement.chunk_tokens)
             else:
                 self._prefill_elsewhere(route, None)
         for prefilled in outputs.kv_prefilled:
@@ -268,13 +268,13 @@ class Coordinator:
             ),
         )
 
-    def _compute_on_decode(self, route: Route, reason: str) -> None:
+    def _compute_on_decode(self, route: Route, reason: str, chunk_tokens: int = 0) -> None:
         if route.prefill is not None and route.prefill in self.prefill:
             self.send(route.prefill, AbortRequests([route.request.request_id]))
         route.prefill, route.phase = None, Phase.DECODING
         route.local_tokens_pending = route.num_tokens_to_prefill
         self.stats.num_local_prefills += 1
-        self.send(route.decode, CancelKVWait([route.request.request_id], reason))
+        self.send(route.decode, CancelKVWait([route.request.request_id], reason, chunk_tokens))
 
     def _drop(self, route: Route) -> None:
         """Free whatever a prefill engine holds or computes for the route."""
@@ -306,7 +306,7 @@ class Coordinator:
         load = DecodeLoad(
             self.engine_stats.get(route.decode, EngineStats()),
             sum(r.local_tokens_pending for r in self.routes.values() if r.decode == route.decode),
-            ready.max_num_batched_tokens or route.num_tokens_to_prefill,
+            ready.long_prefill_token_threshold or ready.max_num_batched_tokens or route.num_tokens_to_prefill,
         )
         return place_prompt(
             self.placement,

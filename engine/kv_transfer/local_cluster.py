@@ -108,7 +108,7 @@ class LocalCluster:
         elif isinstance(message, ReleaseKV):
             core.release_sent_kv(message.request_ids)
         elif isinstance(message, CancelKVWait):
-            core.cancel_kv_wait(message.request_ids, message.reason)
+            core.cancel_kv_wait(message.request_ids, message.reason, message.chunk_tokens)
         elif isinstance(message, ExtendKVWait):
             core.extend_kv_wait(message.request_ids)
         elif isinstance(message, AbortRequests):

@@ -4,12 +4,14 @@ engine that will generate from it.
 Remote prefill costs the prefill engine's queue, the prompt itself and the transfer;
 local prefill costs the decode engine's own queue of local prompts and the prompt, and
 stalls every stream the decode engine is generating for (and every load it is to
-start) while a chunk of the prompt runs in its step. The cost model (`cost`) computes
-the prompt locally when that is not slower to the first token and the stall stays under
-`max_local_stall`; so short prompts stay local while the prefill pool is busy, and long
-prompts move. Every estimate comes from what the engines measured: the
-prefill engines' tokens per busy second, and the transfers' seconds per byte. Until
-those exist it decides as `remote` does.
+start) while a chunk of the prompt runs in its step. The cost model (`cost`) bounds that
+stall: a prompt computed locally goes in chunks of at most `max_local_stall` seconds of
+prefill each, one per decode step, so the decode engine's streams keep flowing and a
+prefill pool that cannot keep up borrows the decode engines' spare time. It computes the
+prompt locally when that is not slower to the first token, counting the decode steps its
+chunks share. Every estimate comes from what the engines measured: the prefill engines'
+tokens per busy second, the decode engine's seconds per step, and the transfers'
+seconds per byte. Until those exist it decides as `remote` does.
 """
 
 from __future__ import annotations
@@ -52,10 +54,16 @@ class DecodeLoad:
     chunk_tokens: int  # the most tokens one of its steps computes
 
 
+# A local chunk smaller than this would spend its step mostly on the streams' tokens:
+# the prompt then goes to a prefill engine, however long that one's queue.
+MIN_LOCAL_CHUNK = 16
+
+
 @dataclass(frozen=True)
 class Placement:
     local: bool
     reason: str
+    chunk_tokens: int = 0  # local: the most of the prompt one decode step computes (0: no cap)
 
 
 def place_prompt(
@@ -80,11 +88,18 @@ def place_prompt(
         return Placement(False, "remote")
     seconds_per_byte = transfer.latency_sum / transfer.bytes_transferred if transfer.bytes_transferred else 0.0
     remote = (min(prefill_queues) + uncached_tokens) / rate + uncached_tokens * bytes_per_token * seconds_per_byte
-    local = (decode.local_prompt_tokens + uncached_tokens) / rate
-    # Counted even while nothing streams: requests that arrive meanwhile would wait.
-    stall = min(uncached_tokens, decode.chunk_tokens) / rate
-    if stall > policy.max_local_stall:
-        return Placement(False, f"a local step would stall the decode engine {stall:.3f} s")
+    # Chunked even while nothing streams: requests that arrive meanwhile would wait.
+    chunk = min(int(rate * policy.max_local_stall), decode.chunk_tokens)
+    if chunk < min(uncached_tokens, MIN_LOCAL_CHUNK):
+        return Placement(False, f"a local step of {policy.max_local_stall:g} s holds only {chunk} tokens")
+    pending = decode.local_prompt_tokens + uncached_tokens
+    # Each chunk shares its step with the streams' tokens, if any stream runs.
+    streaming = decode.stats.num_running > 0 and decode.stats.num_steps > 0
+    step = decode.stats.busy_seconds / decode.stats.num_steps if streaming else 0.0
+    local = pending / rate + -(-pending // chunk) * step
     if local > remote:
         return Placement(False, f"remote is sooner ({remote:.3f} s against {local:.3f} s)")
-    return Placement(True, f"local is as soon ({local:.3f} s against {remote:.3f} s) and stalls {stall:.3f} s")
+    chunk_tokens = chunk if uncached_tokens > chunk else 0
+    return Placement(
+        True, f"local is as soon ({local:.3f} s against {remote:.3f} s), {chunk} tokens a step", chunk_tokens
+    )
