@@ -79,13 +79,12 @@ class Weights:
 
         self.sets: dict[str, list[dict[str, object]]] = {}
         for name, (k, n) in SHAPES.items():
-            count = copies or rotation_sets(n * k / 2, l2_bytes)
-            copies = []
-            for _ in range(count):
+            made = []
+            for _ in range(copies or rotation_sets(n * k / 2, l2_bytes)):
                 w = torch.randn(n, k, device=DEVICE) * k**-0.5
                 q8, s8 = quantize_int8(w)
-                copies.append({"dense": w.to(dtype), "w4": quantize_int4(w, 128), "w8": (q8, s8.to(dtype))})
-            self.sets[name] = copies
+                made.append({"dense": w.to(dtype), "w4": quantize_int4(w, 128), "w8": (q8, s8.to(dtype))})
+            self.sets[name] = made
 
 
 def kernel_call(kernel: str, x: torch.Tensor, weight: object, config: Config | None) -> Callable[[], object]:
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     global DEVICE, SHAPES
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
-        DEVICE, SHAPES, args.dtype, args.workers = "cpu", {"tiny": (256, 64)}, "float16", 2
+        DEVICE, SHAPES, args.dtype, args.workers = "cpu", {"tiny": (256, 64), "small": (128, 32)}, "float16", 2
     elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --smoke)")
     import_cadence_from_repo()

@@ -28,12 +28,12 @@ def as_rows(x: torch.Tensor, n: int, out: torch.Tensor | None) -> tuple[torch.Te
     return rows, out, lead
 
 
-# The tiled W8A16/W4A16 GEMMs at small M (3-64 rows). Without a split, Llama-8B's o_proj
-# and down_proj (N = 4096, BLOCK_N = 64) are 64 programs: half of an H100's 132 SMs sit
-# idle and each program walks all of K alone (slower than dense at M = 3-16). ptxas gives
-# their [16-64, 64] tiles 166-255 registers at 4 warps, so two programs fit on an SM at
-# once: the split aims for one full wave. Not yet tuned on a GPU (bench/kernels.py times
-# each case with and without the split).
+# The tiled W8A16/W4A16 GEMMs at decode M (up to 64 rows, one M block). Without a split,
+# Llama-8B's o_proj and down_proj (N = 4096, BLOCK_N 64 or 128) are 32-64 programs: most
+# of an H100's 132 SMs sit idle and each program walks all of K alone. The split aims for
+# two programs per SM, one full wave. On an H100 it made int8 about twice as fast at
+# M = 3-16 (bench/kernels.py's "unsplit" columns); the target of two per SM has not been
+# swept.
 TILED_PROGRAMS_PER_SM = 2
 # Each split writes its fp32 partials and the last program reads them back: 8 bytes per
 # output element per split. They may add at most this share of the weight's own bytes.

@@ -7,12 +7,14 @@ CUDA-graph replays; bench/HISTORY.md has the sweep). What it found, in order of 
   W8A16 at M = 2-16 went from 113-163 µs to 96-99 (dense bf16: 164), which also beats its
   GEMV at M = 2 (163 µs), so int8 has no GEMV any more.
 * W4A16 loading each packed int32 once and spreading its nibbles in registers
-  (``words_once``, now always on) instead of eight loads of the same word: the best
-  configuration at every M used it.
+  (``words_once``, on in ``w4a16.py``; the fused MoE kernel still loads per K row)
+  instead of eight loads of the same word: the best configuration at every M used it.
 * Larger tiles from 64 rows (64 x 64, then 128 x 64); the untuned 64 x 64 x 64 tile was
   0.16x dense for int4 at M = 256, the configuration below 0.46x.
 
-Rows between the measured M (2, 4, 16, 64, 256) take the nearest measured tile. A
+The table's rows were measured at M = 2, 4, 16, 64 and 256 (bf16); the 17-32 row and
+the M between measured points follow their neighbours untested, and other GPUs and fp16
+are untested (fp16 timed 7-50% slower with the same tiles on the H100, not explained). A
 batch-invariant launch must not change its tile with M (BLOCK_K orders the sum), so it
 keeps ``INVARIANT`` whatever M is.
 """

@@ -27,6 +27,7 @@ from cadence.scheduler.remote_kv import (
     RemoteKV,
 )
 from cadence.scheduler.request import Request, RequestStatus
+from cadence.scheduler.step_chunks import StepChunks
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,6 @@ class SchedulerConfig:
             raise ValueError(f"invalid scheduler limits: {self}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must not be negative: {self}")
-
-    def chunk(self, request: Request, remaining: int, budget: int) -> int:
-        """Tokens of `request`, with `remaining` to compute, that one step takes."""
-        caps = [cap for cap in (self.long_prefill_token_threshold, request.max_chunk_tokens) if cap > 0]
-        return min(remaining, budget, *caps)
 
 
 @dataclass(frozen=True)
@@ -285,11 +281,17 @@ class Scheduler:
         copies: list[BlockCopy] = []
         preempted_now = False
 
+        chunks = StepChunks(self.config.long_prefill_token_threshold)
+
         self.running.sort(key=lambda r: r.sort_key)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self.config.chunk(request, request.num_tokens_to_compute - request.num_computed_tokens, budget)
+            remaining = request.num_tokens_to_compute - request.num_computed_tokens
+            if chunks.used_up(request, remaining):  # the share went to an earlier capped prompt
+                index += 1
+                continue
+            num_new = chunks.size(request, remaining, budget)
             while True:
                 new_copies = self.kv_cache.allocate_slots(request, num_new)
                 if new_copies is not None:
@@ -305,12 +307,18 @@ class Scheduler:
                 break  # the request itself was preempted; everything after it already was
             copies.extend(new_copies)
             scheduled[request.request_id] = ScheduledRequest(request, num_new)
+            chunks.took(request, remaining, num_new)
             budget -= num_new
             index += 1
 
-        # Admitting new work while preempting would only thrash the cache.
+        # Admitting new work while preempting would only thrash the cache. Capped prompts
+        # with no share left wait a step, without holding up those behind them.
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if chunks.used_up(request, request.num_tokens_to_compute - request.num_computed_tokens):
+                passed_over.append(self.waiting.pop(0))
+                continue
             if request.remote_kv is RemoteKV.LOAD:
                 parked = self._reserve_for_remote_kv(request)
                 if parked is None and self._reclaim_waiting_blocks():
@@ -322,7 +330,8 @@ class Scheduler:
                 # The prefix cache had the whole prompt: it runs here like any other.
             cached_prefix = [] if request.block_ids else self.kv_cache.find_cached_prefix(request)
             num_computed = request.num_computed_tokens + len(cached_prefix) * self.kv_cache.block_size
-            num_new = self.config.chunk(request, request.num_tokens_to_compute - num_computed, budget)
+            remaining = request.num_tokens_to_compute - num_computed
+            num_new = chunks.size(request, remaining, budget)
             new_copies = self.kv_cache.allocate_slots(request, num_new, cached_prefix)
             if new_copies is None:
                 # Children further back may pin the blocks this one needs; with nothing
@@ -340,7 +349,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request.request_id] = ScheduledRequest(request, num_new)
+            chunks.took(request, remaining, num_new)
             budget -= num_new
+        self.waiting[:0] = passed_over
 
         output = SchedulerOutput(
             num_scheduled_tokens={request_id: item.num_new_tokens for request_id, item in scheduled.items()},

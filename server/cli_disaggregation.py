@@ -72,14 +72,16 @@ def add_routing_flags(group: argparse._ArgumentGroup) -> None:
         choices=PLACEMENTS,
         default="cost",
         help="where prompts are computed: cost weighs, per prompt, the prefill engines' queue and the transfer "
-        "against the decode engine's queue and how long it would stall its streams (from measured rates); remote "
-        "sends every prompt to a prefill engine; local computes them all on decode engines",
+        "against the decode engine's queue, computed there in chunks of --max-local-prefill-stall seconds beside "
+        "its streams (from measured rates); remote sends every prompt to a prefill engine; local computes them "
+        "all on decode engines",
     )
     group.add_argument(
         "--max-local-prefill-stall",
         type=float,
         default=PlacementPolicy.max_local_stall,
-        help="with cost: seconds one step of a prompt computed on a decode engine may add to its token streams",
+        help="seconds one step of a prompt computed on a decode engine may add to its token streams: the size "
+        "of its chunks there",
     )
     group.add_argument(
         "--min-remote-prefill-tokens",

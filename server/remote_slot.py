@@ -141,12 +141,16 @@ class RemoteSlot:
         while not self._stopping:
             delay = RETRY_DELAY
             try:
-                described = await asyncio.to_thread(fetch_worker_info, self.name, self.timing.timeout)
+                # The socket timeout does not bound the host name's lookup: the whole
+                # request gets one deadline (a stuck lookup's thread ends on its own).
+                described = await asyncio.wait_for(
+                    asyncio.to_thread(fetch_worker_info, self.name, self.timing.timeout), 2 * self.timing.timeout
+                )
                 if described.get("role") != self.role:
                     raise ValueError(f"it is a {described.get('role')} worker, listed as {self.role}")
                 address = link_address(self.name, int(described["link_port"]))
             except Exception as error:  # noqa: BLE001 - an unreachable or odd worker is retried
-                self._end(f"{self.name} cannot be reached: {error}")
+                self._end(f"{self.name} cannot be reached: {error or 'no answer in time'}")
                 await asyncio.sleep(delay)
                 continue
             socket = self.context.socket(zmq.DEALER)

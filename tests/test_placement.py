@@ -4,6 +4,8 @@ them (a prompt kept local counts in its decode engine's queue until its first to
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cadence.engine.kv_transfer.coordinator import Coordinator, Phase
@@ -16,6 +18,8 @@ from cadence.engine.protocol import (
     EngineCoreRequest,
     EngineStats,
     Message,
+    decode,
+    encode,
 )
 from cadence.engine.sampling_params import SamplingParams
 from cadence.scheduler.remote_kv import KVReservation
@@ -129,3 +133,26 @@ def test_local_placement_sends_plain_requests() -> None:
     coordinator.add_request(EngineCoreRequest("r", list(range(1, 100)), SamplingParams(max_tokens=4)))
     assert len(sent) == 1 and sent[0][0] == "d0" and sent[0][1].remote_kv is None  # type: ignore[union-attr]
     assert coordinator.stats.num_local_prefills == 1
+
+
+def test_a_prompt_falling_back_to_its_decode_engine_is_chunked_too() -> None:
+    """Always-remote placement, but the prefill engine refuses the prompt: the decode
+    engine computes it, in the chunks the stall limit allows at the measured rate."""
+    sent: list[tuple[str, Message]] = []
+    policy = PlacementPolicy("remote", max_local_stall=0.1)
+    coordinator = Coordinator(lambda engine, message: sent.append((engine, message)), policy)
+    coordinator.add_engine("p0", ready("prefill"))
+    coordinator.add_engine("d0", ready("decode"))
+    coordinator.on_outputs("p0", EngineCoreOutputs([], MEASURED[0]))
+    coordinator.add_request(EngineCoreRequest("r", list(range(1, 601)), SamplingParams(max_tokens=4)))
+    coordinator.on_outputs("d0", EngineCoreOutputs([], STREAMING, kv_reserved=[KVReservation("r", 0, 599)]))
+    assert sent[-1][0] == "p0"
+    coordinator.on_outputs("p0", EngineCoreOutputs([], MEASURED[0], rejected={"r": "no room"}))
+    engine, message = sent[-1]
+    assert engine == "d0" and isinstance(message, CancelKVWait) and message.chunk_tokens == 100
+
+
+def test_the_chunk_and_the_step_limit_cross_the_wire() -> None:
+    assert decode(encode(CancelKVWait(["r"], "placed here", 100))) == CancelKVWait(["r"], "placed here", 100)
+    limited = replace(ready("decode"), long_prefill_token_threshold=64)
+    assert decode(encode(limited)) == limited

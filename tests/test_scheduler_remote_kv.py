@@ -177,23 +177,29 @@ def test_failed_transfers_recompute_the_rest_here(fault: str) -> None:
     assert decode.kv_cache.pool.num_free_blocks == 64 and prefill.kv_cache.pool.num_free_blocks == 64
 
 
-def test_a_prompt_the_router_keeps_here_runs_in_its_chunks() -> None:
-    """Placed on the decode engine with a chunk, the prompt takes that many tokens a step
-    beside a running stream, and its output is right."""
+def test_prompts_the_router_keeps_here_share_one_chunk_a_step() -> None:
+    """Placed on the decode engine with 8-token chunks, two prompts take 8 tokens a step
+    between them (the first one first), beside a running stream that keeps its token
+    every step; a plain request behind them is not held up. Every read is checked."""
     _, decode = pair()
     model = FakeModel(decode, random.Random(2))
-    decode.add_request(make_request("stream", [1, 2, 3], 0, max_tokens=12))
+    decode.add_request(make_request("stream", [1, 2, 3], 0, max_tokens=20))
     step(decode, model)
-    decode.add_request(make_request("r", list(range(1, 30)), 1, max_tokens=2, remote_kv=RemoteKV.LOAD))
-    step(decode, model)  # reserves, and parks it waiting for KV
-    assert decode.cancel_kv_wait("r", "placed here", chunk_tokens=8)
-    chunks = []
-    while decode.requests.get("r") is not None and decode.requests["r"].num_computed_tokens < 29:
+    for seq, rid in enumerate(("a", "b"), start=1):
+        decode.add_request(make_request(rid, list(range(seq, seq + 20)), seq, max_tokens=2, remote_kv=RemoteKV.LOAD))
+    step(decode, model)  # reserves both, and parks them waiting for KV
+    assert decode.cancel_kv_wait("a", "placed here", chunk_tokens=8)
+    assert decode.cancel_kv_wait("b", "placed here", chunk_tokens=8)
+    decode.add_request(make_request("plain", [7, 8, 9], 3, max_tokens=2))
+    steps = []
+    for _ in range(6):
         output = decode.schedule()
-        chunks.append(output.num_scheduled_tokens.get("r", 0))
-        assert output.num_scheduled_tokens.get("stream") == 1  # the stream keeps its token every step
+        steps.append({rid: n for rid, n in output.num_scheduled_tokens.items() if rid != "stream"})
+        assert output.num_scheduled_tokens.get("stream") == 1
         decode.update(output, model.execute(output))
-    assert chunks == [8, 8, 8, 5]
+    assert steps[0] == {"a": 8, "plain": 3}
+    assert [s.get("a", 0) for s in steps] == [8, 8, 4, 1, 0, 0]  # 20 prompt tokens, its second token, done
+    assert [s.get("b", 0) for s in steps] == [0, 0, 4, 8, 8, 1]
     while decode.has_unfinished_requests():
         step(decode, model)
     assert decode.kv_cache.pool.num_free_blocks == 64

@@ -29,8 +29,15 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from cadence.engine.kv_transfer.placement import DecodeLoad, Placement, PlacementPolicy, place_prompt
-from cadence.engine.kv_transfer.transfer_stats import TransferStats
+from cadence.engine.kv_transfer.placement import (
+    MIN_LOCAL_CHUNK,
+    DecodeLoad,
+    Placement,
+    PlacementPolicy,
+    local_chunk,
+    place_prompt,
+)
+from cadence.engine.kv_transfer.transfer_stats import TransferStats, engine_rate
 from cadence.engine.protocol import (
     AbortRequests,
     CancelKVWait,
@@ -268,7 +275,15 @@ class Coordinator:
             ),
         )
 
-    def _compute_on_decode(self, route: Route, reason: str, chunk_tokens: int = 0) -> None:
+    def _compute_on_decode(self, route: Route, reason: str, chunk_tokens: int | None = None) -> None:
+        """Have the decode engine compute the prompt: in the placement's chunks, or for a
+        fallback (no prefill engine, a refusal) in chunks by the same rule once a rate is
+        measured, so that its streams keep flowing."""
+        if chunk_tokens is None:
+            measured = [self.engine_stats[engine] for engine in self.prefill if engine in self.engine_stats]
+            rate = engine_rate(measured, "num_computed_tokens")
+            chunk = max(local_chunk(self.placement, rate, self._step_limit(route)), MIN_LOCAL_CHUNK) if rate else 0
+            chunk_tokens = chunk if 0 < chunk < route.num_tokens_to_prefill else 0
         if route.prefill is not None and route.prefill in self.prefill:
             self.send(route.prefill, AbortRequests([route.request.request_id]))
         route.prefill, route.phase = None, Phase.DECODING
@@ -301,12 +316,18 @@ class Coordinator:
         for decode_engine, request_ids in due.items():
             self.send(decode_engine, ExtendKVWait(request_ids))
 
+    def _step_limit(self, route: Route) -> int:
+        """The most of one prompt a step of the route's decode engine computes."""
+        ready = self.decode[route.decode]
+        limits = [limit for limit in (ready.long_prefill_token_threshold, ready.max_num_batched_tokens) if limit > 0]
+        return min(limits, default=route.num_tokens_to_prefill)
+
     def _place(self, route: Route) -> Placement:
         ready = self.decode[route.decode]
         load = DecodeLoad(
             self.engine_stats.get(route.decode, EngineStats()),
             sum(r.local_tokens_pending for r in self.routes.values() if r.decode == route.decode),
-            ready.long_prefill_token_threshold or ready.max_num_batched_tokens or route.num_tokens_to_prefill,
+            self._step_limit(route),
         )
         return place_prompt(
             self.placement,

@@ -50,7 +50,7 @@ class DecodeLoad:
     """What the router knows of one decode engine when a prompt arrives."""
 
     stats: EngineStats
-    local_prompt_tokens: int  # prompts it was told to compute itself, not yet started on
+    local_prompt_tokens: int  # prompts it was told to compute itself, until their first token
     chunk_tokens: int  # the most tokens one of its steps computes
 
 
@@ -64,6 +64,12 @@ class Placement:
     local: bool
     reason: str
     chunk_tokens: int = 0  # local: the most of the prompt one decode step computes (0: no cap)
+
+
+def local_chunk(policy: PlacementPolicy, rate: float, decode_chunk_tokens: int) -> int:
+    """Tokens of a prompt computed on a decode engine per step: what the prefill engines
+    compute in `max_local_stall` seconds, within the decode engine's own step limit."""
+    return min(int(rate * policy.max_local_stall), decode_chunk_tokens)
 
 
 def place_prompt(
@@ -89,7 +95,7 @@ def place_prompt(
     seconds_per_byte = transfer.latency_sum / transfer.bytes_transferred if transfer.bytes_transferred else 0.0
     remote = (min(prefill_queues) + uncached_tokens) / rate + uncached_tokens * bytes_per_token * seconds_per_byte
     # Chunked even while nothing streams: requests that arrive meanwhile would wait.
-    chunk = min(int(rate * policy.max_local_stall), decode.chunk_tokens)
+    chunk = local_chunk(policy, rate, decode.chunk_tokens)
     if chunk < min(uncached_tokens, MIN_LOCAL_CHUNK):
         return Placement(False, f"a local step of {policy.max_local_stall:g} s holds only {chunk} tokens")
     pending = decode.local_prompt_tokens + uncached_tokens
