@@ -26,7 +26,7 @@ import torch
 from cadence import LLM, SamplingParams
 from common.engine_timing import decode_tokens_per_s
 from common.gpu_timing import replay_median_ms
-from common.random_llama import build_random_model
+from common.random_llama import build_random_model, llama3_shaped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,21 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    shape = dict(
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-        rope_theta=500000.0,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    path = build_random_model(f"llama-h{args.hidden}-l{args.layers}-i{args.intermediate}-bf16", shape, fast=True)
+    path = build_random_model(*llama3_shaped(args.hidden, args.intermediate, args.layers), fast=True)
     prompt = torch.randint(3, 128000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     if args.batch_invariant:
         return invariant_cost(path, prompt, args)

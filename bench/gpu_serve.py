@@ -39,7 +39,7 @@ from transformers import PreTrainedTokenizerFast
 
 from common.from_tests import ServerProcess
 from common.gpu_timing import measure_ceilings
-from common.random_llama import build_random_model
+from common.random_llama import build_random_model, llama3_shaped
 
 CONFIGS = {
     "bf16 graphs": (),
@@ -156,24 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.layers, args.hidden, args.intermediate = 2, 128, 256
         args.batches, args.prompt_len, args.output_len = [1, 4], 16, 8
+    name, config = llama3_shaped(args.hidden, args.intermediate, args.layers, kv_heads=2 if args.smoke else 8)
+    path = build_random_model(name, config, fast=True)
     shape = Shape(
-        args.hidden, args.intermediate, args.layers, 8 if args.hidden >= 1024 else 2, 64 if args.smoke else 128, 128256
+        args.hidden,
+        args.intermediate,
+        args.layers,
+        config["num_key_value_heads"],
+        args.hidden // config["num_attention_heads"],
+        config["vocab_size"],
     )
-    config = dict(
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.hidden // shape.head_dim,
-        num_key_value_heads=shape.kv_heads,
-        vocab_size=shape.vocab,
-        tie_word_embeddings=False,
-        rope_theta=500000.0,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    path = build_random_model(f"llama-h{shape.hidden}-l{shape.layers}-i{shape.intermediate}-bf16", config, fast=True)
     save_word_tokenizer(path, shape.vocab)
     ceilings = measure_ceilings("cuda" if on_gpu else "cpu", smoke=not on_gpu)
     gbps, tflops = ceilings.copy_gbps, ceilings.tflops["bf16"]

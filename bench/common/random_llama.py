@@ -31,6 +31,30 @@ SMOLLM2_135M: dict[str, Any] = dict(
     bos_token_id=0,
     eos_token_id=0,
 )
+
+
+def llama3_shaped(hidden: int, intermediate: int, layers: int, kv_heads: int = 8) -> tuple[str, dict[str, Any]]:
+    """A Llama-3-style shape (128,256-token vocabulary, untied head; heads of 64 up to a
+    hidden size of 2,048 as in Llama-3.2-1B, of 128 above as in Llama-3-8B) and a cache
+    name that states every size in it, so that benches sharing a name share the model."""
+    head_dim = 64 if hidden <= 2048 else 128
+    shape = dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // head_dim,
+        num_key_value_heads=kv_heads,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return f"llama3-h{hidden}-l{layers}-i{intermediate}-d{head_dim}-kv{kv_heads}-bf16", shape
+
+
 # For --quick: the same architecture, small enough to run in seconds.
 TINY: dict[str, Any] = {
     **SMOLLM2_135M,
