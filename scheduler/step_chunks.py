@@ -28,7 +28,9 @@ class StepChunks:
         if self.threshold > 0:
             size = min(size, self.threshold)
         if self.capped(request, remaining):
-            size = min(size, request.max_chunk_tokens if self.capped_left is None else self.capped_left)
+            size = min(size, request.max_chunk_tokens)
+            if self.capped_left is not None:  # a later capped prompt gets what is left, at most its own cap
+                size = min(size, self.capped_left)
         return size
 
     def took(self, request: Request, remaining: int, size: int) -> None:

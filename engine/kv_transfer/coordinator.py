@@ -283,7 +283,7 @@ class Coordinator:
             measured = [self.engine_stats[engine] for engine in self.prefill if engine in self.engine_stats]
             rate = engine_rate(measured, "num_computed_tokens")
             chunk = max(local_chunk(self.placement, rate, self._step_limit(route)), MIN_LOCAL_CHUNK) if rate else 0
-            chunk_tokens = chunk if 0 < chunk < route.num_tokens_to_prefill else 0
+            chunk_tokens = chunk if chunk < route.num_tokens_to_prefill else 0
         if route.prefill is not None and route.prefill in self.prefill:
             self.send(route.prefill, AbortRequests([route.request.request_id]))
         route.prefill, route.phase = None, Phase.DECODING
