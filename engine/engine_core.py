@@ -38,6 +38,12 @@ class StepTimings:
     num_steps: int = 0
     num_computed_tokens: int = 0
     num_sampled_tokens: int = 0
+    # Steps in which some sequence computed more than one token (a prompt or its chunk),
+    # their seconds, and the tokens beyond one per sequence: how fast this engine adds
+    # prompt tokens to a step, which a router sizes local prompt chunks by.
+    num_chunk_steps: int = 0
+    chunk_step_seconds: float = 0.0
+    num_chunk_tokens: int = 0
 
 
 def generation_eos_ids(model_path: str, config: ModelConfig) -> set[int]:
@@ -356,6 +362,9 @@ class EngineCore:
             num_sampled_tokens=self.timings.num_sampled_tokens,
             busy_seconds=self.timings.schedule + self.timings.execute + self.timings.update,
             num_expired_kv=self.num_expired_kv,
+            num_chunk_steps=self.timings.num_chunk_steps,
+            chunk_step_seconds=self.timings.chunk_step_seconds,
+            num_chunk_tokens=self.timings.num_chunk_tokens,
         )
 
     # ----- the loop ------------------------------------------------------------------
@@ -380,6 +389,11 @@ class EngineCore:
         t.num_steps += 1
         t.num_computed_tokens += scheduler_output.num_batched_tokens
         t.num_sampled_tokens += len(runner_output.sampled_token_ids)
+        beyond_one_each = scheduler_output.num_batched_tokens - len(scheduler_output.num_scheduled_tokens)
+        if beyond_one_each > 0:
+            t.num_chunk_steps += 1
+            t.chunk_step_seconds += done - start
+            t.num_chunk_tokens += beyond_one_each
         return outputs
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:

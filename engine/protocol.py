@@ -72,6 +72,11 @@ class EngineStats:
     num_sampled_tokens: int = 0
     busy_seconds: float = 0.0  # time spent in steps
     num_expired_kv: int = 0  # waits for KV and holds of KV that ran out of time
+    # Steps that computed more than one token of some sequence, their seconds, and the
+    # tokens beyond one per sequence in them (StepTimings).
+    num_chunk_steps: int = 0
+    chunk_step_seconds: float = 0.0
+    num_chunk_tokens: int = 0
 
 
 # ----- messages that only the multi-process engine needs ------------------------------

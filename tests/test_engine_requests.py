@@ -191,3 +191,17 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_model_dir) -> No
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[2**64])
     assert not engine.has_unfinished_requests()
+
+
+def test_stats_count_the_steps_that_computed_prompt_chunks(tiny_model_dir) -> None:
+    """A router sizes local prompt chunks from these: steps in which a sequence computed
+    more than one token, their seconds, and the tokens beyond one per sequence."""
+    engine = make_engine(tiny_model_dir("llama"))
+    engine.add_request(EngineCoreRequest("streaming", PROMPT[:3], greedy(max_tokens=8)))
+    engine.step()  # the 3-token prompt: 2 tokens beyond one
+    engine.step()  # a plain decode step
+    engine.add_request(EngineCoreRequest("arriving", PROMPT, greedy(max_tokens=2)))
+    engine.step()  # a decode token beside a 7-token prompt: 6 beyond one each
+    stats = engine.stats()
+    assert (stats.num_steps, stats.num_chunk_steps, stats.num_chunk_tokens) == (3, 2, 8)
+    assert 0 < stats.chunk_step_seconds < stats.busy_seconds

@@ -66,6 +66,22 @@ def test_a_local_prompt_runs_in_chunks_of_the_stall_limit() -> None:
     assert not place(500, DecodeLoad(STREAMING, 1100, 2048), queues=(1000,)).local  # or its own queue is longer
 
 
+def test_the_decode_engines_own_chunk_steps_size_its_chunks() -> None:
+    """Beside streams, a chunk runs slower per token than a prefill engine's whole prompt:
+    once the decode engine has measured its chunk steps, chunks and estimates use them."""
+    # 20 plain steps of 20 ms; 5 chunk steps of 220 ms that added 200 prompt tokens: each
+    # 200 ms beyond a plain step for 40 tokens, 200 tokens a second (the prefill engine: 1,000).
+    measured = EngineStats(
+        num_running=3, num_steps=25, busy_seconds=1.5, num_chunk_steps=5, chunk_step_seconds=1.1, num_chunk_tokens=200
+    )
+    decision = place(500, DecodeLoad(measured, 0, 2048), queues=(5000,))
+    assert decision.local and decision.chunk_tokens == 20  # 0.1 s at 200 tokens a second
+    # Local: 500 / 200 + 25 plain steps = 3.0 s; remote: 5.5 s of queue, or 2.5 s without it.
+    assert not place(500, DecodeLoad(measured, 0, 2048), queues=(2000,)).local
+    few = replace(measured, num_steps=22, busy_seconds=0.84, num_chunk_steps=2, chunk_step_seconds=0.44)
+    assert place(500, DecodeLoad(few, 0, 2048), queues=(5000,)).chunk_tokens == 100  # too few steps to tell
+
+
 def test_chunks_too_small_to_be_worth_a_step_send_the_prompt_away() -> None:
     tight = PlacementPolicy("cost", max_local_stall=0.01)  # 10 tokens a step
     decision = place(500, DecodeLoad(STREAMING, 0, 2048), queues=(5000,), policy=tight)

@@ -35,6 +35,7 @@ from cadence.engine.kv_transfer.placement import (
     Placement,
     PlacementPolicy,
     local_chunk,
+    local_prompt_rate,
     place_prompt,
 )
 from cadence.engine.kv_transfer.transfer_stats import TransferStats, engine_rate
@@ -281,7 +282,9 @@ class Coordinator:
         measured, so that its streams keep flowing."""
         if chunk_tokens is None:
             measured = [self.engine_stats[engine] for engine in self.prefill if engine in self.engine_stats]
-            rate = engine_rate(measured, "num_computed_tokens")
+            prefill_rate = engine_rate(measured, "num_computed_tokens")
+            decode_stats = self.engine_stats.get(route.decode, EngineStats())
+            rate = local_prompt_rate(decode_stats, prefill_rate)
             chunk = max(local_chunk(self.placement, rate, self._step_limit(route)), MIN_LOCAL_CHUNK) if rate else 0
             chunk_tokens = chunk if chunk < route.num_tokens_to_prefill else 0
         if route.prefill is not None and route.prefill in self.prefill:

@@ -5,13 +5,16 @@ Remote prefill costs the prefill engine's queue, the prompt itself and the trans
 local prefill costs the decode engine's own queue of local prompts and the prompt, and
 stalls every stream the decode engine is generating for (and every load it is to
 start) while a chunk of the prompt runs in its step. The cost model (`cost`) bounds that
-stall: a prompt computed locally goes in chunks of at most `max_local_stall` seconds of
-prefill each, one per decode step, so the decode engine's streams keep flowing and a
+stall: a prompt computed locally goes in chunks that add at most `max_local_stall`
+seconds to a decode step, one per step, so the decode engine's streams keep flowing and a
 prefill pool that cannot keep up borrows the decode engines' spare time. It computes the
 prompt locally when that is not slower to the first token, counting the decode steps its
 chunks share. Every estimate comes from what the engines measured: the prefill engines'
-tokens per busy second, the decode engine's seconds per step, and the transfers'
-seconds per byte. Until those exist it decides as `remote` does.
+tokens per busy second, the decode engine's seconds per plain step and the prompt tokens
+per second its chunk steps add (small chunks beside streams run slower per token than a
+prefill engine's whole prompts), and the transfers' seconds per byte. Until a prefill
+engine has worked it decides as `remote` does; until the decode engine has run a few
+chunk steps its chunks are sized from the prefill engines' rate.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class DecodeLoad:
 # A local chunk smaller than this would spend its step mostly on the streams' tokens:
 # the prompt then goes to a prefill engine, however long that one's queue.
 MIN_LOCAL_CHUNK = 16
+# Chunk steps a decode engine runs before its own prompt rate replaces the prefill
+# engines' in the estimates: one step's figure mixes in too much else.
+MIN_MEASURED_CHUNK_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -66,9 +72,27 @@ class Placement:
     chunk_tokens: int = 0  # local: the most of the prompt one decode step computes (0: no cap)
 
 
+def plain_step_seconds(stats: EngineStats) -> float:
+    """Seconds of one of the engine's steps that computed one token per sequence."""
+    plain = stats.num_steps - stats.num_chunk_steps
+    if plain > 0:
+        return max(stats.busy_seconds - stats.chunk_step_seconds, 0.0) / plain
+    return stats.busy_seconds / stats.num_steps if stats.num_steps else 0.0
+
+
+def local_prompt_rate(stats: EngineStats, prefill_rate: float) -> float:
+    """Prompt tokens per second that a decode engine's steps add to their time: its chunk
+    steps' tokens over what those steps took beyond plain ones. `prefill_rate` (the
+    prefill engines') until it has run enough chunk steps and plain ones to tell."""
+    if stats.num_chunk_steps < MIN_MEASURED_CHUNK_STEPS or stats.num_steps == stats.num_chunk_steps:
+        return prefill_rate
+    added = stats.chunk_step_seconds - stats.num_chunk_steps * plain_step_seconds(stats)
+    return stats.num_chunk_tokens / added if added > 0 else prefill_rate
+
+
 def local_chunk(policy: PlacementPolicy, rate: float, decode_chunk_tokens: int) -> int:
-    """Tokens of a prompt computed on a decode engine per step: what the prefill engines
-    compute in `max_local_stall` seconds, within the decode engine's own step limit."""
+    """Tokens of a prompt computed on a decode engine per step: what it adds to a step in
+    `max_local_stall` seconds at `rate`, within the decode engine's own step limit."""
     return min(int(rate * policy.max_local_stall), decode_chunk_tokens)
 
 
@@ -94,15 +118,15 @@ def place_prompt(
         return Placement(False, "remote")
     seconds_per_byte = transfer.latency_sum / transfer.bytes_transferred if transfer.bytes_transferred else 0.0
     remote = (min(prefill_queues) + uncached_tokens) / rate + uncached_tokens * bytes_per_token * seconds_per_byte
+    local_rate = local_prompt_rate(decode.stats, rate)
     # Chunked even while nothing streams: requests that arrive meanwhile would wait.
-    chunk = local_chunk(policy, rate, decode.chunk_tokens)
+    chunk = local_chunk(policy, local_rate, decode.chunk_tokens)
     if chunk < min(uncached_tokens, MIN_LOCAL_CHUNK):
         return Placement(False, f"a local step of {policy.max_local_stall:g} s holds only {chunk} tokens")
     pending = decode.local_prompt_tokens + uncached_tokens
     # Each chunk shares its step with the streams' tokens, if any stream runs.
-    streaming = decode.stats.num_running > 0 and decode.stats.num_steps > 0
-    step = decode.stats.busy_seconds / decode.stats.num_steps if streaming else 0.0
-    local = pending / rate + -(-pending // chunk) * step
+    step = plain_step_seconds(decode.stats) if decode.stats.num_running > 0 else 0.0
+    local = pending / local_rate + -(-pending // chunk) * step
     if local > remote:
         return Placement(False, f"remote is sooner ({remote:.3f} s against {local:.3f} s)")
     chunk_tokens = chunk if uncached_tokens > chunk else 0
