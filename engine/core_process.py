@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from cadence.engine.engine_args import LOG_FORMAT, EngineArgs
+from cadence.engine.engine_args import EngineArgs
 from cadence.engine.engine_core import EngineCore
+from cadence.engine.log_format import configure_logging
 from cadence.engine.process_name import ROLE_NAMES, name_this_process
 from cadence.engine.protocol import (
     AbortRequests,
@@ -121,25 +122,35 @@ class EngineCoreLoop:
     def _send_outputs(self, outputs: list) -> None:
         events = self.core.take_kv_events()
         message = EngineCoreOutputs(
-            outputs, self.core.stats(), self._rejected, events.reserved, events.prefilled, events.loaded
+            outputs,
+            self.core.stats(),
+            self._rejected,
+            events.reserved,
+            events.prefilled,
+            events.loaded,
+            self.core.step_recorder.take(),
         )
         self._rejected = {}
         self.outputs.send(encode(message), copy=False)
 
 
 def run_engine_core(
-    args: EngineArgs, addresses: EngineAddresses, log_level: int = logging.WARNING, cpus: list[int] | None = None
+    args: EngineArgs,
+    addresses: EngineAddresses,
+    log_level: int = logging.WARNING,
+    cpus: list[int] | None = None,
+    log_format: str = "text",
 ) -> None:
     """Process entry point: build the engine, say it is ready, and serve until told to stop.
 
-    ``log_level`` is the server's: what loading decides (the CPU kernels, the quantized
+    ``log_level`` and ``log_format`` are the server's: what loading decides (the CPU kernels, the quantized
     layers) is logged from this process. ``cpus`` pins the engine, and its torch threads
     (one per CPU), to those CPUs, so that engines sharing a host do not share cores."""
     name_this_process(ROLE_NAMES[args.kv_role])
     if cpus:
         os.sched_setaffinity(0, cpus)
         torch.set_num_threads(len(cpus))
-    logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    configure_logging(log_level, log_format)
     # Ctrl-C reaches the whole process group; the server decides when the engine stops.
     # SIGTERM too: a process-group kill (a terminal, systemd's default KillMode) would
     # otherwise end the engine mid-step while the server drains; it stops on Shutdown, or

@@ -14,7 +14,6 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 GiB = 1 << 30
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the server's and the engine process's
 
 
 @dataclass

@@ -19,6 +19,7 @@ from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineReady, EngineStats
+from cadence.engine.step_stats import StepRecorder, step_kind
 from cadence.scheduler.output import SchedulerOutput
 from cadence.scheduler.remote_kv import KVLoadOutcome, KVPrefilled, KVReservation, RemoteKV
 from cadence.scheduler.request import Request, StopConditions
@@ -136,6 +137,7 @@ class EngineCore:
         self.eos_token_ids = generation_eos_ids(args.model, config)
         self.vocab_size = config.vocab_size
         self.timings = StepTimings()
+        self.step_recorder = StepRecorder(self.scheduler.kv_cache)
         self._arrivals = itertools.count()
         # Scheduler request id -> (client request id, index among its n sequences).
         self._sequences: dict[str, tuple[str, int]] = {}
@@ -158,6 +160,9 @@ class EngineCore:
             kv_hold_timeout=self.args.kv_hold_timeout,
             max_num_batched_tokens=self.scheduler.config.max_num_batched_tokens,
             long_prefill_token_threshold=self.scheduler.config.long_prefill_token_threshold,
+            block_size=self.args.block_size,
+            kv_cache_dtype=self.args.kv_cache_dtype,
+            enable_prefix_caching=self.args.enable_prefix_caching,
         )
 
     def close(self) -> None:
@@ -374,6 +379,7 @@ class EngineCore:
             self.expire_kv_deadlines()
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        kind = step_kind(scheduler_output, self.scheduler.requests)
         scheduled_at = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
         executed_at = time.perf_counter()
@@ -387,6 +393,8 @@ class EngineCore:
         t.execute += executed_at - scheduled_at
         t.update += done - executed_at
         t.num_steps += 1
+        if not scheduler_output.is_empty:
+            self.step_recorder.record(kind, done - start, scheduler_output)
         t.num_computed_tokens += scheduler_output.num_batched_tokens
         t.num_sampled_tokens += len(runner_output.sampled_token_ids)
         beyond_one_each = scheduler_output.num_batched_tokens - len(scheduler_output.num_scheduled_tokens)
@@ -426,6 +434,8 @@ class EngineCore:
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )
+            if token_id is not None and request.num_output_tokens == 1:
+                outputs[-1].queued_at, outputs[-1].scheduled_at = request.queued_at, request.scheduled_at
             if end is not None:
                 self._forget(sub_id)
         return outputs

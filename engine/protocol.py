@@ -50,6 +50,10 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
+    # With a sequence's first token only: when the engine queued it and first scheduled
+    # it (time.monotonic in the engine process; compare only with StepStats.ended_at).
+    queued_at: float = 0.0
+    scheduled_at: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -144,6 +148,23 @@ class EngineReady:
     kv_hold_timeout: float = 0.0
     max_num_batched_tokens: int = 0  # the most tokens one step computes
     long_prefill_token_threshold: int = 0  # the most of one prompt's tokens a step computes (0: no cap)
+    block_size: int = 0
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class StepStats:
+    """One engine step, for the front end's metrics."""
+
+    kind: str  # "prefill" (only prompt work), "decode" (one token per sequence) or "mixed"
+    seconds: float
+    ended_at: float  # time.monotonic in the engine process
+    num_tokens: int  # tokens through the model
+    num_sequences: int
+    # Admissions this step: prompt tokens looked up in the prefix cache, and found there.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass
@@ -158,6 +179,7 @@ class EngineCoreOutputs:
     kv_reserved: list[KVReservation] = field(default_factory=list)
     kv_prefilled: list[KVPrefilled] = field(default_factory=list)
     kv_loaded: list[KVLoadOutcome] = field(default_factory=list)
+    step: StepStats | None = None  # None when the message reports no step
 
 
 @dataclass
@@ -235,6 +257,7 @@ _CODES: dict[type, int] = {
     LinkHeartbeat: 23,
     LinkGoodbye: 24,
     ExtendKVWait: 25,
+    StepStats: 26,
 }
 _TYPES = {code: cls for cls, code in _CODES.items()}
 

@@ -31,6 +31,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        # Prompt tokens of first admissions looked up in the prefix cache, and found there.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def usage(self) -> float:
@@ -52,6 +55,15 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         return hits
+
+    def count_lookup(self, request: Request, num_cached: int) -> None:
+        """Count a request's first admission in the prefix-cache totals (vLLM's queries and
+        hits, in tokens); later admissions, after a preemption or a wait for KV, repeat it."""
+        if request.prefix_lookup_counted or not self.enable_prefix_caching or request.skip_prefix_cache:
+            return
+        request.prefix_lookup_counted = True
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_cached
 
     def block_keys(self, request: Request, num_blocks: int) -> list[BlockKey]:
         """Keys of the request's first `num_blocks` full blocks, computing only new ones."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,10 @@ class Request:
     runner_view: RunnerView | None = None
     # Indices into block_ids that copy-on-write swapped since the runner was last told.
     replaced_block_indices: list[int] = field(default_factory=list)
+    # time.monotonic when it was queued and first scheduled (0: not yet), for metrics.
+    queued_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float = 0.0
+    prefix_lookup_counted: bool = False  # its first admission's prefix-cache lookup is in the totals
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -223,6 +223,7 @@ class Scheduler:
         if self.kv_cache.allocate_slots(request, request.num_tokens - num_cached, cached_prefix) is None:
             return None
         self.waiting.pop(0)
+        self.kv_cache.count_lookup(request, num_cached)
         request.num_cached_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_KV
         self.awaiting_kv[request.request_id] = request
@@ -340,6 +341,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.pop(0)
+            self.kv_cache.count_lookup(request, len(cached_prefix) * self.kv_cache.block_size)
             if request.num_preemptions == 0 and cached_prefix:
                 request.num_cached_tokens = len(cached_prefix) * self.kv_cache.block_size
             if num_new == 0:  # a prompt to send that the prefix cache holds whole

@@ -45,6 +45,8 @@ class ServerConfig:
     # orchestrators need no secret, and metrics too (as in vLLM) unless protect_metrics.
     protected_prefixes: tuple[str, ...] = field(default=("/v1/", "/tokenize", "/detokenize"))
     protect_metrics: bool = False
+    metrics_prefix: str = "cadence"  # or "vllm": the same series under vLLM's prefix
+    log_prompts: bool = False  # prompt and output text in the per-request log lines
     # Start a dead engine again (with backoff), or leave it dead for an orchestrator.
     engine_restart: bool = True
     engine_restart_limit: int = 5  # failed starts in a row before the server exits non-zero
@@ -77,6 +79,7 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
     """
     restart = RestartPolicy(enabled=config.engine_restart, max_failures=config.engine_restart_limit)
     client = AsyncEngineClient(config.max_waiting, restart, on_fatal, config.topology)
+    client.log_prompts = config.log_prompts
     model_name = config.served_model_names[0]
     serving: list[Serving] = []  # filled once the engine has said what it can take
 
@@ -112,7 +115,7 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
 
     app = FastAPI(title="Cadence", version=VERSION, lifespan=lifespan)
     install_error_handlers(app)
-    registry = build_registry(client, model_name)
+    registry = build_registry(client, model_name, config.metrics_prefix)
     created = int(time.time())
 
     protected = config.protected_prefixes + (("/metrics",) if config.protect_metrics else ())

@@ -14,7 +14,8 @@ import re
 import signal
 import sys
 
-from cadence.engine.engine_args import ENGINE_OPTIONS, LOG_FORMAT, EngineArgs, engine_args_for
+from cadence.engine.engine_args import ENGINE_OPTIONS, EngineArgs, engine_args_for
+from cadence.engine.log_format import LOG_FORMATS, configure_logging
 from cadence.server.cli_disaggregation import add_disaggregation_flags, add_router_command, at_least_one
 
 logger = logging.getLogger("cadence")
@@ -144,6 +145,12 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         "and /metrics unless --protect-metrics)",
     )
     parser.add_argument("--protect-metrics", action="store_true", help="with --api-key, /metrics needs the key too")
+    parser.add_argument(
+        "--metrics-prefix",
+        default="cadence",
+        choices=["cadence", "vllm"],
+        help="name /metrics series cadence:... or, for dashboards and autoscalers written for vLLM, vllm:...",
+    )
     parser.add_argument("--served-model-name", nargs="+", default=None, help="names clients use in 'model'")
     parser.add_argument(
         "--max-waiting", type=int, default=1024, help="sequences that may wait beyond max-num-seqs before 429s"
@@ -151,6 +158,14 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-body-bytes", type=parse_size, default=16 << 20)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-format", default="text", choices=LOG_FORMATS, help="json: one JSON object per line, for log collectors"
+    )
+    parser.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="put prompt and output text in the per-request log lines (never logged otherwise)",
+    )
 
 
 def add_quantize_command(commands: argparse._SubParsersAction) -> None:
@@ -192,7 +207,7 @@ def quantize(args: argparse.Namespace) -> None:
     from cadence.engine.default_model import resolve_model_path
     from cadence.tools.gptq_model import quantize_checkpoint
 
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    configure_logging(args.log_level.upper(), getattr(args, "log_format", "text"))
     source = resolve_model_path(args.model)
     done = quantize_checkpoint(
         source,
@@ -224,7 +239,7 @@ def serve(args: argparse.Namespace) -> None:
     from cadence.server.cli_disaggregation import kv_host_for, topology_from, worker_list_from
     from cadence.server.topology import LinkTiming
 
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    configure_logging(args.log_level.upper(), getattr(args, "log_format", "text"))
     args.kv_host = kv_host_for(args)
     try:
         engine_args = engine_args_from(args)
@@ -237,6 +252,8 @@ def serve(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting,
         max_request_body_bytes=args.max_request_body_bytes,
         protect_metrics=args.protect_metrics,
+        metrics_prefix=args.metrics_prefix,
+        log_prompts=args.log_prompts,
         engine_restart=getattr(args, "engine_restart", "always") == "always",
         engine_restart_limit=getattr(args, "engine_restart_limit", 5),
         topology=topology_from(args),
@@ -271,6 +288,8 @@ def serve(args: argparse.Namespace) -> None:
             host=args.host,
             port=args.port,
             log_level=args.log_level,
+            # JSON: uvicorn's own loggers go through the root handler instead of its text ones.
+            log_config=None if args.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
             timeout_graceful_shutdown=args.shutdown_timeout,
         )
     )

@@ -23,8 +23,9 @@ import contextlib
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -46,6 +47,8 @@ from cadence.engine.protocol import (
 from cadence.server.engine_process import EngineDeadError
 from cadence.server.engine_slot import EngineSlot, RestartPolicy, Slot
 from cadence.server.remote_slot import RemoteSlot
+from cadence.server.request_log import log_finished
+from cadence.server.request_metrics import RequestMetrics
 from cadence.server.topology import LinkTiming, Topology, WorkerList, split_cpus
 from cadence.server.worker_link import WorkerLink
 
@@ -115,15 +118,6 @@ class RequestStream:
 
 
 @dataclass
-class RequestCounters:
-    """Running totals for /metrics."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
-
-
-@dataclass
 class _InFlight:
     stream: RequestStream
     num_sequences: int
@@ -146,7 +140,8 @@ class AsyncEngineClient:
         self.on_fatal = on_fatal
         self.topology = topology or Topology()
         self.info: EngineReady | None = None
-        self.counters = RequestCounters()
+        self.metrics = RequestMetrics(max_model_len=0)  # wait_ready() sets the length
+        self.log_prompts = False  # prompt and output text in the per-request log lines
         self.slots: dict[str, Slot] = {}
         self.coordinator: Coordinator | None = None
         self.link: WorkerLink | None = None  # a worker's: routers elsewhere drive its engine
@@ -196,6 +191,7 @@ class AsyncEngineClient:
                 reasons = "; ".join(slot.unavailable_reason for slot in self.slots.values())
                 raise EngineDeadError(f"no decode worker was ready within {timeout:g} s: {reasons}") from None
             assert self.info is not None
+            self.metrics.max_model_len = self.info.max_model_len
             return self.info
         readies = await asyncio.gather(*(slot.wait_ready(timeout) for slot in self.slots.values()))
         for slot, info in zip(self.slots.values(), readies):
@@ -211,6 +207,7 @@ class AsyncEngineClient:
             if self.coordinator is not None:
                 self.coordinator.add_engine(slot.name, info)
         self.info = readies[-1]  # a decode engine's when disaggregated: it serves the requests
+        self.metrics.max_model_len = self.info.max_model_len
         return self.info
 
     async def drain_link(self, timeout: float) -> None:
@@ -296,6 +293,8 @@ class AsyncEngineClient:
             return  # a worker no longer listed
         if self.link is not None:
             self.link.on_outputs(message)  # routers' requests; this server's own are below
+        if message.step is not None:
+            self.metrics.step(message.step)
         if self.coordinator is not None:
             self.coordinator.on_outputs(slot.name, message)
             if slot.role == "prefill":
@@ -305,11 +304,8 @@ class AsyncEngineClient:
             self.processor.abort(request_id)
             if entry is not None:
                 entry.stream._notify(RequestRejectedError(reason))
-        finished, to_abort = self.processor.process(message.outputs)
-        self.counters.generation_tokens += sum(len(o.new_token_ids) for o in message.outputs)
-        for output in finished:
-            for completion in output.outputs:
-                self._count_finished(completion.finish_reason or "abort")
+        _, to_abort = self.processor.process(message.outputs)
+        self._observe(message)
         if to_abort:
             with contextlib.suppress(EngineDeadError):
                 slot.send(AbortRequests(sequences=to_abort))
@@ -320,6 +316,19 @@ class AsyncEngineClient:
             if entry.stream.output.finished:
                 self._release(request_id)
             entry.stream._notify()
+
+    def _observe(self, message: EngineCoreOutputs) -> None:
+        """Tokens and ends of sequences, for /metrics (after the output processor, which
+        knows the sequences a stop string ended)."""
+        now = time.monotonic()
+        step_ended_at = message.step.ended_at if message.step is not None else 0.0
+        for output in message.outputs:
+            self.metrics.tokens(output, step_ended_at, now)
+            entry = self._in_flight.get(output.request_id)
+            if entry is not None:
+                completion = entry.stream.output.outputs[output.index]
+                if completion.finished:
+                    self.metrics.sequence_finished(output.request_id, output.index, completion.finish_reason or "abort")
 
     def on_dead(self, slot: Slot, reason: str) -> None:
         """Fail what the engine held; a prefill engine's prompts go elsewhere."""
@@ -410,10 +419,12 @@ class AsyncEngineClient:
     ) -> RequestStream:
         """Queue a request; raise EngineDeadError or EngineOverloadedError instead of queuing."""
         if not self.is_healthy:
+            self.metrics.rejected("unavailable")
             raise EngineDeadError(self.unavailable_reason)
         assert self.info is not None
         num_sequences = request.sampling_params.n
         if self._num_sequences + num_sequences > self.max_sequences:
+            self.metrics.rejected("full")
             raise EngineOverloadedError(
                 f"the server is full: {self._num_sequences} sequences are in flight "
                 f"(max_num_seqs {self.info.max_num_seqs} x {len(self._serving_slots())} engines "
@@ -430,7 +441,9 @@ class AsyncEngineClient:
         stream = RequestStream(self, output, self.processor, changed or asyncio.Event())
         self._in_flight[request.request_id] = _InFlight(stream, num_sequences, engine)
         self._num_sequences += num_sequences
-        self.counters.prompt_tokens += len(request.prompt_token_ids)
+        num_prompt = len(request.prompt_token_ids)
+        max_tokens = request.sampling_params.max_tokens or self.info.max_model_len - num_prompt
+        self.metrics.admitted(request.request_id, num_prompt, num_sequences, max_tokens)
         return stream
 
     def _submit(self, request: EngineCoreRequest) -> str:
@@ -448,7 +461,6 @@ class AsyncEngineClient:
         if entry is None:
             return
         self.processor.abort(request_id)
-        self._count_finished("abort", entry.num_sequences)
         if self.coordinator is not None:
             self.coordinator.abort(request_id)
             return
@@ -469,12 +481,12 @@ class AsyncEngineClient:
         entry = self._in_flight.pop(request_id, None)
         if entry is not None:
             self._num_sequences -= entry.num_sequences
+            summary = self.metrics.request_finished(request_id, entry.num_sequences, "abort")  # its open sequences
+            if summary is not None:
+                log_finished(summary, entry.stream.output, self.log_prompts)
             if self.coordinator is not None and entry.stream.output.finished:
                 self.coordinator.finished(request_id)
         return entry
-
-    def _count_finished(self, reason: str, num_sequences: int = 1) -> None:
-        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + num_sequences
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
         for request_id in request_ids:

@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from cadence.engine.core_process import EngineAddresses, run_engine_core
 from cadence.engine.engine_args import EngineArgs
+from cadence.engine.log_format import current_log_format
 from cadence.engine.protocol import EngineDead, EngineReady, Message, Shutdown, decode, encode
 
 
@@ -51,7 +52,7 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
             target=run_engine_core,
-            args=(args, addresses, logging.getLogger().getEffectiveLevel(), cpus),
+            args=(args, addresses, logging.getLogger().getEffectiveLevel(), cpus, current_log_format()),
             name="cadence-engine-core",
             daemon=True,
         )

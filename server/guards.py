@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cadence.server.errors import APIError
+from cadence.server.request_ids import RequestIdHeader
 
 logger = logging.getLogger(__name__)
 
@@ -139,3 +140,4 @@ def install_guards(app: FastAPI, api_key: str | None, protected_prefixes: tuple[
     app.add_middleware(BodySizeLimit, max_bytes=max_body)
     if api_key is not None:
         app.add_middleware(APIKeyCheck, api_key=api_key, protected_prefixes=protected_prefixes)
+    app.add_middleware(RequestIdHeader)  # outermost: every answer, refusals too, carries the id

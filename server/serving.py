@@ -35,8 +35,10 @@ from cadence.server.errors import APIError, bad_request, overloaded, unavailable
 from cadence.server.prompts import Prompt
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request: Request) -> str:
+    """The API call's id: its X-Request-Id (server/request_ids.py) after `prefix`."""
+    request_id = getattr(request.state, "request_id", None) or uuid.uuid4().hex
+    return f"{prefix}-{request_id}"
 
 
 def sse(payload: dict[str, Any]) -> str:

@@ -44,7 +44,7 @@ class ChatHandler:
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.prompts.sampling_params(body, max_tokens, top_logprobs)
         group = RequestGroup(self.client, body.priority)
-        group.submit(new_id("chatcmpl"), [prompt], [params])
+        group.submit(new_id("chatcmpl", raw_request), [prompt], [params])
         if body.stream:
             stream = _ChatStream(self, body, group)
             return EventStreamResponse(stream_events(group, stream.on_update, stream.on_finish), group)

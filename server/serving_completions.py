@@ -46,7 +46,7 @@ class CompletionHandler:
             for p in prompts
         ]
         group = RequestGroup(self.client, body.priority)
-        group.submit(new_id("cmpl"), prompts, params)
+        group.submit(new_id("cmpl", raw_request), prompts, params)
         if body.stream:
             stream = _CompletionStream(self, body, group, prompts)
             return EventStreamResponse(stream_events(group, stream.on_update, stream.on_finish), group)
