@@ -292,7 +292,8 @@ class AsyncEngineClient:
         if self.slots.get(slot.name) is not slot:
             return  # a worker no longer listed
         if self.link is not None:
-            self.link.on_outputs(message)  # routers' requests; this server's own are below
+            # Routers' requests; this server's own are below. Its /metrics count both.
+            self.metrics.generation_tokens += self.link.on_outputs(message)
         if message.step is not None:
             self.metrics.step(message.step)
         if self.coordinator is not None:

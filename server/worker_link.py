@@ -145,10 +145,12 @@ class WorkerLink:
             self.sessions.pop(peer, None)
         self._owner.clear()
 
-    def on_outputs(self, message: EngineCoreOutputs) -> None:
-        """Hand each session the part of a step that concerns its requests, and the gauges."""
+    def on_outputs(self, message: EngineCoreOutputs) -> int:
+        """Hand each session the part of a step that concerns its requests, the gauges and
+        the step's stats. Returns how many tokens the routers' requests gained."""
         self._stats = message.stats
-        parts = {peer: EngineCoreOutputs([], message.stats) for peer in self.sessions}
+        parts = {peer: EngineCoreOutputs([], message.stats, step=message.step) for peer in self.sessions}
+        generated = 0
 
         def part(request_id: str) -> EngineCoreOutputs | None:
             peer = self._owner.get(request_id)
@@ -168,6 +170,7 @@ class WorkerLink:
         for output in message.outputs:
             if (target := part(output.request_id)) is not None:
                 target.outputs.append(output)
+                generated += len(output.new_token_ids)
                 if output.finished:
                     self._sequences_over(output.request_id, [output.index])
         for request_id, reason in message.rejected.items():
@@ -176,6 +179,7 @@ class WorkerLink:
                 self._forget(request_id)
         for peer, outputs in parts.items():
             self._say(peer, outputs)
+        return generated
 
     # ----- the routers' side ---------------------------------------------------------
     async def _receive(self) -> None:
