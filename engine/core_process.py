@@ -38,6 +38,8 @@ from cadence.engine.protocol import (
     encode,
 )
 
+logger = logging.getLogger(__name__)
+
 # How long an idle engine sleeps on its input before checking that its parent lives.
 _IDLE_POLL_MS = 500
 
@@ -101,6 +103,7 @@ class EngineCoreLoop:
             except ValueError as error:
                 # The front end validates first; this catches what only the engine knows.
                 self._rejected[message.request_id] = str(error)
+                logger.warning("%s: refused: %s", message.request_id, error)
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.request_ids)
             for request_id, index in message.sequences:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -24,6 +25,8 @@ from cadence.scheduler.output import SchedulerOutput
 from cadence.scheduler.remote_kv import KVLoadOutcome, KVPrefilled, KVReservation, RemoteKV
 from cadence.scheduler.request import Request, StopConditions
 from cadence.scheduler.scheduler import CacheConfig, KVEvents, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
 
 # Which role an engine needs for a request whose prompt KV crosses engines.
 _ROLE_FOR = {RemoteKV.LOAD.value: "decode", RemoteKV.SEND.value: "prefill"}
@@ -341,9 +344,11 @@ class EngineCore:
             if sub_id in self.scheduler.awaiting_kv:
                 self.scheduler.cancel_kv_wait(sub_id, f"no KV arrived within {self.args.kv_wait_timeout:g} s")
                 self.num_expired_kv += 1
+                logger.warning("%s: no prompt KV arrived in time; computing the prompt here", sub_id)
             elif sub_id in self.scheduler.held_kv:
                 self.release_sent_kv([self._sequences[sub_id][0]])
                 self.num_expired_kv += 1
+                logger.warning("%s: no reader acknowledged its prompt KV in time; freed", sub_id)
         return self.num_expired_kv > expired_before
 
     def next_kv_deadline(self) -> float | None:

@@ -423,6 +423,8 @@ class AsyncEngineClient:
             self.metrics.rejected("unavailable")
             raise EngineDeadError(self.unavailable_reason)
         assert self.info is not None
+        if request.request_id in self._in_flight:  # a client's X-Request-Id used twice at once
+            raise RequestRejectedError(f"request id {request.request_id!r} is already in use")
         num_sequences = request.sampling_params.n
         if self._num_sequences + num_sequences > self.max_sequences:
             self.metrics.rejected("full")

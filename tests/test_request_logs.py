@@ -96,3 +96,18 @@ def test_log_prompts_adds_the_texts(caplog: pytest.LogCaptureFixture) -> None:
     assert SECRET not in quiet.getMessage() and "prompt" not in quiet.fields  # type: ignore[attr-defined]
     assert loud.fields["prompt"] == SECRET  # type: ignore[attr-defined]
     assert loud.fields["sequences"][0]["text"] == "an answer"  # type: ignore[attr-defined]
+
+
+def test_an_id_in_use_is_refused_without_touching_the_request_that_has_it(server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    headers = {"X-Request-Id": "twice"}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=60) as first:
+        lines = first.iter_lines()
+        assert next(lines).startswith("data: ")
+        second = complete(server, headers)
+        assert second.status_code == 400 and "already in use" in second.json()["error"]["message"]
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    final = json.loads(events[-2].removeprefix("data: "))
+    assert final["usage"]["completion_tokens"] == 40  # it ran to the end, untouched
