@@ -20,7 +20,7 @@ from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineReady, EngineStats
-from cadence.engine.step_stats import StepRecorder, step_kind
+from cadence.engine.step_stats import StepRecorder, mark_first_scheduled
 from cadence.scheduler.output import SchedulerOutput
 from cadence.scheduler.remote_kv import KVLoadOutcome, KVPrefilled, KVReservation, RemoteKV
 from cadence.scheduler.request import Request, StopConditions
@@ -384,7 +384,7 @@ class EngineCore:
             self.expire_kv_deadlines()
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        kind = step_kind(scheduler_output, self.scheduler.requests)
+        mark_first_scheduled(scheduler_output, self.scheduler.requests)
         scheduled_at = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
         executed_at = time.perf_counter()
@@ -399,7 +399,7 @@ class EngineCore:
         t.update += done - executed_at
         t.num_steps += 1
         if not scheduler_output.is_empty:
-            self.step_recorder.record(kind, done - start, scheduler_output)
+            self.step_recorder.record(done - start, scheduler_output)
         t.num_computed_tokens += scheduler_output.num_batched_tokens
         t.num_sampled_tokens += len(runner_output.sampled_token_ids)
         beyond_one_each = scheduler_output.num_batched_tokens - len(scheduler_output.num_scheduled_tokens)
@@ -423,6 +423,7 @@ class EngineCore:
             logprobs = runner_output.logprobs.get(sub_id)
             end = finished.get(sub_id)
             request = self.scheduler.requests[sub_id] if end is None else end.request
+            first = token_id is not None and request.num_output_tokens == 1  # carries its engine times
             stop_reason = None
             # Like vLLM, EOS ends a request with no stop reason; a user's stop id is named.
             if end is not None and request.stop_token_id in request.sampling_params.stop_token_ids:
@@ -437,10 +438,10 @@ class EngineCore:
                     finish_reason=None if end is None else end.status.finish_reason,
                     stop_reason=stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    queued_at=request.queued_at if first else 0.0,
+                    scheduled_at=request.scheduled_at if first else 0.0,
                 )
             )
-            if token_id is not None and request.num_output_tokens == 1:
-                outputs[-1].queued_at, outputs[-1].scheduled_at = request.queued_at, request.scheduled_at
             if end is not None:
                 self._forget(sub_id)
         return outputs

@@ -1,6 +1,6 @@
 """What one engine step did, for the front end's metrics: whether it computed prompts,
 decoded or both, how long it took, how many tokens and sequences it ran, and what its
-admissions found in the prefix cache. It also stamps each sequence's first scheduling."""
+admissions found in the prefix cache; and when each sequence was first scheduled."""
 
 from __future__ import annotations
 
@@ -12,22 +12,23 @@ from cadence.scheduler.output import SchedulerOutput
 from cadence.scheduler.request import Request
 
 
-def step_kind(scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> str:
-    """ "prefill", "decode" or "mixed", from the scheduled sequences before the step runs:
-    one computing more than its newest token (a prompt, or a preempted sequence's
-    recompute) does prompt work. Stamps first scheduling times on the way."""
+def step_kind(scheduler_output: SchedulerOutput) -> str:
+    """ "prefill", "decode" or "mixed": a sequence that computes one token this step
+    decodes (a prompt's one-token remainder is as cheap, and counts so too), one that
+    computes more (a prompt chunk, or a preempted sequence's recompute) does prompt work."""
+    counts = scheduler_output.num_scheduled_tokens
+    if scheduler_output.num_batched_tokens == len(counts):
+        return "decode"
+    return "mixed" if 1 in counts.values() else "prefill"
+
+
+def mark_first_scheduled(scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:
+    """Stamp when each sequence was first scheduled: only requests new to the runner can
+    be (a preempted one comes back new too, and keeps its first time)."""
     now = time.monotonic()
-    prompt_work = decoding = 0
-    for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
-        request = requests[request_id]
+    for new in scheduler_output.new_requests:
+        request = requests[new.request_id]
         request.scheduled_at = request.scheduled_at or now
-        if num_new > 1 or request.num_computed_tokens < request.num_prompt_tokens:
-            prompt_work += 1
-        else:
-            decoding += 1
-    if prompt_work and decoding:
-        return "mixed"
-    return "prefill" if prompt_work else "decode"
 
 
 class StepRecorder:
@@ -40,10 +41,10 @@ class StepRecorder:
         self._hits_seen = 0
         self.last: StepStats | None = None  # until taken
 
-    def record(self, kind: str, seconds: float, scheduler_output: SchedulerOutput) -> None:
+    def record(self, seconds: float, scheduler_output: SchedulerOutput) -> None:
         queries, hits = self.kv_cache.prefix_cache_queries, self.kv_cache.prefix_cache_hits
         self.last = StepStats(
-            kind=kind,
+            kind=step_kind(scheduler_output),
             seconds=seconds,
             ended_at=time.monotonic(),
             num_tokens=scheduler_output.num_batched_tokens,

@@ -15,51 +15,23 @@ objects for metrics.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.core import Metric
 
+from cadence.engine.histogram import Histogram
 from cadence.engine.protocol import EngineCoreOutput, StepStats
 from cadence.server import metric_series as S
-
-
-class Histogram:
-    """Bucket counts for one label set; `bounds` are the finite upper bounds (le)."""
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        buckets: list[tuple[str, float]] = []
-        running = 0
-        for bound, count in zip(self.bounds, self.counts):
-            running += count
-            buckets.append((repr(float(bound)), running))
-        buckets.append(("+Inf", running + self.counts[-1]))
-        return buckets
+from cadence.server.series_collector import SeriesCollector
 
 
 @dataclass
 class _Sequence:
     """What the front end tracks of one sequence in flight."""
 
-    arrived_at: float  # front-end clock
-    num_prompt_tokens: int
     first_token_at: float = 0.0  # front-end clock; 0 before the first token
     last_token_at: float = 0.0
     num_tokens: int = 0
@@ -79,7 +51,7 @@ class _Request:
 
 @dataclass
 class RequestMetrics:
-    """The accumulated figures; `collector` exports them under a prefix."""
+    """The accumulated figures; RequestMetricsCollector exports them."""
 
     max_model_len: int
     prompt_tokens: int = 0
@@ -102,10 +74,9 @@ class RequestMetrics:
 
     # ----- what the server reports -----------------------------------------------------
     def admitted(self, request_id: str, num_prompt_tokens: int, n: int, max_tokens: int) -> None:
-        now = time.monotonic()
-        self._requests[request_id] = _Request(now, num_prompt_tokens)
+        self._requests[request_id] = _Request(time.monotonic(), num_prompt_tokens)
         for index in range(n):
-            self._sequences[(request_id, index)] = _Sequence(now, num_prompt_tokens)
+            self._sequences[(request_id, index)] = _Sequence()
         self._observe(S.REQUEST_PARAMS_N, n)
         self._observe(S.REQUEST_PARAMS_MAX_TOKENS, max_tokens)
 
@@ -127,12 +98,12 @@ class RequestMetrics:
             return
         self.generation_tokens += len(output.new_token_ids)
         if sequence.num_tokens == 0:
+            request = self._requests[output.request_id]  # open sequences' requests are never gone
             sequence.first_token_at = now
-            self._observe(S.TTFT, now - sequence.arrived_at)
+            self._observe(S.TTFT, now - request.arrived_at)
             sequence.queued_at, sequence.scheduled_at = output.queued_at, output.scheduled_at
             sequence.first_engine_at = step_ended_at
-            request = self._requests.get(output.request_id)
-            if request is not None and not request.prompt_counted:
+            if not request.prompt_counted:
                 request.prompt_counted = True
                 self.prompt_tokens += request.num_prompt_tokens
         else:
@@ -145,24 +116,23 @@ class RequestMetrics:
         sequence = self._sequences.pop((request_id, index), None)
         if sequence is None:
             return
+        request = self._requests[request_id]
         self.finished[reason] = self.finished.get(reason, 0) + 1
-        e2e = time.monotonic() - sequence.arrived_at
+        e2e = time.monotonic() - request.arrived_at
         self._observe(S.E2E_LATENCY, e2e)
-        request = self._requests.get(request_id)
-        if request is not None:
-            ttft = sequence.first_token_at - sequence.arrived_at if sequence.num_tokens else None
-            queue = sequence.scheduled_at - sequence.queued_at if sequence.num_tokens else None
-            request.ended.append(
-                {
-                    "index": index,
-                    "finish_reason": reason,
-                    "tokens": sequence.num_tokens,
-                    "ttft_s": ttft,
-                    "queue_s": queue,
-                    "e2e_s": e2e,
-                }
-            )
-        self._observe(S.REQUEST_PROMPT_TOKENS, sequence.num_prompt_tokens)
+        ttft = sequence.first_token_at - request.arrived_at if sequence.num_tokens else None
+        queue = sequence.scheduled_at - sequence.queued_at if sequence.num_tokens else None
+        request.ended.append(
+            {
+                "index": index,
+                "finish_reason": reason,
+                "tokens": sequence.num_tokens,
+                "ttft_s": ttft,
+                "queue_s": queue,
+                "e2e_s": e2e,
+            }
+        )
+        self._observe(S.REQUEST_PROMPT_TOKENS, request.num_prompt_tokens)
         self._observe(S.REQUEST_GENERATION_TOKENS, sequence.num_tokens)
         if sequence.num_tokens and sequence.scheduled_at:
             self._observe(S.QUEUE_TIME, sequence.scheduled_at - sequence.queued_at)
@@ -189,37 +159,25 @@ class RequestMetrics:
         return sum(self.finished.values())
 
 
-class RequestMetricsCollector(Collector):
-    """Exports a RequestMetrics under `prefix`, every series labelled `model_name`."""
+class RequestMetricsCollector(SeriesCollector):
+    """Exports a RequestMetrics."""
 
     def __init__(self, metrics: RequestMetrics, model_name: str, prefix: str) -> None:
+        super().__init__(model_name, prefix)
         self.metrics = metrics
-        self.model_name = model_name
-        self.prefix = prefix
-
-    def _counter(self, series: S.Series, values: dict[str, float] | float) -> CounterMetricFamily:
-        family = CounterMetricFamily(series.full_name(self.prefix), series.doc, labels=["model_name", *series.labels])
-        for label, value in values.items() if isinstance(values, dict) else [("", values)]:
-            family.add_metric([self.model_name, label] if series.labels else [self.model_name], value)
-        return family
 
     def collect(self) -> Iterator[Metric]:
         m = self.metrics
-        yield self._counter(S.PROMPT_TOKENS, m.prompt_tokens)
-        yield self._counter(S.GENERATION_TOKENS, m.generation_tokens)
-        yield self._counter(S.REQUEST_SUCCESS, dict(m.finished))
-        yield self._counter(S.PREFIX_CACHE_QUERIES, m.prefix_cache_queries)
-        yield self._counter(S.PREFIX_CACHE_HITS, m.prefix_cache_hits)
-        yield self._counter(S.ADMISSION_REJECTIONS, dict(m.rejections))
+        yield self.one(S.PROMPT_TOKENS, m.prompt_tokens)
+        yield self.one(S.GENERATION_TOKENS, m.generation_tokens)
+        yield self.family(S.REQUEST_SUCCESS, [((reason,), count) for reason, count in m.finished.items()])
+        yield self.one(S.PREFIX_CACHE_QUERIES, m.prefix_cache_queries)
+        yield self.one(S.PREFIX_CACHE_HITS, m.prefix_cache_hits)
+        yield self.family(S.ADMISSION_REJECTIONS, [((reason,), count) for reason, count in m.rejections.items()])
+        observed = list(m.histograms.items())
         for series in HISTOGRAMS:
-            family = HistogramMetricFamily(
-                series.full_name(self.prefix), series.doc, labels=["model_name", *series.labels]
-            )
-            for (name, label), histogram in list(m.histograms.items()):
-                if name == series.name:
-                    labels = [self.model_name, label] if series.labels else [self.model_name]
-                    family.add_metric(labels, histogram.cumulative(), histogram.total)
-            yield family
+            labelled = [((label,) if series.labels else (), h) for (name, label), h in observed if name == series.name]
+            yield self.histograms(series, labelled)
 
 
 HISTOGRAMS = (

@@ -170,7 +170,7 @@ def test_transfer_stats_count_loads_bytes_and_latency(coordinator: Coordinator, 
     to_loading(coordinator, sent)
     coordinator.on_outputs("d0", events(loaded=[KVLoadOutcome("r", 19, 19, None)]))
     stats = coordinator.stats
-    assert (stats.num_complete, stats.num_incomplete, stats.latency_count) == (1, 0, 1)
+    assert (stats.num_complete, stats.num_incomplete, stats.latency.count) == (1, 0, 1)
     assert stats.bytes_transferred == 19 * LAYOUT.bytes_per_token
     assert stats.mean_remote_prompt_tokens == 19
 

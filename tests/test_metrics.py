@@ -14,11 +14,11 @@ import pytest
 from openai.types import CompletionUsage
 from prometheus_client.parser import text_string_to_metric_families
 
+from cadence.engine.histogram import Histogram
 from cadence.engine.protocol import EngineCoreOutput, StepStats
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.metric_series import buckets_1_2_5
 from cadence.server.metrics import build_registry, render
-from cadence.server.request_metrics import Histogram
 from server_harness import ServerProcess
 
 MODEL = "tiny"

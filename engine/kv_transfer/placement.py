@@ -116,7 +116,7 @@ def place_prompt(
     rate = engine_rate(prefill_stats, "num_computed_tokens")
     if policy.mode == "remote" or rate <= 0:
         return Placement(False, "remote")
-    seconds_per_byte = transfer.latency_sum / transfer.bytes_transferred if transfer.bytes_transferred else 0.0
+    seconds_per_byte = transfer.latency.total / transfer.bytes_transferred if transfer.bytes_transferred else 0.0
     remote = (min(prefill_queues) + uncached_tokens) / rate + uncached_tokens * bytes_per_token * seconds_per_byte
     local_rate = local_prompt_rate(decode.stats, rate)
     # Chunked even while nothing streams: requests that arrive meanwhile would wait.

@@ -3,9 +3,9 @@ the prefill-to-decode engine ratio the current traffic calls for."""
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
+from cadence.engine.histogram import Histogram
 from cadence.engine.protocol import EngineStats
 
 # Upper bounds (seconds) of the transfer-latency histogram's buckets; +Inf is implied.
@@ -24,16 +24,10 @@ class TransferStats:
     remote_prompt_tokens: int = 0  # uncached prompt tokens sent to prefill engines
     bytes_transferred: int = 0
     # Seconds from asking a decode engine to load to hearing the outcome.
-    latency_buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
-    latency_sum: float = 0.0
-    latency_count: int = 0
+    latency: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
 
     def observe_load(self, seconds: float, complete: bool, num_bytes: int) -> None:
-        self.latency_count += 1
-        self.latency_sum += seconds
-        index = bisect.bisect_left(LATENCY_BUCKETS, seconds)
-        if index < len(LATENCY_BUCKETS):
-            self.latency_buckets[index] += 1
+        self.latency.observe(seconds)
         if complete:
             self.num_complete += 1
         else:
