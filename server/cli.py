@@ -109,6 +109,8 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadence", description="Cadence: an LLM inference server.")
     commands = parser.add_subparsers(dest="command", required=True)
+    # Listed for --help only: main() hands `loadgen` to its own parser before this one runs.
+    commands.add_parser("loadgen", help="load-test an OpenAI-compatible server (cadence loadgen --help)")
     serve = commands.add_parser("serve", help="serve a model with the OpenAI-compatible API")
     serve.add_argument(
         "model", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)"
@@ -302,6 +304,12 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["loadgen"]:
+        # The load generator has its own parser (vLLM's flag names) and needs no engine imports.
+        from cadence.loadgen.main import main as loadgen_main
+
+        sys.exit(loadgen_main(argv[1:]))
     args = build_parser().parse_args(argv)
     if args.command in ("serve", "router"):
         serve(args)
