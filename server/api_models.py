@@ -3,8 +3,9 @@
 Unknown fields are ignored, not rejected: clients send vendor extensions. Fields Cadence
 cannot honour (tools, logit_bias, structured output) are rejected with a clear 400 rather
 than silently dropped, because ignoring them would change what the caller gets.
-Responses are plain dicts shaped exactly like OpenAI's; the tests validate them with the
-openai SDK's own models.
+Responses are the models of server/api_responses.py, shaped exactly like OpenAI's (the
+Python client parses into the same models); the tests validate them with the openai SDK's
+own models too.
 """
 
 from __future__ import annotations

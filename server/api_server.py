@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.llm import load_tokenizer
 from cadence.server.api_models import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from cadence.server.api_responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from cadence.server.engine_client import AsyncEngineClient, RestartPolicy
 from cadence.server.errors import APIError, install_error_handlers, unavailable
 from cadence.server.guards import install_guards
@@ -142,20 +143,19 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
         return await serving[0].chat.create(body, request)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models() -> ModelList:
         assert client.info is not None
         data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "cadence",
-                "root": engine_args.model,
-                "max_model_len": client.info.max_model_len,
-            }
+            ModelCard(
+                id=name,
+                created=created,
+                owned_by="cadence",
+                root=engine_args.model,
+                max_model_len=client.info.max_model_len,
+            )
             for name in config.served_model_names
         ]
-        return {"object": "list", "data": data}
+        return ModelList(data=data)
 
     @app.get("/health")
     async def health() -> Response:
@@ -178,20 +178,22 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
         return {"version": VERSION}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         check_model(body.model)
         prompts = serving[0].prompts
         if body.messages is not None:
             prompt = await prompts.from_messages(body.messages, body.add_generation_prompt)
         else:
             prompt = await prompts.from_completion_prompt(body.prompt or "", body.add_special_tokens)
-        return {"tokens": prompt.token_ids, "count": len(prompt.token_ids), "max_model_len": prompts.max_model_len}
+        return TokenizeResponse(
+            tokens=prompt.token_ids, count=len(prompt.token_ids), max_model_len=prompts.max_model_len
+        )
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         check_model(body.model)
         prompts = serving[0].prompts
-        return {"prompt": await prompts.decode(body.tokens)}
+        return DetokenizeResponse(prompt=await prompts.decode(body.tokens))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -6,7 +6,6 @@ the status OpenAI would use, so SDKs raise the exception class their users expec
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,6 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cadence.server.api_responses import ErrorDetail, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +44,15 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body().model_dump(mode="json"), status_code=self.status, headers=self.headers)
 
     def sse_event(self) -> str:
         """The error as one server-sent event, for failures in mid-stream."""
-        return f"data: {json.dumps(self.body())}\n\n"
+        return f"data: {self.body().model_dump_json()}\n\n"
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

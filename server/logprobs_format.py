@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from cadence.engine.outputs import Logprob, PositionLogprobs
+from cadence.server.api_responses import ChatLogprob, CompletionLogprobs, TopLogprob
 
 
 def _token_text(entry: Logprob) -> str:
@@ -17,7 +17,7 @@ def completion_logprobs(
     positions: list[PositionLogprobs | None],
     text_offset: int,
     token_text: Callable[[int], str],
-) -> tuple[dict[str, Any], int]:
+) -> tuple[CompletionLogprobs, int]:
     """`{tokens, token_logprobs, top_logprobs, text_offset}` and the offset after them.
 
     A position without logprobs (the first prompt token, when echoed) gets None, as in
@@ -43,23 +43,31 @@ def completion_logprobs(
         token_logprobs.append(chosen.logprob)
         top_logprobs.append({_token_text(e): e.logprob for e in position.values()})
         text_offset += len(text)
-    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    body = CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=offsets
+    )
     return body, text_offset
 
 
-def _chat_entry(entry: Logprob) -> dict[str, Any]:
+def _top_entry(entry: Logprob) -> TopLogprob:
     text = _token_text(entry)
-    return {"token": text, "logprob": entry.logprob, "bytes": list(text.encode("utf-8"))}
+    return TopLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode("utf-8")))
 
 
-def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n: int) -> list[dict[str, Any]]:
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n: int) -> list[ChatLogprob]:
     """The `content` list of a chat choice's logprobs: each token with its top `top_n`."""
     content = []
     for token_id, position in zip(token_ids, positions):
         ranked = sorted(
             ((e.rank, e) for e in position.values() if e.rank is not None and e.rank <= top_n), key=lambda pair: pair[0]
         )
-        entry = _chat_entry(position[token_id])
-        entry["top_logprobs"] = [_chat_entry(e) for _, e in ranked[:top_n]]
-        content.append(entry)
+        chosen = _token_text(position[token_id])
+        content.append(
+            ChatLogprob(
+                token=chosen,
+                logprob=position[token_id].logprob,
+                bytes=list(chosen.encode("utf-8")),
+                top_logprobs=[_top_entry(e) for _, e in ranked[:top_n]],
+            )
+        )
     return content

@@ -9,21 +9,28 @@ error frees the engine's KV blocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from cadence.engine.outputs import PositionLogprobs, RequestOutput
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.sampling_params import SamplingParams
 from cadence.server.api_models import StreamOptions
+from cadence.server.api_responses import (
+    ChatCompletionStreamResponse,
+    ChatStreamChoice,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    Usage,
+)
 from cadence.server.engine_client import (
     AsyncEngineClient,
     EngineDeadError,
@@ -41,9 +48,15 @@ def new_id(prefix: str, request: Request) -> str:
     return f"{prefix}-{request_id}"
 
 
-def sse(payload: dict[str, Any]) -> str:
-    """One server-sent event, exactly as OpenAI frames it."""
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse(payload: BaseModel) -> str:
+    """One server-sent event, exactly as OpenAI frames it; keys never set are left out
+    (server/api_responses.py)."""
+    return f"data: {payload.model_dump_json(exclude_unset=True)}\n\n"
+
+
+def json_response(payload: BaseModel) -> Response:
+    """A whole (not streamed) answer."""
+    return Response(payload.model_dump_json(), media_type="application/json")
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -203,38 +216,49 @@ class RequestGroup:
         for stream in self.streams:
             stream.abort()
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> Usage:
         prompt_tokens = sum(len(s.output.prompt_token_ids) for s in self.streams)
         completion_tokens = sum(len(c.token_ids) for s in self.streams for c in s.output.outputs)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class ChunkWriter:
     """Frames one streamed call's chunks, with usage as `stream_options` asks."""
 
-    def __init__(self, group: RequestGroup, object_type: str, model_name: str, options: StreamOptions | None) -> None:
+    def __init__(
+        self,
+        group: RequestGroup,
+        response_type: type[CompletionStreamResponse] | type[ChatCompletionStreamResponse],
+        model_name: str,
+        options: StreamOptions | None,
+    ) -> None:
         self.group = group
-        self.object_type = object_type
+        self.response_type = response_type
+        # Set on every chunk, so sent (see sse()), though it is the model's default.
+        self.object_type = response_type.model_fields["object"].default
         self.model_name = model_name
         self.include_usage = options is not None and options.include_usage
         # vLLM's rule: usage on every chunk only when usage was asked for at all.
         self.continuous_usage = self.include_usage and options is not None and options.continuous_usage_stats
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        payload: dict[str, Any] = {
+    def chunk(
+        self, choices: Sequence[CompletionStreamChoice] | Sequence[ChatStreamChoice], usage: Usage | None = None
+    ) -> str:
+        fields: dict[str, Any] = {
             "id": self.group.request_id,
             "object": self.object_type,
             "created": self.group.created,
             "model": self.model_name,
             "choices": choices,
         }
+        # Usage is set (so sent, null or not) only when the call asked for it.
         if self.include_usage:
-            payload["usage"] = self.group.usage() if self.continuous_usage else usage
-        return sse(payload)
+            fields["usage"] = self.group.usage() if self.continuous_usage else usage
+        return sse(self.response_type(**fields))
 
     def finish(self) -> list[str]:
         """The final usage chunk (no choices), when usage was asked for."""

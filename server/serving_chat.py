@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response
 
-from cadence.engine.outputs import CompletionOutput
+from cadence.engine.outputs import CompletionOutput, PositionLogprobs
 from cadence.server.api_models import ChatCompletionRequest
+from cadence.server.api_responses import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    ChatStreamChoice,
+)
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.logprobs_format import chat_logprobs
 from cadence.server.prompts import PromptBuilder
@@ -17,6 +24,7 @@ from cadence.server.serving import (
     ChunkWriter,
     EventStreamResponse,
     RequestGroup,
+    json_response,
     new_id,
     stream_events,
     take_delta,
@@ -31,7 +39,7 @@ class ChatHandler:
         self.prompts = prompts
         self.model_name = model_name
 
-    async def create(self, body: ChatCompletionRequest, raw_request: Request) -> JSONResponse | StreamingResponse:
+    async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         prompt = await self.prompts.from_messages(body.messages, body.add_generation_prompt)
         # Chat has no default cap: the answer may use whatever context is left.
         max_tokens = self.prompts.max_tokens(
@@ -49,30 +57,33 @@ class ChatHandler:
             stream = _ChatStream(self, body, group)
             return EventStreamResponse(stream_events(group, stream.on_update, stream.on_finish), group)
         (output,) = await group.run_to_end(raw_request)
-        return JSONResponse(
-            {
-                "id": group.request_id,
-                "object": "chat.completion",
-                "created": group.created,
-                "model": self.model_name,
-                "choices": [self._choice(body, c) for c in output.outputs],
-                "usage": group.usage(),
-            }
+        return json_response(
+            ChatCompletionResponse(
+                id=group.request_id,
+                created=group.created,
+                model=self.model_name,
+                choices=[self._choice(body, c) for c in output.outputs],
+                usage=group.usage(),
+            )
         )
 
     @staticmethod
-    def _choice(body: ChatCompletionRequest, completion: CompletionOutput) -> dict[str, Any]:
-        logprobs = None
-        if body.logprobs:
-            content = chat_logprobs(completion.token_ids, completion.logprobs or [], body.top_logprobs or 0)
-            logprobs = {"content": content, "refusal": None}
-        return {
-            "index": completion.index,
-            "message": {"role": "assistant", "content": completion.text, "refusal": None},
-            "logprobs": logprobs,
-            "finish_reason": completion.finish_reason,
-            "stop_reason": completion.stop_reason,
-        }
+    def _choice(body: ChatCompletionRequest, completion: CompletionOutput) -> ChatChoice:
+        return ChatChoice(
+            index=completion.index,
+            message=ChatResponseMessage(content=completion.text),
+            logprobs=_logprobs(body, completion.token_ids, completion.logprobs),
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+
+def _logprobs(
+    body: ChatCompletionRequest, token_ids: list[int], positions: list[PositionLogprobs] | None
+) -> ChatChoiceLogprobs | None:
+    if not body.logprobs:
+        return None
+    return ChatChoiceLogprobs(content=chat_logprobs(token_ids, positions or [], body.top_logprobs or 0), refusal=None)
 
 
 class _ChatStream:
@@ -83,7 +94,7 @@ class _ChatStream:
         self.body = body
         self.group = group
         self.cursors = [ChoiceCursor() for _ in range(body.n)]
-        self.writer = ChunkWriter(group, "chat.completion.chunk", handler.model_name, body.stream_options)
+        self.writer = ChunkWriter(group, ChatCompletionStreamResponse, handler.model_name, body.stream_options)
 
     def on_update(self) -> list[str]:
         frames = []
@@ -92,20 +103,15 @@ class _ChatStream:
             delta = take_delta(stream, completion.index, cursor, self.body.logprobs)
             if delta is None:
                 continue
-            message: dict[str, Any] = {"content": delta.text}
-            if delta.first:
-                message = {"role": "assistant", **message}
-            logprobs = None
-            if self.body.logprobs:
-                content = chat_logprobs(delta.token_ids, delta.logprobs or [], self.body.top_logprobs or 0)
-                logprobs = {"content": content, "refusal": None}
-            choice = {
-                "index": completion.index,
-                "delta": message,
-                "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
-                "stop_reason": delta.stop_reason,
-            }
+            # The role goes in the first chunk alone (a delta's unset keys are not sent).
+            message = ChatDelta(role="assistant", content=delta.text) if delta.first else ChatDelta(content=delta.text)
+            choice = ChatStreamChoice(
+                index=completion.index,
+                delta=message,
+                logprobs=_logprobs(self.body, delta.token_ids, delta.logprobs),
+                finish_reason=delta.finish_reason,
+                stop_reason=delta.stop_reason,
+            )
             frames.append(self.writer.chunk([choice]))
         return frames
 

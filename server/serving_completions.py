@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response
 
 from cadence.engine.outputs import PositionLogprobs, RequestOutput
 from cadence.server.api_models import CompletionRequest
+from cadence.server.api_responses import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+)
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.logprobs_format import completion_logprobs
 from cadence.server.prompts import Prompt, PromptBuilder
@@ -17,6 +22,7 @@ from cadence.server.serving import (
     ChunkWriter,
     EventStreamResponse,
     RequestGroup,
+    json_response,
     new_id,
     stream_events,
     take_delta,
@@ -34,7 +40,7 @@ class CompletionHandler:
         self.prompts = prompts
         self.model_name = model_name
 
-    async def create(self, body: CompletionRequest, raw_request: Request) -> JSONResponse | StreamingResponse:
+    async def create(self, body: CompletionRequest, raw_request: Request) -> Response:
         prompts = [await self.prompts.from_completion_prompt(p) for p in body.prompts()]
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
         # Echo with logprobs scores the prompt too, as OpenAI does.
@@ -54,24 +60,23 @@ class CompletionHandler:
         choices = []
         for i, (prompt, output) in enumerate(zip(prompts, outputs)):
             choices.extend(self._choices(body, i, prompt, output))
-        return JSONResponse(
-            {
-                "id": group.request_id,
-                "object": "text_completion",
-                "created": group.created,
-                "model": self.model_name,
-                "choices": choices,
-                "usage": group.usage(),
-            }
+        return json_response(
+            CompletionResponse(
+                id=group.request_id,
+                created=group.created,
+                model=self.model_name,
+                choices=choices,
+                usage=group.usage(),
+            )
         )
 
     def _choices(
         self, body: CompletionRequest, prompt_index: int, prompt: Prompt, output: RequestOutput
-    ) -> list[dict[str, Any]]:
+    ) -> list[CompletionChoice]:
         choices = []
         for completion in output.outputs:
             text = completion.text
-            logprobs = None
+            logprobs: CompletionLogprobs | None = None
             if body.logprobs is not None:
                 token_ids = list(completion.token_ids)
                 positions: list[PositionLogprobs | None] = list(completion.logprobs or [])
@@ -82,13 +87,13 @@ class CompletionHandler:
             if body.echo:
                 text = (prompt.text or "") + text
             choices.append(
-                {
-                    "index": prompt_index * body.n + completion.index,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason,
-                }
+                CompletionChoice(
+                    index=prompt_index * body.n + completion.index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
             )
         return choices
 
@@ -104,7 +109,7 @@ class _CompletionStream:
         self.group = group
         self.prompts = prompts
         self.cursors = [[ChoiceCursor() for _ in range(body.n)] for _ in prompts]
-        self.writer = ChunkWriter(group, "text_completion", handler.model_name, body.stream_options)
+        self.writer = ChunkWriter(group, CompletionStreamResponse, handler.model_name, body.stream_options)
 
     def on_update(self) -> list[str]:
         frames = []
@@ -122,18 +127,18 @@ class _CompletionStream:
                     text = (prompt.text or "") + text
                     token_ids = output.prompt_token_ids + token_ids
                     positions = list(output.prompt_logprobs or []) + positions
-                logprobs = None
+                logprobs: CompletionLogprobs | None = None
                 if want_logprobs:
                     logprobs, cursor.text_offset = completion_logprobs(
                         token_ids, positions, cursor.text_offset, self.handler.prompts.token_text
                     )
-                choice = {
-                    "index": i * self.body.n + completion.index,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": delta.finish_reason,
-                    "stop_reason": delta.stop_reason,
-                }
+                choice = CompletionStreamChoice(
+                    index=i * self.body.n + completion.index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                )
                 frames.append(self.writer.chunk([choice]))
         return frames
 
