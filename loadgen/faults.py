@@ -40,9 +40,12 @@ class MalformedCase:
 
 def malformed_cases(target: Target) -> list[MalformedCase]:
     """Invalid requests every OpenAI-compatible server must refuse, in the order they are sent."""
-    prompt_field = "messages" if target.endpoint == "chat" else "prompt"
+    chat = target.endpoint == "chat"
+    prompt_field = "messages" if chat else "prompt"
+    # The field the body sends: a server reads max_completion_tokens before max_tokens.
+    length_field = "max_completion_tokens" if chat else "max_tokens"
     return [
-        MalformedCase("negative max_tokens", _with(max_tokens=-1)),
+        MalformedCase(f"negative {length_field}", _with(**{length_field: -1})),
         MalformedCase("temperature not a number", _with(temperature="hot")),
         MalformedCase(f"no {prompt_field}", _without(prompt_field)),
         MalformedCase("body is not JSON", _cut_json),

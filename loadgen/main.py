@@ -80,6 +80,9 @@ class Loadgen:
         )
         self.slo = SLO.parse(args.goodput) if args.goodput else None
         self.percentiles = [float(q) for q in args.metric_percentiles.split(",") if q.strip()]
+        if args.find_capacity and args.slo_percentile not in self.percentiles:
+            # The search judges each probe by this percentile, so every summary needs it.
+            self.percentiles.append(args.slo_percentile)
         self.max_model_len = max_model_len
         self.options = RunOptions(
             seed=args.seed,
@@ -161,11 +164,16 @@ async def _main(args: argparse.Namespace) -> int:
         capacity, points = await find_capacity(
             search, lambda rate, i: gen.run(f"probe {i + 1}", i, rate, args.max_concurrency)
         )
-        result_json["capacity"] = {"request_rate": capacity, "slo_ms": slo_ms, "at_percentile": args.slo_percentile}
-        print(
-            f"\nCapacity: {'none found' if capacity is None else f'{capacity:.3g} req/s'} "
-            f"(p{args.slo_percentile:g} within {slo_ms} ms, no failures)"
-        )
+        # Without a failing probe the search never found the limit: the capacity is at least this.
+        bounded = any(not search.passes(summary) for _, summary in points)
+        result_json["capacity"] = {
+            "request_rate": capacity,
+            "upper_bound_found": bounded,
+            "slo_ms": slo_ms,
+            "at_percentile": args.slo_percentile,
+        }
+        found = "none found" if capacity is None else f"{'' if bounded else 'at least '}{capacity:.3g} req/s"
+        print(f"\nCapacity: {found} (p{args.slo_percentile:g} within {slo_ms} ms, no failures)")
     elif args.sweep:
         spec = SweepSpec.parse(args.sweep)
         axis = spec.axis

@@ -18,7 +18,7 @@ LATENCY_TITLES = {
 }
 
 
-def _line(label: str, value: Any, width: int = 44) -> str:
+def _line(label: str, value: Any, width: int = 48) -> str:
     if isinstance(value, float):
         value = "n/a" if math.isnan(value) else f"{value:.2f}"
     return f"{label:<{width}}{value}"
@@ -27,7 +27,7 @@ def _line(label: str, value: Any, width: int = 44) -> str:
 def summary_table(summary: dict[str, Any], percentiles: Sequence[float], server: dict[str, Any] | None) -> str:
     rate = summary["request_rate"]
     lines = [
-        "=" * 22 + " Load generator result " + "=" * 22,
+        "=" * 24 + " Load generator result " + "=" * 24,
         _line("Request rate (req/s)", "inf" if math.isinf(rate) else rate),
         _line("Burstiness", summary["burstiness"]),
         _line("Max concurrency", summary["max_concurrency"] or "none"),
@@ -46,32 +46,30 @@ def summary_table(summary: dict[str, Any], percentiles: Sequence[float], server:
         limits = " ".join(f"{k}:{v:g}" for k, v in summary["goodput_slo_ms"].items())
         lines.append(_line(f"Request goodput (req/s, {limits} ms)", summary["request_goodput"]))
     for name, title in LATENCY_TITLES.items():
-        lines.append(f"{'-' * 4} {title} (ms, from when due) ".ljust(67, "-"))
+        lines.append(f"{'-' * 4} {title} (ms, from when due) ".ljust(71, "-"))
         lines.append(_line(f"Mean {name.upper()}", summary[f"mean_{name}_ms"]))
         lines.append(_line(f"Median {name.upper()}", summary[f"median_{name}_ms"]))
         for q in percentiles:
             lines.append(_line(f"P{q:g} {name.upper()}", summary[f"p{q:g}_{name}_ms"]))
-    lines.append(f"{'-' * 4} The harness itself ".ljust(67, "-"))
+    lines.append(f"{'-' * 4} The harness itself ".ljust(71, "-"))
     lines.append(_line("Mean send delay, due to sent (ms)", summary["mean_send_delay_ms"]))
     lines.append(_line("P99 send delay (ms)", summary["p99_send_delay_ms"]))
     lines.append(_line("P99 event-loop lag (ms)", summary["p99_harness_loop_lag_ms"]))
     if server is not None:
         lines.extend(_server_lines(server, summary))
-    lines.append("=" * 67)
+    lines.append("=" * 71)
     return "\n".join(lines)
 
 
 def _server_lines(server: dict[str, Any], summary: dict[str, Any]) -> list[str]:
-    lines = [f"{'-' * 4} The server's /metrics over the run ".ljust(67, "-")]
+    lines = [f"{'-' * 4} The server's /metrics over the run ".ljust(71, "-")]
     if not server.get("available"):
         return [*lines, f"not available: {server.get('error', '')}"]
     key = server["key"]
-    lines.append(
-        _line("Prompt tokens (server / client)", f"{key['prompt_tokens']:g} / {summary['total_input_tokens']}")
-    )
-    lines.append(
-        _line("Generated tokens (server / client)", f"{key['generation_tokens']:g} / {summary['total_output_tokens']}")
-    )
+    # The client's side counts every stream the server answered, aborted ones included.
+    streamed = (summary["streamed_input_tokens"], summary["streamed_output_tokens"])
+    lines.append(_line("Prompt tokens (server / client)", f"{key['prompt_tokens']:g} / {streamed[0]}"))
+    lines.append(_line("Generated tokens (server / client)", f"{key['generation_tokens']:g} / {streamed[1]}"))
     finished = ", ".join(f"{reason} {count:g}" for reason, count in sorted(key["request_success"].items()))
     lines.append(_line("Finished, by reason", finished or "none"))
     lines.append(_line("Preemptions", key["num_preemptions"]))
@@ -84,7 +82,7 @@ def _server_lines(server: dict[str, Any], summary: dict[str, Any]) -> list[str]:
 
 
 def fault_lines(faults: dict[str, Any]) -> str:
-    lines = [f"{'-' * 4} Faults injected ".ljust(67, "-")]
+    lines = [f"{'-' * 4} Faults injected ".ljust(71, "-")]
     for name, case in faults["malformed"].items():
         statuses = ", ".join(f"{status} x{n}" for status, n in sorted(case["statuses"].items()))
         lines.append(_line(f"  {name}", f"{statuses}; error body {case['with_error_body']}/{case['sent']}"))

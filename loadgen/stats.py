@@ -59,8 +59,10 @@ class SLO:
     def met_at(self, summary: dict[str, Any], at: float) -> bool:
         """Whether the run's `at`-th percentile of every objective is within its limit."""
         for name, limit in self.limits_ms.items():
-            value = summary.get(f"p{at:g}_{name}_ms", math.nan)
-            if not value <= limit:  # NaN (nothing measured) fails too
+            key = f"p{at:g}_{name}_ms"
+            if key not in summary:
+                raise KeyError(f"the run's summary has no {key}: summarize it with percentile {at:g}")
+            if not summary[key] <= limit:  # NaN (nothing measured) fails too
                 return False
         return True
 
@@ -129,6 +131,10 @@ def summarize(result: RunResult, percentiles: Sequence[float] = (99.0,), slo: SL
         summary[f"std_{name}_ms"] = float(np.std(ms)) if ms else math.nan
         for q in percentiles:
             summary[f"p{q:g}_{name}_ms"] = percentile(ms, q)
+    # What reached the server, aborted streams included: the figures its counters compare with.
+    answered = [r for r in result.records if r.status == 200]
+    summary["streamed_input_tokens"] = sum(r.input_tokens for r in answered)
+    summary["streamed_output_tokens"] = sum(r.output_tokens for r in answered)
     delays = [r.send_delay * 1000.0 for r in normal]
     summary["mean_send_delay_ms"] = statistics.fmean(delays) if delays else math.nan
     summary["p99_send_delay_ms"] = percentile(delays, 99)

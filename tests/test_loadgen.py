@@ -227,3 +227,11 @@ def test_custom_jsonl_keeps_order_and_per_line_lengths(tokenizer, tmp_path) -> N
     path.write_text('{"prompt": "one two", "output_tokens": 5}\n{"prompt": "three"}\n')
     samples = build_dataset(tokenizer, DatasetOptions("custom", num_prompts=3, path=str(path), custom_output_len=9))
     assert [(s.prompt, s.output_len) for s in samples] == [("one two", 5), ("three", 9), ("one two", 5)]
+
+
+def test_an_slo_percentile_missing_from_the_summary_is_an_error_not_a_failure() -> None:
+    summary = summarize(run_of([record(0, 0.0, 0.0, [0.1, 0.2], 0.2, 2)], 1.0), (99,))
+    slo = SLO.parse(["ttft:500"])
+    assert slo.met_at(summary, 99)
+    with pytest.raises(KeyError, match="p90_ttft_ms"):
+        slo.met_at(summary, 90)
