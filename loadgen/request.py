@@ -1,7 +1,7 @@
 """One request against an OpenAI-compatible server, timed chunk by chunk as it streams.
 
 The harness sends with aiohttp rather than httpx (which the client SDK uses): on this
-path it spends a third of httpx's CPU per request and a quarter per chunk, and at a
+path it spends under half of httpx's CPU per request and a quarter per chunk, and at a
 thousand concurrent streams that difference is the harness's own overhead
 (bench/loadgen_overhead.py measures it).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -74,26 +73,50 @@ def _error_message(body: Any) -> str:
 
 
 class StreamReader:
-    """Feeds a record from the server-sent events of one streamed answer."""
+    """Keeps what one streamed answer delivered, and when; reads it into the record later.
 
-    def __init__(self, record: RequestRecord, clock: Callable[[], float]) -> None:
+    While the run goes on, a read costs a clock call and an append: parsing the events
+    waits for `finish()`, after the run, so that it cannot delay other streams' timings.
+    """
+
+    def __init__(self, record: RequestRecord, start: float) -> None:
         self.record = record
-        self.clock = clock
-        self.pieces: list[str] = []
-        self.buffer = b""
+        self.start = start  # the run's perf_counter origin
+        self.reads: list[tuple[float, bytes]] = []
+        self.events = 0  # events completed so far (approximately: blank lines seen)
         self.finished = False  # [DONE] seen
         self.usage_seen = False
 
     def feed(self, data: bytes) -> None:
-        now = self.clock()
-        self.buffer += data
-        *events, self.buffer = self.buffer.split(b"\n\n")
-        for event in events:
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    self._on_data(line[5:].strip(), now)
+        self.reads.append((time.perf_counter(), data))
+        self.events += data.count(b"\n\n")
 
-    def _on_data(self, payload: bytes, now: float) -> None:
+    def finish(self) -> None:
+        """Read every event into the record, and judge whether the answer succeeded."""
+        record = self.record
+        pieces: list[str] = []
+        buffer = b""
+        try:
+            for arrived, data in self.reads:
+                buffer += data
+                *events, buffer = buffer.split(b"\n\n")
+                for event in events:
+                    for line in event.split(b"\n"):
+                        if line.startswith(b"data:"):
+                            self._on_data(line[5:].strip(), arrived - self.start, pieces)
+        except json.JSONDecodeError as error:
+            record.error = record.error or f"the stream held a chunk that is not JSON: {error}"
+        self.reads = []
+        record.generated_text = "".join(pieces)
+        if not self.usage_seen:
+            # No usage chunk: one token per text chunk is the best count there is.
+            record.output_tokens = len(record.token_times)
+        complete = self.finished or record.finish_reason is not None
+        record.success = record.status == 200 and not record.error and complete
+        if record.status == 200 and not record.error and not complete:
+            record.error = "the stream ended without [DONE] or a finish reason"
+
+    def _on_data(self, payload: bytes, now: float, pieces: list[str]) -> None:
         if payload == b"[DONE]":
             self.finished = True
             return
@@ -108,7 +131,7 @@ class StreamReader:
             text = _text_of(choice)
             if text:
                 texts = True
-                self.pieces.append(text)
+                pieces.append(text)
             if choice.get("finish_reason"):
                 record.finish_reason = choice["finish_reason"]
         if texts:
@@ -120,29 +143,23 @@ class StreamReader:
             if usage.get("prompt_tokens") is not None:
                 record.usage_prompt_tokens = int(usage["prompt_tokens"])
 
-    def close(self) -> None:
-        record = self.record
-        record.generated_text = "".join(self.pieces)
-        if not self.usage_seen:
-            # No usage chunk: one token per text chunk is the best count there is.
-            record.output_tokens = len(record.token_times)
-
 
 async def stream_request(
     session: aiohttp.ClientSession,
     target: Target,
     sample: SampleRequest,
     record: RequestRecord,
-    clock: Callable[[], float],
+    start: float,
     abort_after: int | None = None,
-) -> None:
-    """Send one streamed request and fill `record`; never raises for what the server does.
+) -> StreamReader:
+    """Send one streamed request; never raises for what the server does. Call `finish()`
+    on the reader it returns (after the run) to fill in the record.
 
-    With `abort_after`, the harness closes the connection after that many text chunks,
-    as a user who gives up would.
+    Times are seconds since `start` (a perf_counter reading). With `abort_after`, the
+    harness closes the connection after that many events, as a user who gives up would.
     """
-    reader = StreamReader(record, clock)
-    record.sent = clock()
+    reader = StreamReader(record, start)
+    record.sent = time.perf_counter() - start
     try:
         async with session.post(target.url, json=target.body(sample), headers=target.headers) as response:
             record.status = response.status
@@ -151,20 +168,15 @@ async def stream_request(
             else:
                 async for data in response.content.iter_any():
                     reader.feed(data)
-                    if abort_after is not None and len(record.token_times) >= abort_after:
+                    if abort_after is not None and reader.events >= abort_after:
                         record.error = f"aborted by the harness after {abort_after} chunks"
                         # Drop the connection, as a client that gives up does.
                         response.close()
                         break
     except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         record.error = record.error or f"{type(error).__name__}: {error}"
-    except json.JSONDecodeError as error:
-        record.error = f"the stream held a chunk that is not JSON: {error}"
-    record.done = clock()
-    reader.close()
-    record.success = record.status == 200 and not record.error and (reader.finished or record.finish_reason is not None)
-    if record.success is False and not record.error:
-        record.error = "the stream ended without [DONE] or a finish reason"
+    record.done = time.perf_counter() - start
+    return reader
 
 
 async def _read_error(response: aiohttp.ClientResponse, record: RequestRecord) -> None:
@@ -178,10 +190,10 @@ async def _read_error(response: aiohttp.ClientResponse, record: RequestRecord) -
 
 
 async def send_raw(
-    session: aiohttp.ClientSession, target: Target, content: bytes, record: RequestRecord, clock: Callable[[], float]
+    session: aiohttp.ClientSession, target: Target, content: bytes, record: RequestRecord, start: float
 ) -> None:
     """Send a prepared body as it is (a malformed request) and record how the server answered."""
-    record.sent = clock()
+    record.sent = time.perf_counter() - start
     headers = {**target.headers, "Content-Type": "application/json"}
     try:
         async with session.post(target.url, data=content, headers=headers) as response:
@@ -189,9 +201,4 @@ async def send_raw(
             await _read_error(response, record)
     except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         record.error = f"{type(error).__name__}: {error}"
-    record.done = clock()
-
-
-def monotonic_clock(start: float) -> Callable[[], float]:
-    """Seconds since `start` on perf_counter."""
-    return lambda: time.perf_counter() - start
+    record.done = time.perf_counter() - start

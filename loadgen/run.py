@@ -9,6 +9,7 @@ which whatever is still open is cancelled and recorded as failed.
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import random
 import time
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from cadence.loadgen.datasets import SampleRequest
 from cadence.loadgen.faults import abort_point, assign_kinds, malformed_cases
 from cadence.loadgen.records import HarnessHealth, RequestRecord, RunResult, RunSettings
-from cadence.loadgen.request import Target, send_raw, stream_request
+from cadence.loadgen.request import StreamReader, Target, send_raw, stream_request
 from cadence.loadgen.schedule import arrival_offsets
 from cadence.loadgen.server_metrics import MetricsScraper
 
@@ -72,9 +73,8 @@ async def _warm_up(
     async def one(i: int) -> None:
         record = RequestRecord(-1 - i, "normal", 0, 0, 0.0)
         async with gate:
-            await stream_request(
-                session, target, samples[i % len(samples)], record, lambda: time.perf_counter() - start
-            )
+            reader = await stream_request(session, target, samples[i % len(samples)], record, start)
+        reader.finish()
         if not record.success:
             raise RuntimeError(f"a warm-up request failed: {record.error}")
 
@@ -105,6 +105,7 @@ async def run_load(
             await scraper.start(start)
         bar = tqdm(total=count, disable=not options.progress, unit="req", leave=False)
         malformed_seen = 0
+        readers: list[StreamReader] = []
 
         async def one(record: RequestRecord, case_index: int) -> None:
             if gate is not None:
@@ -115,9 +116,10 @@ async def run_load(
                 sample = samples[record.index]
                 if record.kind == "malformed":
                     body = target.body(sample)
-                    await send_raw(session, target, cases[case_index % len(cases)].make(body), record, clock)
+                    await send_raw(session, target, cases[case_index % len(cases)].make(body), record, start)
                 else:
-                    await stream_request(session, target, sample, record, clock, aborts.get(record.index))
+                    abort_after = aborts.get(record.index)
+                    readers.append(await stream_request(session, target, sample, record, start, abort_after))
             finally:
                 if gate is not None:
                     gate.release()
@@ -135,6 +137,11 @@ async def run_load(
             return tasks
 
         probe = asyncio.create_task(_lag_probe(health))
+        # The run keeps every read of every stream until it ends; a cyclic collection over
+        # that many objects stalls the loop for tens of milliseconds, which would land in
+        # the latencies. Nothing the run allocates is cyclic garbage, so collection waits.
+        collecting = gc.isenabled()
+        gc.disable()
         tasks: list[asyncio.Task[None]] = []
         try:
             dispatcher = asyncio.create_task(dispatch())
@@ -145,11 +152,15 @@ async def run_load(
         except asyncio.TimeoutError:
             dispatcher.cancel()
         finally:
+            if collecting:
+                gc.enable()
             probe.cancel()
             bar.close()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for reader in readers:
+            reader.finish()
         duration = max((r.done for r in records if r.done), default=0.0)
         for record in records:
             if not record.done:

@@ -147,21 +147,39 @@ def test_the_stream_reader_gives_one_answer_however_the_bytes_are_cut() -> None:
     for _ in range(50):
         cuts = sorted(rng.sample(range(1, len(data)), 6))
         r = RequestRecord(0, "normal", 7, 3, 0.0)
-        reader = StreamReader(r, clock=lambda: 1.0)
+        r.status = 200
+        reader = StreamReader(r, start=0.0)
         for a, b in zip([0, *cuts], [*cuts, len(data)]):
             reader.feed(data[a:b])
-        reader.close()
-        assert reader.finished and r.generated_text == "Hello wörld" and r.finish_reason == "length"
+        assert r.token_times == [] and reader.events <= 5  # nothing is parsed until finish()
+        reader.finish()
+        assert r.success and reader.finished and r.generated_text == "Hello wörld" and r.finish_reason == "length"
         assert len(r.token_times) == 2  # the empty chunk carries no text
         assert r.output_tokens == 3 and r.usage_prompt_tokens == 7
 
 
 def test_without_usage_the_reader_counts_text_chunks() -> None:
     r = RequestRecord(0, "normal", 7, 3, 0.0)
-    reader = StreamReader(r, clock=lambda: 1.0)
+    r.status = 200
+    reader = StreamReader(r, start=0.0)
     reader.feed(sse([{"choices": [{"index": 0, "delta": {"content": t}}]} for t in ("a", "b", "c")]))
-    reader.close()
-    assert r.output_tokens == 3 and r.usage_prompt_tokens is None and r.generated_text == "abc"
+    reader.finish()
+    assert r.output_tokens == 3 and r.usage_prompt_tokens is None and r.generated_text == "abc" and r.success
+
+
+def test_a_stream_cut_short_or_carrying_an_error_is_a_failure() -> None:
+    cut = RequestRecord(0, "normal", 7, 3, 0.0)
+    cut.status = 200
+    reader = StreamReader(cut, start=0.0)
+    reader.feed(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+    reader.finish()
+    assert not cut.success and "without [DONE]" in cut.error
+    failed = RequestRecord(1, "normal", 7, 3, 0.0)
+    failed.status = 200
+    reader = StreamReader(failed, start=0.0)
+    reader.feed(b'data: {"error": {"message": "engine died", "type": "server_error"}}\n\ndata: [DONE]\n\n')
+    reader.finish()
+    assert not failed.success and failed.error == "engine died" and failed.error_body is not None
 
 
 @pytest.fixture(scope="module")
