@@ -81,6 +81,12 @@ def waiting_series(records: Sequence[RequestRecord]) -> tuple[Floats, Floats]:
     return _level_series((r.due, r.sent) for r in records)
 
 
+def server_timeline(result: RunResult) -> list[dict[str, float]]:
+    """The server's gauges sampled during the run (loadgen/server_metrics.py), if it was scraped."""
+    server = result.server or {}
+    return list(server.get("timeline") or []) if server.get("available") else []
+
+
 def sweep_positions(xs: Sequence[float]) -> tuple[Floats, bool]:
     """Where to draw each swept value, and whether the x axis is logarithmic.
 
@@ -213,6 +219,15 @@ def plot_run(result: RunResult, out_dir: Path, name: str = "run", slo_ms: dict[s
             ls = np.concatenate([[0.0], levels, [levels[-1] if len(levels) else 0.0]])
             conc_ax.step(ts, ls, where="post", color=colour, linewidth=1.3, label=what)
             peak = max(peak, float(ls.max()))
+        # The server's own gauges, as scraped during the run: beside the client's view.
+        for gauge, colour, what in (
+            ("num_requests_running", "tab:green", "server: running"),
+            ("num_requests_waiting", "tab:red", "server: waiting"),
+        ):
+            points = [(p["t"], p[gauge]) for p in server_timeline(result) if gauge in p]
+            if points:
+                conc_ax.plot(*zip(*points), linestyle="--", marker=".", color=colour, linewidth=1, label=what)
+                peak = max(peak, max(v for _, v in points))
         if peak == 0:
             _no_data(conc_ax, "no request was in flight or waiting for a measurable time")
         if result.settings.max_concurrency is not None:
