@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Generic, Literal, TypeVar
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from typing_extensions import TypedDict
 
 from cadence.client.errors import CadenceError
@@ -121,8 +121,16 @@ class StreamCall(Generic[T]):
     chunk_type: type[T]
 
 
+def _parse(model: type[M], response: httpx.Response) -> M:
+    """The answer as `model`; an answer of another shape is a CadenceError like every other failure."""
+    try:
+        return model.model_validate_json(response.content)
+    except ValidationError as invalid:
+        raise CadenceError(f"the server's answer is not a {model.__name__}: {response.text[:200]}") from invalid
+
+
 def _reader(model: type[M]) -> Callable[[httpx.Response], M]:
-    return lambda response: model.model_validate_json(response.content)
+    return lambda response: _parse(model, response)
 
 
 class Endpoints:
@@ -144,7 +152,7 @@ class Endpoints:
         return self.default_model
 
     def _remember(self, response: httpx.Response) -> ModelList:
-        listed = ModelList.model_validate_json(response.content)
+        listed = _parse(ModelList, response)
         if listed.data and self.default_model is None:
             self.default_model = listed.data[0].id
         return listed

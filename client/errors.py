@@ -172,8 +172,10 @@ def error_from_response(response: httpx.Response) -> APIStatusError:
 
 
 def error_from_event(detail: ErrorDetail, headers: httpx.Headers) -> APIStatusError:
-    """The exception for an error event in a stream: the status its type is sent with."""
-    status_code = _TYPE_STATUS.get(detail.type, 500)
+    """The exception for an error event in a stream: the status its type is sent with, or
+    the one its code names where that is an HTTP status (vLLM's)."""
+    code = detail.code
+    status_code = code if isinstance(code, int) and 400 <= code < 600 else _TYPE_STATUS.get(detail.type, 500)
     return status_error(status_code, ErrorResponse(error=detail), headers)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from cadence.loadgen.datasets import BUILDERS
@@ -19,6 +20,13 @@ def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError("must be between 0 and 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:  # every run is bounded in time
+        raise argparse.ArgumentTypeError("must be a positive, finite number of seconds")
     return value
 
 
@@ -71,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-concurrency", type=_positive_int, help="at most this many requests in flight")
     load.add_argument("--num-warmups", type=int, default=0, help="requests sent first and left out of the results")
     load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    load.add_argument("--max-duration", type=float, default=3600.0, help="seconds per run before it is cut off")
+    load.add_argument("--request-timeout", type=_seconds, default=600.0, help="seconds per request (default 600)")
+    load.add_argument("--max-duration", type=_seconds, default=3600.0, help="seconds per run before it is cut off")
 
     sampling = ap.add_argument_group("sampling")
     sampling.add_argument("--ignore-eos", action="store_true", help="every request generates its max_tokens")

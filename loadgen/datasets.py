@@ -79,7 +79,9 @@ def random_dataset(tokenizer: TokenCounter, options: DatasetOptions) -> list[Sam
     samples = []
     for input_len, output_len in zip(inputs, outputs):
         text, count = random_text(tokenizer, rng, input_len)
-        prompt = prefix + text if prefix else text
+        # A space between: glued on, the prefix's last word would merge with each prompt's
+        # first, and the prompts would share one token less than the asked prefix.
+        prompt = f"{prefix} {text}" if prefix else text
         total = len(tokenizer.encode(prompt)) if prefix else count
         samples.append(SampleRequest(prompt, total, output_len))
     return samples
@@ -145,8 +147,10 @@ def sharegpt_dataset(tokenizer: TokenCounter, options: DatasetOptions) -> list[S
         prompt, reply = exchange
         prompt_len = len(tokenizer.encode(prompt))
         output_len = options.sharegpt_output_len or len(tokenizer.encode(reply))
-        # As vLLM filters: too short to time, or too long to serve.
-        if prompt_len < 4 or output_len < 4 or not _fits(options, prompt_len, output_len):
+        # As vLLM filters: too short to time, or too long to serve. A fixed output length is
+        # the user's to choose, so (as in vLLM) it is not held to the minimum.
+        short_reply = options.sharegpt_output_len is None and output_len < 4
+        if prompt_len < 4 or short_reply or not _fits(options, prompt_len, output_len):
             continue
         samples.append(SampleRequest(prompt, prompt_len, output_len))
         if len(samples) == options.num_prompts:

@@ -73,12 +73,13 @@ def _level_series(intervals: Iterable[tuple[float, float]]) -> tuple[Floats, Flo
 
 def inflight_series(records: Sequence[RequestRecord]) -> tuple[Floats, Floats]:
     """Requests in flight (sent, not yet done) from each event time on."""
-    return _level_series((r.sent, r.done) for r in records)
+    return _level_series((r.sent, r.done) for r in records if r.sent is not None)
 
 
 def waiting_series(records: Sequence[RequestRecord]) -> tuple[Floats, Floats]:
-    """Requests due but not yet sent (waiting in the harness) from each event time on."""
-    return _level_series((r.due, r.sent) for r in records)
+    """Requests due but not yet sent (waiting in the harness) from each event time on; one
+    never sent waited until the run cut it off."""
+    return _level_series((r.due, r.done if r.sent is None else r.sent) for r in records)
 
 
 def server_timeline(result: RunResult) -> list[dict[str, float]]:
@@ -184,7 +185,7 @@ def plot_run(result: RunResult, out_dir: Path, name: str = "run", slo_ms: dict[s
     fig, axes = _new_figure(11, 7, 2, 1, sharex=True)
     rate_ax, conc_ax = axes[0, 0], axes[1, 0]
     records = result.records
-    events = [t for r in records for t in (r.due, r.sent, r.done, *r.token_times)]
+    events = [t for r in records for t in (r.due, r.sent, r.done, *r.token_times) if t is not None]
     end = max([result.duration, *events, 0.0])
     bin_s = choose_bin_s(end)
     end = max(end, bin_s)

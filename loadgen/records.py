@@ -24,8 +24,8 @@ class RequestRecord:
     prompt_len: int  # the dataset's count, in the served model's tokens
     expected_output_len: int  # max_tokens asked for
     due: float  # when the schedule said it should go out
-    sent: float = 0.0  # when its HTTP request started
-    done: float = 0.0  # when its answer (or its failure) was complete
+    sent: float | None = None  # when its HTTP request started; None if it never went out
+    done: float = 0.0  # when its answer (or its failure) was complete, or the run cut it off
     status: int | None = None  # the HTTP status; None when no answer came
     success: bool = False
     error: str = ""
@@ -37,9 +37,9 @@ class RequestRecord:
     generated_text: str = ""
 
     @property
-    def send_delay(self) -> float:
-        """Seconds between being due and being sent: queueing inside the harness."""
-        return self.sent - self.due
+    def send_delay(self) -> float | None:
+        """Seconds between being due and being sent: queueing inside the harness (None: never sent)."""
+        return None if self.sent is None else self.sent - self.due
 
     @property
     def ttft(self) -> float | None:
@@ -85,7 +85,7 @@ class RequestRecord:
             "send_delay_s": self.send_delay,
             "ttft_s": self.ttft,
             "tpot_s": self.tpot,
-            "e2el_s": self.e2el,
+            "e2el_s": None if self.sent is None else self.e2el,
             "token_times_s": self.token_times,
         }
 
@@ -95,7 +95,7 @@ class HarnessHealth:
     """How far the harness itself fell behind during a run, to read its figures by."""
 
     loop_lag: list[float] = field(default_factory=list)  # how late each periodic wake-up of the event loop was
-    send_delays: list[float] = field(default_factory=list)  # due-to-sent for every request
+    send_delays: list[float] = field(default_factory=list)  # due-to-sent for every request sent
 
 
 @dataclass
@@ -117,7 +117,7 @@ class RunSettings:
 class RunResult:
     settings: RunSettings
     started_at: float  # wall-clock (time.time()) of the run's start
-    duration: float  # from the first request due to the last answer complete
+    duration: float  # from the first request due to the last answer complete (or cut off at the deadline)
     records: list[RequestRecord]
     health: HarnessHealth
     server: dict[str, Any] | None = None  # the /metrics report (loadgen/server_metrics.py), if scraped

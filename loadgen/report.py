@@ -104,7 +104,7 @@ def _finite(value: Any) -> Any:
         return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
 
@@ -112,10 +112,11 @@ def _finite(value: Any) -> Any:
 def save_result(path: Path, result_json: dict[str, Any], runs: Sequence[tuple[str, RunResult]]) -> Path:
     """The result JSON at `path`; beside it, one JSON line per request of every run (`*.requests.jsonl`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(result_json), indent=2) + "\n", encoding="utf-8")
+    # allow_nan=False: a non-finite number _finite missed fails here rather than writing invalid JSON.
+    path.write_text(json.dumps(_finite(result_json), indent=2, allow_nan=False) + "\n", encoding="utf-8")
     detail = path.with_suffix(".requests.jsonl")
     with detail.open("w", encoding="utf-8") as f:
         for label, result in runs:
             for record in result.records:
-                f.write(json.dumps(_finite({"run": label, **record.detail()})) + "\n")
+                f.write(json.dumps(_finite({"run": label, **record.detail()}), allow_nan=False) + "\n")
     return detail

@@ -89,7 +89,8 @@ class StreamReader:
 
     def feed(self, data: bytes) -> None:
         self.reads.append((time.perf_counter(), data))
-        self.events += data.count(b"\n\n")
+        # Events end in a blank line: "\n\n", or "\r\n\r\n" from servers on sse-starlette.
+        self.events += data.count(b"\n\n") + data.count(b"\r\n\r\n")
 
     def finish(self) -> None:
         """Read every event into the record, and judge whether the answer succeeded."""
@@ -98,7 +99,8 @@ class StreamReader:
         buffer = b""
         try:
             for arrived, data in self.reads:
-                buffer += data
+                # SSE lines may end in CRLF; a CR left at the end waits in the buffer for its LF.
+                buffer = (buffer + data).replace(b"\r\n", b"\n")
                 *events, buffer = buffer.split(b"\n\n")
                 for event in events:
                     for line in event.split(b"\n"):
@@ -106,6 +108,10 @@ class StreamReader:
                             self._on_data(line[5:].strip(), arrived - self.start, pieces)
         except json.JSONDecodeError as error:
             record.error = record.error or f"the stream held a chunk that is not JSON: {error}"
+        except (TypeError, AttributeError, ValueError) as error:
+            # JSON of another shape (a list, a string, a field of the wrong type): this
+            # request failed; the run, which reads every stream after it ends, goes on.
+            record.error = record.error or f"the stream held a chunk of another shape: {type(error).__name__}: {error}"
         self.reads = []
         record.generated_text = "".join(pieces)
         if not self.usage_seen:
@@ -148,17 +154,18 @@ async def stream_request(
     session: aiohttp.ClientSession,
     target: Target,
     sample: SampleRequest,
-    record: RequestRecord,
-    start: float,
+    reader: StreamReader,
     abort_after: int | None = None,
-) -> StreamReader:
-    """Send one streamed request; never raises for what the server does. Call `finish()`
-    on the reader it returns (after the run) to fill in the record.
+) -> None:
+    """Send one streamed request into `reader`; never raises for what the server does. Call
+    `reader.finish()` after the run to fill in its record: the caller keeps the reader, so
+    what a request cancelled at the run's deadline had received is still read.
 
-    Times are seconds since `start` (a perf_counter reading). With `abort_after`, the
-    harness closes the connection after that many events, as a user who gives up would.
+    Times are seconds since the reader's `start` (a perf_counter reading). With
+    `abort_after`, the harness closes the connection after that many events, as a user who
+    gives up would.
     """
-    reader = StreamReader(record, start)
+    record, start = reader.record, reader.start
     record.sent = time.perf_counter() - start
     try:
         async with session.post(target.url, json=target.body(sample), headers=target.headers) as response:
@@ -176,7 +183,6 @@ async def stream_request(
     except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         record.error = record.error or f"{type(error).__name__}: {error}"
     record.done = time.perf_counter() - start
-    return reader
 
 
 async def _read_error(response: aiohttp.ClientResponse, record: RequestRecord) -> None:

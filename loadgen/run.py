@@ -64,19 +64,25 @@ async def _lag_probe(health: HarnessHealth) -> None:
 async def _warm_up(
     session: aiohttp.ClientSession, target: Target, samples: Sequence[SampleRequest], count: int
 ) -> None:
-    """`count` requests, at most 8 at a time, before anything is measured."""
+    """`count` requests, at most 8 at a time, before anything is measured.
+
+    Their prompts open with words of their own, so no measured request finds its prompt in
+    the server's prefix cache because a warm-up sent it first.
+    """
     if count <= 0:
         return
     gate = asyncio.Semaphore(8)
     start = time.perf_counter()
 
     async def one(i: int) -> None:
-        record = RequestRecord(-1 - i, "normal", 0, 0, 0.0)
+        sample = samples[i % len(samples)]
+        warm = SampleRequest(f"Warm-up request {i}. {sample.prompt}", sample.prompt_len, sample.output_len)
+        reader = StreamReader(RequestRecord(-1 - i, "normal", 0, 0, 0.0), start)
         async with gate:
-            reader = await stream_request(session, target, samples[i % len(samples)], record, start)
+            await stream_request(session, target, warm, reader)
         reader.finish()
-        if not record.success:
-            raise RuntimeError(f"a warm-up request failed: {record.error}")
+        if not reader.record.success:
+            raise RuntimeError(f"a warm-up request failed: {reader.record.error}")
 
     await asyncio.gather(*(one(i) for i in range(count)))
 
@@ -99,13 +105,18 @@ async def run_load(
     async with _session(options) as session:
         await _warm_up(session, target, samples, options.num_warmups)
         scraper = MetricsScraper(session, target, options.metrics_interval) if options.scrape_metrics else None
+        if scraper is not None:
+            # Before the clock starts: the first requests are due at 0, and this scrape's
+            # time must not be charged to their latencies.
+            await scraper.scrape_before()
+        started_at = time.time()
         start = time.perf_counter()
         clock = lambda: time.perf_counter() - start  # noqa: E731 - shared by every request of the run
         if scraper is not None:
-            await scraper.start(start)
+            scraper.begin(start)
         bar = tqdm(total=count, disable=not options.progress, unit="req", leave=False)
-        malformed_seen = 0
-        readers: list[StreamReader] = []
+        readers: list[StreamReader] = []  # kept by the run, so a stream cut at the deadline is still read
+        tasks: list[asyncio.Task[None]] = []  # tasks[i] sends records[i]
 
         async def one(record: RequestRecord, case_index: int) -> None:
             if gate is not None:
@@ -118,56 +129,65 @@ async def run_load(
                     body = target.body(sample)
                     await send_raw(session, target, cases[case_index % len(cases)].make(body), record, start)
                 else:
-                    abort_after = aborts.get(record.index)
-                    readers.append(await stream_request(session, target, sample, record, start, abort_after))
+                    reader = StreamReader(record, start)
+                    readers.append(reader)
+                    await stream_request(session, target, sample, reader, aborts.get(record.index))
             finally:
                 if gate is not None:
                     gate.release()
                 bar.update(1)
 
-        async def dispatch() -> list[asyncio.Task[None]]:
-            nonlocal malformed_seen
-            tasks = []
+        async def dispatch() -> None:
+            malformed_seen = 0
             for record in records:
                 delay = record.due - clock()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(one(record, malformed_seen)))
                 malformed_seen += record.kind == "malformed"
-            return tasks
 
         probe = asyncio.create_task(_lag_probe(health))
+        dispatcher = asyncio.create_task(dispatch())
         # The run keeps every read of every stream until it ends; a cyclic collection over
         # that many objects stalls the loop for tens of milliseconds, which would land in
         # the latencies. Nothing the run allocates is cyclic garbage, so collection waits.
         collecting = gc.isenabled()
         gc.disable()
-        tasks: list[asyncio.Task[None]] = []
         try:
-            dispatcher = asyncio.create_task(dispatch())
-            tasks = await asyncio.wait_for(asyncio.shield(dispatcher), options.max_duration)
-            remaining = max(0.0, options.max_duration - clock())
-            if tasks:
-                await asyncio.wait(tasks, timeout=remaining)
-        except asyncio.TimeoutError:
-            dispatcher.cancel()
+            await asyncio.wait([dispatcher], timeout=options.max_duration)
+            if dispatcher.done():
+                dispatcher.result()  # raises what went wrong in it
+                remaining = options.max_duration - clock()
+                if tasks and remaining > 0:
+                    await asyncio.wait(tasks, timeout=remaining)
         finally:
             if collecting:
                 gc.enable()
-            probe.cancel()
+            # The deadline (or an error) leaves requests open, perhaps some never created:
+            # every task the run started ends here, whatever happened.
+            for task in (probe, dispatcher, *tasks):
+                task.cancel()
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(probe, dispatcher, return_exceptions=True)
             bar.close()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            if scraper is not None:
+                scraper.cancel()
+        cut = clock()
+        for record, outcome in zip(records, outcomes):
+            if isinstance(outcome, Exception):  # a fault of the harness, not the server: show it
+                record.error = record.error or f"harness error: {type(outcome).__name__}: {outcome}"
+        for record in records:
+            if record.sent is None:
+                record.error = record.error or f"not sent within --max-duration {options.max_duration:g} s"
+                record.done = cut
+            elif not record.done:
+                record.error = record.error or f"not finished within --max-duration {options.max_duration:g} s"
+                record.done = cut
         for reader in readers:
             reader.finish()
-        duration = max((r.done for r in records if r.done), default=0.0)
-        for record in records:
-            if not record.done:
-                record.error = record.error or f"not finished within --max-duration {options.max_duration:g} s"
-                record.done = clock()
-        health.send_delays = [r.send_delay for r in records]
+        # To the last answer complete, or to the cut for a request the deadline ended.
+        duration = max((r.done for r in records if r.sent is not None), default=0.0)
+        health.send_delays = [d for r in records if (d := r.send_delay) is not None]
         if scraper is not None:
             await scraper.stop(options.idle_timeout)
-        result = RunResult(settings, time.time() - clock(), duration, records, health)
-        return result, scraper
+        return RunResult(settings, started_at, duration, records, health), scraper

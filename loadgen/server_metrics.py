@@ -22,6 +22,8 @@ GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 # Counters whose run deltas are set beside the client's own counts.
 KEY_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total")
 LATENCY_HISTOGRAMS = ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds")
+# Seconds one scrape may take: a server that hangs on /metrics must not hold up the run's end.
+SCRAPE_TIMEOUT = 10.0
 
 
 def _key(name: str, sample: MetricSample) -> str:
@@ -30,7 +32,13 @@ def _key(name: str, sample: MetricSample) -> str:
 
 
 def flatten(series: Series) -> dict[str, float]:
-    return {_key(name, s): s.value for name, samples in series.items() for s in samples}
+    """One value per name and labels, model_name left out: samples of several models add up."""
+    flat: dict[str, float] = {}
+    for name, samples in series.items():
+        for s in samples:
+            key = _key(name, s)
+            flat[key] = flat.get(key, 0.0) + s.value
+    return flat
 
 
 def find_prefix(series: Series) -> str | None:
@@ -59,7 +67,8 @@ class MetricsScraper:
 
     async def scrape(self) -> Series | None:
         try:
-            async with self.session.get(self.url, headers=self.headers) as response:
+            timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)
+            async with self.session.get(self.url, headers=self.headers, timeout=timeout) as response:
                 if response.status != 200:
                     self.error = f"/metrics answered HTTP {response.status}"
                     return None
@@ -67,7 +76,11 @@ class MetricsScraper:
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
             self.error = f"/metrics: {type(error).__name__}: {error}"
             return None
-        return parse_metrics(text)
+        try:
+            return parse_metrics(text)
+        except ValueError as error:  # a 200 that is not Prometheus text (a proxy's page, say)
+            self.error = f"/metrics is not Prometheus text: {error}"
+            return None
 
     def gauge(self, series: Series, name: str) -> float | None:
         if self.prefix is None:
@@ -75,14 +88,22 @@ class MetricsScraper:
         samples = series.get(f"{self.prefix}:{name}")
         return sum(s.value for s in samples) if samples else None
 
-    async def start(self, run_start: float) -> None:
-        self._start = run_start
+    async def scrape_before(self) -> None:
+        """The scrape the run's deltas count from; taken before the run's clock starts."""
         self.before = await self.scrape()
-        if self.before is None:
-            return
-        self.prefix = find_prefix(self.before)
-        if self.interval > 0:
+        if self.before is not None:
+            self.prefix = find_prefix(self.before)
+
+    def begin(self, run_start: float) -> None:
+        """Sample the gauges every `interval` seconds from the run's start (a perf_counter reading)."""
+        self._start = run_start
+        if self.before is not None and self.interval > 0:
             self._task = asyncio.create_task(self._sample_loop())
+
+    def cancel(self) -> None:
+        """Stop sampling at once (the run is over, or failed)."""
+        if self._task is not None:
+            self._task.cancel()
 
     async def _sample_loop(self) -> None:
         while True:
@@ -101,6 +122,7 @@ class MetricsScraper:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
         if self.before is not None:
             self.seconds_to_idle = await self.wait_idle(idle_timeout)
             self.after = await self.scrape()
@@ -127,11 +149,13 @@ class MetricsScraper:
         deltas = {k: v - before.get(k, 0.0) for k, v in after.items() if _is_counter(k) and v != before.get(k, 0.0)}
         prefix = self.prefix + ":"
         key: dict[str, Any] = {name.removesuffix("_total"): _sum_of(deltas, prefix + name) for name in KEY_COUNTERS}
-        key["request_success"] = {
-            k.split('finished_reason="', 1)[1].split('"', 1)[0]: v
-            for k, v in deltas.items()
-            if k.startswith(prefix + "request_success_total{")
-        }
+        finished: dict[str, float] = {}
+        for k, v in deltas.items():
+            if k.startswith(prefix + "request_success_total{") and 'finished_reason="' in k:
+                # Summed over any other label (vLLM's `engine`, one per data-parallel rank).
+                reason = k.split('finished_reason="', 1)[1].split('"', 1)[0]
+                finished[reason] = finished.get(reason, 0.0) + v
+        key["request_success"] = finished
         for name in LATENCY_HISTOGRAMS:
             count = _sum_of(deltas, f"{prefix}{name}_count")
             key[f"mean_{name.removesuffix('_seconds')}_ms"] = (

@@ -88,8 +88,9 @@ def peak_output_rate(records: Sequence[RequestRecord], bucket: float = 1.0) -> f
 
 
 def peak_concurrency(records: Sequence[RequestRecord]) -> int:
-    """The most requests in flight at once, from their send and completion times."""
-    events = sorted([(r.sent, 1) for r in records] + [(r.done, -1) for r in records])
+    """The most requests in flight at once, from their send and completion times (never sent: never in flight)."""
+    sent = [(r.sent, r.done) for r in records if r.sent is not None]
+    events = sorted([(start, 1) for start, _ in sent] + [(end, -1) for _, end in sent])
     running = peak = 0
     for _, step in events:
         running += step
@@ -135,7 +136,7 @@ def summarize(result: RunResult, percentiles: Sequence[float] = (99.0,), slo: SL
     answered = [r for r in result.records if r.status == 200]
     summary["streamed_input_tokens"] = sum(r.input_tokens for r in answered)
     summary["streamed_output_tokens"] = sum(r.output_tokens for r in answered)
-    delays = [r.send_delay * 1000.0 for r in normal]
+    delays = [d * 1000.0 for r in normal if (d := r.send_delay) is not None]
     summary["mean_send_delay_ms"] = statistics.fmean(delays) if delays else math.nan
     summary["p99_send_delay_ms"] = percentile(delays, 99)
     lag = [v * 1000.0 for v in result.health.loop_lag]

@@ -199,12 +199,13 @@ class DetokenizeResponse(_Response):
 
 
 class ErrorDetail(_Response):
-    """What went wrong: `type` is OpenAI's error type, `param` the field at fault."""
+    """What went wrong: `type` is OpenAI's error type, `param` the field at fault. `code` is
+    a string here (OpenAI's); vLLM sends the HTTP status, an integer, which parses too."""
 
     message: str
     type: str
     param: str | None = None
-    code: str | None = None
+    code: str | int | None = None
 
 
 class ErrorResponse(_Response):

@@ -15,6 +15,7 @@ import pytest
 from cadence.loadgen.datasets import DatasetOptions, build_dataset
 from cadence.loadgen.faults import assign_kinds
 from cadence.loadgen.records import HarnessHealth, RequestRecord, RunResult, RunSettings
+from cadence.loadgen.report import save_result
 from cadence.loadgen.request import StreamReader
 from cadence.loadgen.schedule import arrival_offsets
 from cadence.loadgen.stats import SLO, percentile, summarize
@@ -253,3 +254,60 @@ def test_an_slo_percentile_missing_from_the_summary_is_an_error_not_a_failure() 
     assert slo.met_at(summary, 99)
     with pytest.raises(KeyError, match="p90_ttft_ms"):
         slo.met_at(summary, 90)
+
+
+def test_the_stream_reader_reads_crlf_events_however_the_bytes_are_cut() -> None:
+    # sse-starlette (llama-cpp-python's server, among others) ends its lines with CRLF.
+    data = sse([{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in ("a", "b")])
+    data = data.replace(b"\n", b"\r\n")
+    for cut in range(1, len(data)):
+        r = RequestRecord(0, "normal", 7, 2, 0.0)
+        r.status = 200
+        reader = StreamReader(r, start=0.0)
+        reader.feed(data[:cut])
+        reader.feed(data[cut:])
+        reader.finish()
+        assert r.success and r.generated_text == "ab" and len(r.token_times) == 2, cut
+    whole = StreamReader(RequestRecord(0, "normal", 7, 2, 0.0), start=0.0)
+    whole.feed(data)
+    assert whole.events == 3  # what an abort after N events counts
+
+
+def test_a_fixed_sharegpt_output_length_is_not_held_to_the_minimum(tokenizer, tmp_path) -> None:
+    turns = [{"from": "human", "value": "Tell me about Paris and Berlin"}, {"from": "gpt", "value": "ok"}]
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps([{"conversations": turns}]))
+    options = DatasetOptions("sharegpt", num_prompts=1, path=str(path), sharegpt_output_len=2)
+    assert [s.output_len for s in build_dataset(tokenizer, options)] == [2]
+
+
+def test_the_result_files_are_strict_json(tmp_path) -> None:
+    lone = record(0, 0.0, 0.0, [0.1], 0.1, 1)  # one token: no TPOT, no ITL
+    result = run_of([lone], 1.0)
+    summary = {**summarize(result), "pair": (math.nan, math.inf)}
+    detail = save_result(tmp_path / "r.json", summary, [("run", result)])
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} in the JSON")
+
+    loaded = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)
+    assert loaded["mean_tpot_ms"] is None and loaded["pair"] == [None, "inf"]
+    json.loads(detail.read_text(), parse_constant=refuse)
+
+
+def test_random_prompts_share_the_whole_asked_prefix(tokenizer: LocalTokenizer) -> None:
+    options = DatasetOptions("random", num_prompts=20, seed=1, random_input_len=20, random_prefix_len=32)
+    ids = [tokenizer.encode(s.prompt) for s in build_dataset(tokenizer, options)]
+    assert all(i[:32] == ids[0][:32] for i in ids)
+
+
+@pytest.mark.parametrize(
+    "payload", [b"[1, 2]", b'"text"', b'{"choices": ["a"]}', b'{"usage": {"completion_tokens": "x"}}']
+)
+def test_a_chunk_of_another_shape_fails_its_request_not_the_run(payload: bytes) -> None:
+    r = RequestRecord(0, "normal", 7, 3, 0.0)
+    r.status = 200
+    reader = StreamReader(r, start=0.0)
+    reader.feed(b"data: " + payload + b"\n\ndata: [DONE]\n\n")
+    reader.finish()
+    assert not r.success and "another shape" in r.error
