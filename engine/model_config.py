@@ -17,7 +17,12 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+# Architectures whose feed-forward blocks are (some or all) mixtures of experts.
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _int_list(value: Any) -> list[int]:
@@ -66,9 +71,9 @@ def _parse_sliding_window(raw: dict[str, Any], arch: str, num_layers: int) -> in
     A model where only some layers slide cannot be described by one AttentionSpec.
     """
     window = raw.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return int(window) if window else None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         if not raw.get("use_sliding_window", False) or not window:
             return None
         layer_types = raw.get("layer_types")
@@ -83,6 +88,61 @@ def _parse_sliding_window(raw: dict[str, Any], arch: str, num_layers: int) -> in
         raise ValueError("models that mix sliding and full attention layers are not supported")
     # Llama configs carry no sliding window.
     return None
+
+
+@dataclass
+class MoEConfig:
+    """How a mixture-of-experts model routes: ``num_experts_per_tok`` of ``num_experts``
+    SwiGLU experts of ``intermediate_size`` per token, from an fp32 softmax over the
+    router's logits, renormalised over the kept experts when ``renormalize``."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+    renormalize: bool  # Mixtral always; Qwen2/3-MoE when norm_topk_prob
+    # Mixtral multiplies expert outputs by the fp32 routing weights; Qwen rounds them to
+    # the model's dtype first.
+    weights_in_fp32: bool
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` has experts (else it keeps the dense MLP)."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+
+def _parse_moe(raw: dict[str, Any], arch: str) -> MoEConfig | None:
+    """The MoE settings of the MoE architectures, as their transformers configs read them."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    experts = raw.get("num_local_experts") or raw.get("num_experts")  # v5 writes Qwen3-MoE's as the former
+    if not experts:
+        raise ValueError(f"{arch} config has no num_local_experts / num_experts")
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(
+            num_experts=int(experts),
+            num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)),
+            intermediate_size=int(raw["intermediate_size"]),
+            renormalize=True,
+            weights_in_fp32=True,
+        )
+    return MoEConfig(
+        num_experts=int(experts),
+        num_experts_per_tok=int(raw.get("num_experts_per_tok", 4 if arch == "Qwen2MoeForCausalLM" else 8)),
+        intermediate_size=int(raw["moe_intermediate_size"]),
+        renormalize=bool(raw.get("norm_topk_prob", False)),
+        weights_in_fp32=False,
+        shared_expert_intermediate_size=(
+            int(raw.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+        ),
+        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+        mlp_only_layers=[int(i) for i in raw.get("mlp_only_layers") or []],
+    )
 
 
 @dataclass
@@ -114,6 +174,7 @@ class ModelConfig:
     # Pre-quantized checkpoint format (GPTQ/AWQ int4) from `quantization_config`, or None
     # for a dense checkpoint. A `CheckpointQuantization` (engine/quantization/checkpoint.py).
     quantization: Any = None
+    moe: MoEConfig | None = None  # the routing of an MoE architecture; None for a dense model
 
     @property
     def architecture(self) -> str:
@@ -140,6 +201,8 @@ class ModelConfig:
         if arch == "Qwen2ForCausalLM":
             # Qwen2 hard-codes biased q/k/v and an unbiased o_proj.
             qkv_bias, o_bias = True, False
+        elif arch == "Qwen2MoeForCausalLM":
+            qkv_bias, o_bias = bool(raw.get("qkv_bias", True)), False
         else:
             qkv_bias = o_bias = bool(raw.get("attention_bias", False))
         # Imported here: the quantization package pulls in torch, which config parsing
@@ -168,12 +231,13 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_parse_sliding_window(raw, arch, num_layers),
             eos_token_id=_int_list(raw.get("eos_token_id")),
             bos_token_id=None if bos is None else int(bos),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             quantization=quantization,
+            moe=_parse_moe(raw, arch),
         )
 
     @classmethod

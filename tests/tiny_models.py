@@ -20,14 +20,23 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 KINDS = ("llama", "llama3_rope", "llama_bias", "qwen2", "qwen3", "tied", "mistral")
+# Mixture-of-experts kinds (engine/models/moe.py), kept apart from KINDS: their tests are
+# tests/test_moe_models.py.
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=512,
@@ -71,6 +80,31 @@ _BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**{**_COMMON, "head_dim": 32})),
     # Every layer slides over the last 8 positions.
     "mistral": lambda: MistralForCausalLM(MistralConfig(**{**_COMMON, "sliding_window": 8})),
+    # 8 experts of intermediate_size, top-2, always renormalised.
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**_COMMON, num_local_experts=8, num_experts_per_tok=2)),
+    # Layer 0 dense (decoder_sparse_step=2), layer 1 sparse with the gated shared expert;
+    # top-2 weights not renormalised.
+    "qwen2_moe": lambda: Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            **_COMMON,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            decoder_sparse_step=2,
+            norm_topk_prob=False,
+        )
+    ),
+    # Every layer sparse, q/k norm, renormalised top-2 of 4.
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            **{**_COMMON, "head_dim": 32},
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        )
+    ),
 }
 
 
@@ -89,7 +123,7 @@ def _perturb(model: PreTrainedModel, gen: torch.Generator) -> None:
 def build_tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:
     """A seeded random float32 transformers model of the given kind (in eval mode)."""
     if kind not in _BUILDERS:
-        raise ValueError(f"unknown tiny model kind {kind!r}; choose from {KINDS}")
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose from {KINDS + MOE_KINDS}")
     torch.manual_seed(seed)
     model = _BUILDERS[kind]()
     _perturb(model, torch.Generator().manual_seed(seed + 1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.causal_lm import CausalLM, ModelClass
 from cadence.engine.models.llama import LlamaForCausalLM
+from cadence.engine.models.moe import MoEForCausalLM
 
 # All four are the same decoder; the differences (biases, q/k norm, sliding window)
 # come from ModelConfig flags.
@@ -13,6 +14,10 @@ _REGISTRY: dict[str, ModelClass] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # The same decoder with MoE feed-forward blocks (engine/models/moe.py).
+    "MixtralForCausalLM": MoEForCausalLM,
+    "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
 }
 
 
@@ -24,4 +29,4 @@ def get_model_class(config: ModelConfig) -> ModelClass:
         raise ValueError(f"unsupported architecture {config.architecture!r}; supported: {sorted(_REGISTRY)}") from None
 
 
-__all__ = ["CausalLM", "LlamaForCausalLM", "ModelClass", "get_model_class"]
+__all__ = ["CausalLM", "LlamaForCausalLM", "MoEForCausalLM", "ModelClass", "get_model_class"]

@@ -9,7 +9,7 @@ Each projection's weight format comes from the ``QuantConfig`` the model is buil
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,7 @@ from cadence.engine.attention.backend import AttentionContext, AttentionSpec
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.fused_ops import rms_norm, silu_and_mul
 from cadence.engine.models.rotary import PositionedRotary, RotaryEmbedding
-from cadence.engine.models.weight_names import FUSED_SHARDS, LM_HEAD, fused_target
+from cadence.engine.models.weight_names import FUSED_SHARDS, LM_HEAD, expert_target, fused_target
 from cadence.engine.quantization.linear import Int8Method
 from cadence.engine.quantization.lm_head import Int8Embedding
 from cadence.engine.quantization.method import (
@@ -59,6 +59,18 @@ def projection(
     return LinearLayer(
         input_size, output_sizes, bias, quant.linear_method(name, shards, input_size), shard_names=shards, prefix=name
     )
+
+
+def checkpoint_target(module: str, layers: dict[str, LinearLayer]) -> tuple[str, int] | None:
+    """The layer and shard a checkpoint module loads into: a fused decoder projection's
+    shard, an expert's (``weight_names.expert_target``), or a one-shard layer named as in
+    the checkpoint (the head, an MoE router); None for a plain parameter's module."""
+    if module == LM_HEAD:
+        return module, 0
+    target = expert_target(module) or fused_target(module)
+    if target is None and module in layers and len(layers[module].output_sizes) == 1:
+        return module, 0
+    return target
 
 
 class Attention(nn.Module):
@@ -103,19 +115,52 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward with gate and up fused into one projection."""
+    """SwiGLU feed-forward with gate and up fused into one projection: a dense layer's MLP,
+    and each MoE expert (``shard_names``: the checkpoint's gate, up and down modules)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, quant: QuantConfig) -> None:
+    def __init__(
+        self,
+        quant: QuantConfig,
+        prefix: str,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        shard_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    ) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        prefix, inter = f"model.layers.{layer_idx}", config.intermediate_size
-        self.gate_up_proj = projection(
-            quant, prefix, "mlp.gate_up_proj", config.hidden_size, [inter, inter], config.mlp_bias
+        self.intermediate_size = intermediate_size
+        gate, up, down = shard_names
+        name = f"{prefix}.gate_up_proj"
+        self.gate_up_proj = LinearLayer(
+            hidden_size,
+            [intermediate_size, intermediate_size],
+            bias,
+            quant.linear_method(name, (gate, up), hidden_size),
+            shard_names=(gate, up),
+            prefix=name,
         )
-        self.down_proj = projection(quant, prefix, "mlp.down_proj", inter, [config.hidden_size], config.mlp_bias)
+        name = f"{prefix}.down_proj"
+        self.down_proj = LinearLayer(
+            intermediate_size,
+            [hidden_size],
+            bias,
+            quant.linear_method(name, (down,), intermediate_size),
+            shard_names=(down,),
+            prefix=name,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+def dense_mlp(config: ModelConfig, layer_idx: int, quant: QuantConfig) -> nn.Module:
+    """A decoder layer's dense feed-forward (``model.layers.N.mlp``)."""
+    prefix = f"model.layers.{layer_idx}.mlp"
+    return MLP(quant, prefix, config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+
+# Builds a decoder layer's feed-forward block: the dense MLP, or an MoE block (moe.py).
+FeedForward = Callable[[ModelConfig, int, QuantConfig], nn.Module]
 
 
 class DecoderLayer(nn.Module):
@@ -126,12 +171,14 @@ class DecoderLayer(nn.Module):
     the input to the next norm is their sum.
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int, quant: QuantConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, quant: QuantConfig, feed_forward: FeedForward = dense_mlp
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx, quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer_idx, quant)
+        self.mlp = feed_forward(config, layer_idx, quant)
 
     def forward(
         self, rope: PositionedRotary, x: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext
@@ -149,7 +196,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers and the final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, quant: QuantConfig) -> None:
+    def __init__(self, config: ModelConfig, quant: QuantConfig, feed_forward: FeedForward = dense_mlp) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(
             config.head_dim,
@@ -158,7 +205,9 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
         )
         self.embed_tokens: nn.Embedding | Int8Embedding = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, quant) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, quant, feed_forward) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -182,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         quant = quant or DenseConfig()
         self.config = config
-        self.model = LlamaModel(config, quant)
+        self.model = LlamaModel(config, quant, self.feed_forward)
         # A dense tied head is no module at all: compute_logits reads the embedding (sharing
         # a Parameter between two modules would be split apart by meta-device construction
         # + to_empty()). A quantized head is a layer of its own; an int8 one tied to the
@@ -202,6 +251,11 @@ class LlamaForCausalLM(nn.Module):
             )
             if config.tie_word_embeddings and isinstance(head, Int8Method):
                 self.model.embed_tokens = Int8Embedding(self.lm_head)
+
+    @staticmethod
+    def feed_forward(config: ModelConfig, layer_idx: int, quant: QuantConfig) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward block (an MoE model's class returns its MoE block)."""
+        return dense_mlp(config, layer_idx, quant)
 
     def attention_spec(self) -> AttentionSpec:
         c = self.config
@@ -255,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the head is the embedding table (an int8 head loads it from there)
             if module == "model.embed_tokens" and head_reads_embedding:
                 module = LM_HEAD  # the tied int8 head holds the table
-            target = (module, 0) if module == LM_HEAD else fused_target(module)
+            target = checkpoint_target(module, layers)
             if target is not None and target[0] in layers:
                 layers[target[0]].load(target[1], attr, tensor)
                 continue

@@ -1,0 +1,178 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (with its gated shared expert) and Qwen3-MoE.
+
+They are the Llama-family decoder (``llama.py``) whose feed-forward block is, in some or
+all layers, a ``SparseMoeBlock``: a router picks ``top_k`` of ``num_experts`` SwiGLU
+experts per token, and the token's output is the routing-weighted sum of theirs. Each
+expert is a ``llama.MLP``, so its projections are ``LinearLayer``s whose methods come from
+the ``QuantConfig`` (dense, or int8/int4 at load) like every other projection.
+
+Routing follows transformers exactly: router logits in the model's dtype, softmax in
+fp32, top-k, renormalised over the kept experts when the config says so; Mixtral keeps
+the weights in fp32, Qwen rounds them to the model's dtype. On CPU, tokens are grouped by
+expert and each routed expert runs once per step on its tokens, its weighted output
+index-added in ascending expert order (as transformers sums them). On CUDA, dense experts
+are stacked once after loading and run through the fused Triton kernel
+(``kernels/fused_moe.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from cadence.engine.model_config import ModelConfig
+from cadence.engine.models.llama import MLP, LlamaForCausalLM, dense_mlp
+from cadence.engine.models.weight_names import ours_from_mixtral
+from cadence.engine.quantization.method import DenseMethod, LinearLayer, QuantConfig
+
+# Each checkpoint's names for an expert's gate, up and down projections.
+_MIXTRAL_EXPERT = ("w1", "w3", "w2")
+_QWEN_EXPERT = ("gate_proj", "up_proj", "down_proj")
+
+
+class SparseMoeBlock(nn.Module):
+    """A layer's routed experts (``model.layers.N.mlp``): ``gate`` (the router, a dense
+    linear to one logit per expert), ``experts.E`` (SwiGLU MLPs) and, for Qwen2-MoE,
+    ``shared_expert`` scaled by ``sigmoid(shared_expert_gate(x))`` and added to their sum.
+
+    ``forward(x [T, hidden]) -> [T, hidden]`` on a flat batch: routing is per token, so a
+    token's output does not depend on which others share the step.
+    """
+
+    # On CUDA, the dense experts stacked for the fused kernel ([E, 2I, K] gate rows then
+    # up, and [E, K, I]); each expert's own weights are views into them. None elsewhere.
+    w13: torch.Tensor | None
+    w2: torch.Tensor | None
+
+    def __init__(self, config: ModelConfig, layer_idx: int, quant: QuantConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        if moe is None:
+            raise ValueError(f"{config.architecture} has no MoE settings")
+        hidden, prefix = config.hidden_size, f"model.layers.{layer_idx}.mlp"
+        self.num_experts, self.top_k = moe.num_experts, moe.num_experts_per_tok
+        self.renormalize, self.weights_in_fp32 = moe.renormalize, moe.weights_in_fp32
+        # The router stays dense whatever the quantization: it decides which experts run.
+        self.gate = LinearLayer(
+            hidden, [moe.num_experts], False, DenseMethod(), shard_names=("gate",), prefix=f"{prefix}.gate"
+        )
+        names = _MIXTRAL_EXPERT if config.architecture == "MixtralForCausalLM" else _QWEN_EXPERT
+        self.experts = nn.ModuleList(
+            MLP(quant, f"{prefix}.experts.{e}", hidden, moe.intermediate_size, shard_names=names)
+            for e in range(moe.num_experts)
+        )
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: LinearLayer | None = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = MLP(quant, f"{prefix}.shared_expert", hidden, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = LinearLayer(
+                hidden,
+                [1],
+                False,
+                DenseMethod(),
+                shard_names=("shared_expert_gate",),
+                prefix=f"{prefix}.shared_expert_gate",
+            )
+        self.register_buffer("w13", None, persistent=False)
+        self.register_buffer("w2", None, persistent=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``topk_weights [T, top_k]`` (fp32 for Mixtral, else x's dtype) and ``topk_ids
+        [T, top_k]`` (int64), in transformers' order of operations."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.weights_in_fp32:
+            weights = weights.to(x.dtype)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        if self.w13 is not None and self.w2 is not None and self.stacked_experts_current():
+            out = self.fused_experts(x, weights, ids, self.w13, self.w2)
+        else:
+            out = self.grouped_experts(x, weights, ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def grouped_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The torch path: the (token, slot) pairs sorted by expert, each routed expert run
+        once on its tokens, and its weighted rows index-added into the output in ascending
+        expert order (one host sync, for the per-expert counts)."""
+        out = torch.zeros_like(x)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        pair_weights = weights.flatten()[order]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = tokens[start : start + count]
+                y = expert(x.index_select(0, rows)) * pair_weights[start : start + count, None]
+                out.index_add_(0, rows, y.to(out.dtype))
+            start += count
+        return out
+
+    @staticmethod
+    def fused_experts(
+        x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        """The fused Triton MoE (CUDA): two grouped GEMMs over the stacked experts."""
+        from cadence.kernels.fused_moe import fused_moe  # imports triton: only where it runs
+
+        return fused_moe(x, w13, w2, weights.float(), ids.to(torch.int32))
+
+    def stack_dense_experts(self) -> bool:
+        """Stack dense experts' weights for the fused kernel, making each expert's weights
+        views into the stacks (no second copy). Returns whether they were stacked: experts
+        of another format keep the grouped path."""
+        layers = [(e.gate_up_proj, e.down_proj) for e in self._experts()]
+        if any(type(layer.method) is not DenseMethod for pair in layers for layer in pair):
+            self.w13 = self.w2 = None
+            return False
+        self.w13 = torch.stack([gate_up.weight.detach() for gate_up, _ in layers])
+        self.w2 = torch.stack([down.weight.detach() for _, down in layers])
+        for e, (gate_up, down) in enumerate(layers):
+            gate_up.weight = nn.Parameter(self.w13[e], requires_grad=False)
+            down.weight = nn.Parameter(self.w2[e], requires_grad=False)
+        return True
+
+    def stacked_experts_current(self) -> bool:
+        """Whether the stacks still hold the experts' weights: a later ``quantize_model``
+        replaces every expert's method (checked on the first), and the stacks are then
+        dropped for the grouped path."""
+        first = next(iter(self._experts()))
+        if type(first.gate_up_proj.method) is DenseMethod:
+            return True
+        self.w13 = self.w2 = None
+        return False
+
+    def _experts(self) -> Iterable[MLP]:
+        for expert in self.experts:
+            assert isinstance(expert, MLP)
+            yield expert
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """Mixtral, Qwen2-MoE and Qwen3-MoE: the Llama-family decoder with a ``SparseMoeBlock``
+    in every sparse layer (``MoEConfig.is_sparse``) and the dense MLP in the others."""
+
+    @staticmethod
+    def feed_forward(config: ModelConfig, layer_idx: int, quant: QuantConfig) -> nn.Module:
+        if config.moe is not None and config.moe.is_sparse(layer_idx):
+            return SparseMoeBlock(config, layer_idx, quant)
+        return dense_mlp(config, layer_idx, quant)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """``LlamaForCausalLM.load_weights`` with Mixtral's ``block_sparse_moe`` read as
+        ``mlp``; then, on CUDA, each layer's dense experts stacked for the fused kernel."""
+        super().load_weights((ours_from_mixtral(name), tensor) for name, tensor in weights)
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock) and module.gate.weight.is_cuda:
+                module.stack_dense_experts()
