@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from cadence.client import CadenceError
 from cadence.loadgen.cli import build_parser
 from cadence.loadgen.datasets import DatasetOptions, SampleRequest, build_dataset
 from cadence.loadgen.faults import fault_report, malformed_cases
@@ -76,7 +77,7 @@ class Loadgen:
             base_url, model, ENDPOINTS[args.endpoint], args.api_key, args.ignore_eos, sampling_of(args)
         )
         self.tokenizer: TokenCounter = (
-            LocalTokenizer(args.tokenizer) if args.tokenizer else ServerTokenizer(base_url, model, headers)
+            LocalTokenizer(args.tokenizer) if args.tokenizer else ServerTokenizer(base_url, model, args.api_key)
         )
         self.slo = SLO.parse(args.goodput) if args.goodput else None
         self.percentiles = [float(q) for q in args.metric_percentiles.split(",") if q.strip()]
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return asyncio.run(_main(args))
-    except (ValueError, RuntimeError, httpx.HTTPError, OSError) as error:
+    except (ValueError, RuntimeError, httpx.HTTPError, CadenceError, OSError) as error:
         print(f"cadence loadgen: {error}", file=sys.stderr)
         return 2
 

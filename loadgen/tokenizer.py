@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import httpx
+from cadence.client import Client, NotFoundError
 
 
 class TokenCounter(Protocol):
@@ -33,24 +33,18 @@ class LocalTokenizer:
 
 
 class ServerTokenizer:
-    """The served model's tokenizer, over the server's /tokenize and /detokenize."""
+    """The served model's tokenizer, over the server's /tokenize and /detokenize (through
+    `cadence.client`, so its retries and errors apply)."""
 
-    def __init__(self, base_url: str, model: str, headers: dict[str, str], timeout: float = 60.0) -> None:
-        self.client = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
+    def __init__(self, base_url: str, model: str, api_key: str | None, timeout: float = 60.0) -> None:
+        self.client = Client(base_url, api_key=api_key, timeout=timeout)
         self.model = model
 
     def encode(self, text: str) -> list[int]:
-        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
-        response = self.client.post("/tokenize", json=body)
-        if response.status_code == 404:
-            raise RuntimeError("the server has no /tokenize endpoint: give --tokenizer PATH")
-        response.raise_for_status()
-        return [int(t) for t in response.json()["tokens"]]
+        try:
+            return self.client.tokenize(text, model=self.model, add_special_tokens=False).tokens
+        except NotFoundError:
+            raise RuntimeError("the server has no /tokenize endpoint: give --tokenizer PATH") from None
 
     def decode(self, ids: list[int]) -> str:
-        response = self.client.post("/detokenize", json={"model": self.model, "tokens": ids})
-        response.raise_for_status()
-        return str(response.json()["prompt"])
-
-    def close(self) -> None:
-        self.client.close()
+        return self.client.detokenize(ids, model=self.model).prompt
