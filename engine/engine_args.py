@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from cadence.engine.experts.options import ExpertOffloadOptions
+
 GiB = 1 << 30
 
 
@@ -71,6 +73,19 @@ class EngineArgs:
     # and a prefill engine holds computed KV for a reader that never says it is done.
     kv_wait_timeout: float = 30.0
     kv_hold_timeout: float = 60.0
+    # Mixture-of-experts models (engine/experts/): keep the routed experts in host memory
+    # ("host") or memory-mapped files ("disk") with `expert_cache_size` slots per layer in
+    # fast memory (None: twice the experts per token), evicting by `expert_cache_policy`
+    # (lru or lfu); the next layer's experts are predicted and loaded ahead
+    # (`expert_prefetch`); a step routing more distinct experts than
+    # `expert_stream_threshold` (None: the slots) streams them through two buffers; on
+    # CUDA, `expert_cpu_compute` runs a cold expert with few tokens on the CPU instead.
+    expert_offload: str = "none"
+    expert_cache_size: int | None = None
+    expert_cache_policy: str = "lru"
+    expert_prefetch: bool = True
+    expert_stream_threshold: int | None = None
+    expert_cpu_compute: bool = False
 
     def __post_init__(self) -> None:
         # Imported here so building EngineArgs (the CLI does, early) stays light.
@@ -96,6 +111,17 @@ class EngineArgs:
             raise ValueError("long_prefill_token_threshold must be 0 (no cap) or a number of tokens")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use auto, int8 or fp8")
+        self.expert_offload_options()  # validates
+
+    def expert_offload_options(self) -> ExpertOffloadOptions:
+        return ExpertOffloadOptions(
+            mode=self.expert_offload,
+            cache_size=self.expert_cache_size,
+            policy=self.expert_cache_policy,
+            prefetch=self.expert_prefetch,
+            stream_threshold=self.expert_stream_threshold,
+            cpu_compute=self.expert_cpu_compute,
+        )
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

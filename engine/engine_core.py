@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cadence.engine.engine_args import EngineArgs, kv_cache_bytes_per_block, resolve_num_blocks
+from cadence.engine.experts.offloaded import offloaded_stats
 from cadence.engine.kv_transfer.factory import create_kv_transport
 from cadence.engine.kv_transfer.layout import KVLayout, weights_digest
 from cadence.engine.kv_transfer.transport import KVSource
@@ -81,6 +82,7 @@ class EngineCore:
             quantization=args.quantization,
             quantize_lm_head=args.quantize_lm_head,
             cpu_kernels=args.cpu_kernels,
+            expert_offload=args.expert_offload_options(),
         )
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         spec = self.model.attention_spec()
@@ -140,7 +142,7 @@ class EngineCore:
         self.eos_token_ids = generation_eos_ids(args.model, config)
         self.vocab_size = config.vocab_size
         self.timings = StepTimings()
-        self.step_recorder = StepRecorder(self.scheduler.kv_cache)
+        self.step_recorder = StepRecorder(self.scheduler.kv_cache, offloaded_stats(self.model))
         self._arrivals = itertools.count()
         # Scheduler request id -> (client request id, index among its n sequences).
         self._sequences: dict[str, tuple[str, int]] = {}

@@ -11,6 +11,8 @@ from functools import partial
 import torch
 from safetensors import safe_open
 
+from cadence.engine.experts.builder import ExpertOffloadBuilder
+from cadence.engine.experts.options import ExpertOffloadOptions
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models import get_model_class
 from cadence.engine.models.causal_lm import CausalLM
@@ -138,6 +140,7 @@ def load_model(
     quantization: str | None = None,
     quantize_lm_head: bool | None = None,
     cpu_kernels: str = "auto",
+    expert_offload: ExpertOffloadOptions | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Read config, build the model with uninitialised storage on `device`, load weights.
 
@@ -161,6 +164,10 @@ def load_model(
 
     On CPU, `cpu_kernels` says how quantized layers choose their kernels
     (engine/quantization/cpu_planner.py; "auto" measures them).
+
+    `expert_offload` keeps a mixture-of-experts model's routed experts in host memory or
+    on disk, with a few slots per layer in fast memory (engine/experts/); no expert is
+    ever allocated on `device` beyond those slots.
     """
     quantization = validate_quantization(quantization)
     path = os.fspath(path)
@@ -173,8 +180,16 @@ def load_model(
     # weights are only created after loading, so the cast to `dtype` never touches them.
     with torch.device("meta"):
         model = cls(config, quant)
+    offload = None
+    if expert_offload is not None and expert_offload.enabled:
+        offload = ExpertOffloadBuilder(expert_offload, config, device, dtype)
+        offload.prepare(model)
     model = model.to(dtype=dtype).to_empty(device=device)
-    model.load_weights(iterate_weights(path))
+    if offload is None:
+        model.load_weights(iterate_weights(path))
+    else:
+        model.load_weights(offload.weights(safetensors_files(path), iterate_weights(path)))
+        offload.finish(model)
     for module in model.modules():
         if isinstance(module, LinearLayer):
             module.process_after_loading()

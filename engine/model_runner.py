@@ -25,6 +25,7 @@ from cadence.engine.attention.backend import (
 from cadence.engine.attention.selector import create_attention_backend
 from cadence.engine.batch_invariant import make_batch_invariant
 from cadence.engine.cuda_graphs import DecodeGraphs
+from cadence.engine.experts.offloaded import offloaded_stats
 from cadence.engine.input_batch import InputBatch, RequestState, StepInputs
 from cadence.engine.kv_transfer.transport import KVTransport
 from cadence.engine.models.causal_lm import CausalLM
@@ -195,6 +196,8 @@ class ModelRunner:
         step: an fp8 cache below compute capability 8.9 is written by torch code that syncs."""
         if self.device.type != "cuda" or not self.backend.supports_cuda_graphs:
             return False
+        if offloaded_stats(self.model) is not None:
+            return False  # an offloaded layer reads its routing on the host every step
         return kv_cache_dtype != "fp8" or has_fp8_hardware(self.device)
 
     def _run_eager(self, step: StepInputs) -> torch.Tensor:

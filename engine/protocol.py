@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from cadence.engine.experts.stats import ExpertStepStats
 from cadence.engine.kv_transfer.layout import KVLayout
 from cadence.engine.kv_transfer.transport import KVSource
 from cadence.engine.sampling_params import SamplingParams
@@ -165,6 +166,7 @@ class StepStats:
     # Admissions this step: prompt tokens looked up in the prefix cache, and found there.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    experts: ExpertStepStats | None = None  # what expert offloading did (None: no layer offloads)
 
 
 @dataclass
@@ -258,6 +260,7 @@ _CODES: dict[type, int] = {
     LinkGoodbye: 24,
     ExtendKVWait: 25,
     StepStats: 26,
+    ExpertStepStats: 27,
 }
 _TYPES = {code: cls for cls, code in _CODES.items()}
 

@@ -1,11 +1,12 @@
 """What one engine step did, for the front end's metrics: whether it computed prompts,
 decoded or both, how long it took, how many tokens and sequences it ran, and what its
-admissions found in the prefix cache; and when each sequence was first scheduled."""
+admissions found in the prefix cache, and what expert offloading did; and when each sequence was first scheduled."""
 
 from __future__ import annotations
 
 import time
 
+from cadence.engine.experts.stats import ExpertStats
 from cadence.engine.protocol import StepStats
 from cadence.scheduler.kv_cache_manager import KVCacheManager
 from cadence.scheduler.output import SchedulerOutput
@@ -35,8 +36,9 @@ class StepRecorder:
     """Builds each step's StepStats; the prefix-cache figures are the step's share of the
     cache manager's running totals."""
 
-    def __init__(self, kv_cache: KVCacheManager) -> None:
+    def __init__(self, kv_cache: KVCacheManager, expert_stats: ExpertStats | None = None) -> None:
         self.kv_cache = kv_cache
+        self.expert_stats = expert_stats
         self._queries_seen = 0
         self._hits_seen = 0
         self.last: StepStats | None = None  # until taken
@@ -51,6 +53,7 @@ class StepRecorder:
             num_sequences=len(scheduler_output.num_scheduled_tokens),
             prefix_cache_queries=queries - self._queries_seen,
             prefix_cache_hits=hits - self._hits_seen,
+            experts=None if self.expert_stats is None else self.expert_stats.take_step(),
         )
         self._queries_seen, self._hits_seen = queries, hits
 

@@ -98,6 +98,30 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
     )
     flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help="reuse KV of shared prefixes")
     flag(
+        "--expert-offload",
+        choices=["none", "host", "disk"],
+        help="MoE models: keep the routed experts in host memory or memory-mapped from disk, with a few "
+        "slots per layer in fast memory (default: none, every expert resident)",
+    )
+    flag("--expert-cache-size", type=int, help="expert slots per MoE layer (default: twice the experts per token)")
+    flag("--expert-cache-policy", choices=["lru", "lfu"], help="which cached expert gives up its slot")
+    flag(
+        "--expert-prefetch",
+        action=argparse.BooleanOptionalAction,
+        help="predict the next layer's experts with its router and load them ahead (default: on)",
+    )
+    flag(
+        "--expert-stream-threshold",
+        type=int,
+        help="stream a layer's experts through two buffers instead of caching them when a step routes "
+        "more distinct experts than this (default: the cache size)",
+    )
+    flag(
+        "--expert-cpu-compute",
+        action="store_true",
+        help="CUDA: run a cold expert with few tokens on the CPU when a measured cost model says that beats copying it",
+    )
+    flag(
         "--cpu-kernels",
         metavar="auto|fastest|packed|dequant|dense|TABLE.json",
         help="CPU: how quantized layers pick kernels. auto (default) times them on this machine and keeps "

@@ -223,3 +223,20 @@ EXPERT_LOAD_BYTES = Series("expert_load_bytes", "counter", "Bytes of expert weig
 EXPERT_STALL_SECONDS = Series(
     "expert_stall_seconds", "counter", "Seconds engine steps waited for expert weights to arrive."
 )
+EXPERT_PREFETCH_LOADS = Series("expert_prefetch_loads", "counter", "Experts loaded ahead of their layer.")
+EXPERT_PREFETCH_PREDICTED = Series(
+    "expert_prefetch_predicted", "counter", "Experts predicted for a layer before it routed (precision's denominator)."
+)
+EXPERT_PREFETCH_CORRECT = Series("expert_prefetch_correct", "counter", "Predicted experts the layer then routed.")
+EXPERT_PREFETCH_ROUTED = Series(
+    "expert_prefetch_routed", "counter", "Experts routed in layers that had a prediction (recall's denominator)."
+)
+EXPERT_LAYER_STEPS = Series(
+    "expert_layer_steps",
+    "counter",
+    "MoE layer steps by how their experts ran: through the cache, or streamed through two buffers.",
+    ("mode",),
+)
+EXPERT_CPU_COMPUTED = Series(
+    "expert_cpu_computed", "counter", "Cold experts run on the CPU instead of copied to the GPU."
+)

@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from cadence.engine.experts.stats import ExpertStepStats
 from cadence.engine.histogram import Histogram
 from cadence.engine.protocol import EngineCoreOutput, StepStats
 from cadence.server import metric_series as S
@@ -61,6 +62,7 @@ class RequestMetrics:
     rejections: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("full", "unavailable"), 0))
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    experts: ExpertStepStats | None = None  # summed once an engine reports offloading
     histograms: dict[tuple[str, str], Histogram] = field(default_factory=dict)  # (series name, label) ->
     _requests: dict[str, _Request] = field(default_factory=dict)
     _sequences: dict[tuple[str, int], _Sequence] = field(default_factory=dict)
@@ -89,6 +91,8 @@ class RequestMetrics:
         self._observe(S.STEP_BATCH_SIZE, stats.num_sequences, stats.kind)
         self.prefix_cache_queries += stats.prefix_cache_queries
         self.prefix_cache_hits += stats.prefix_cache_hits
+        if stats.experts is not None:
+            self.experts = stats.experts.plus(self.experts or ExpertStepStats())
 
     def tokens(self, output: EngineCoreOutput, step_ended_at: float, now: float) -> None:
         """A sequence's new tokens, as the step that ended at `step_ended_at` (engine clock)
@@ -174,10 +178,24 @@ class RequestMetricsCollector(SeriesCollector):
         yield self.one(S.PREFIX_CACHE_QUERIES, m.prefix_cache_queries)
         yield self.one(S.PREFIX_CACHE_HITS, m.prefix_cache_hits)
         yield self.family(S.ADMISSION_REJECTIONS, [((reason,), count) for reason, count in m.rejections.items()])
+        if m.experts is not None:
+            yield from self.expert_series(m.experts)
         observed = list(m.histograms.items())
         for series in HISTOGRAMS:
             labelled = [((label,) if series.labels else (), h) for (name, label), h in observed if name == series.name]
             yield self.histograms(series, labelled)
+
+    def expert_series(self, e: ExpertStepStats) -> Iterator[Metric]:
+        yield self.one(S.EXPERT_CACHE_HITS, e.hits)
+        yield self.one(S.EXPERT_CACHE_MISSES, e.misses)
+        yield self.one(S.EXPERT_LOAD_BYTES, e.load_bytes)
+        yield self.one(S.EXPERT_STALL_SECONDS, e.stall_seconds)
+        yield self.one(S.EXPERT_PREFETCH_LOADS, e.prefetch_loads)
+        yield self.one(S.EXPERT_PREFETCH_PREDICTED, e.prefetch_predicted)
+        yield self.one(S.EXPERT_PREFETCH_CORRECT, e.prefetch_correct)
+        yield self.one(S.EXPERT_PREFETCH_ROUTED, e.prefetch_routed)
+        yield self.family(S.EXPERT_LAYER_STEPS, [(("cached",), e.cached_layers), (("streamed",), e.streamed_layers)])
+        yield self.one(S.EXPERT_CPU_COMPUTED, e.cpu_computed)
 
 
 HISTOGRAMS = (

@@ -18,6 +18,7 @@ are stacked once after loading and run through the fused Triton kernel
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.llama import MLP, LlamaForCausalLM, dense_mlp
 from cadence.engine.models.weight_names import ours_from_mixtral
 from cadence.engine.quantization.method import DenseMethod, LinearLayer, QuantConfig
+
+if TYPE_CHECKING:
+    from cadence.engine.experts.offloaded import OffloadedExperts
 
 # Each checkpoint's names for an expert's gate, up and down projections.
 _MIXTRAL_EXPERT = ("w1", "w3", "w2")
@@ -52,17 +56,18 @@ class SparseMoeBlock(nn.Module):
         if moe is None:
             raise ValueError(f"{config.architecture} has no MoE settings")
         hidden, prefix = config.hidden_size, f"model.layers.{layer_idx}.mlp"
+        self.layer_idx, self.prefix, self.quant = layer_idx, prefix, quant
+        self.hidden_size, self.intermediate_size = hidden, moe.intermediate_size
         self.num_experts, self.top_k = moe.num_experts, moe.num_experts_per_tok
         self.renormalize, self.weights_in_fp32 = moe.renormalize, moe.weights_in_fp32
         # The router stays dense whatever the quantization: it decides which experts run.
         self.gate = LinearLayer(
             hidden, [moe.num_experts], False, DenseMethod(), shard_names=("gate",), prefix=f"{prefix}.gate"
         )
-        names = _MIXTRAL_EXPERT if config.architecture == "MixtralForCausalLM" else _QWEN_EXPERT
-        self.experts = nn.ModuleList(
-            MLP(quant, f"{prefix}.experts.{e}", hidden, moe.intermediate_size, shard_names=names)
-            for e in range(moe.num_experts)
-        )
+        self.expert_names = _MIXTRAL_EXPERT if config.architecture == "MixtralForCausalLM" else _QWEN_EXPERT
+        self.experts = nn.ModuleList(self.new_expert(e) for e in range(moe.num_experts))
+        # The routed experts offloaded (engine/experts/): then ``experts`` is empty.
+        self.offload: OffloadedExperts | None = None
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: LinearLayer | None = None
         if moe.shared_expert_intermediate_size:
@@ -78,6 +83,16 @@ class SparseMoeBlock(nn.Module):
         self.register_buffer("w13", None, persistent=False)
         self.register_buffer("w2", None, persistent=False)
 
+    def new_expert(self, expert: int) -> MLP:
+        """Expert ``expert`` as this layer builds it (on the current default device)."""
+        return MLP(
+            self.quant,
+            f"{self.prefix}.experts.{expert}",
+            self.hidden_size,
+            self.intermediate_size,
+            shard_names=self.expert_names,
+        )
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``topk_weights [T, top_k]`` (fp32 for Mixtral, else x's dtype) and ``topk_ids
         [T, top_k]`` (int64), in transformers' order of operations."""
@@ -91,7 +106,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        if self.w13 is not None and self.w2 is not None and self.stacked_experts_current():
+        if self.offload is not None:
+            out = self.offload(x, weights, ids)
+        elif self.w13 is not None and self.w2 is not None and self.stacked_experts_current():
             out = self.fused_experts(x, weights, ids, self.w13, self.w2)
         else:
             out = self.grouped_experts(x, weights, ids)
@@ -132,7 +149,7 @@ class SparseMoeBlock(nn.Module):
         views into the stacks (no second copy). Returns whether they were stacked: experts
         of another format keep the grouped path."""
         layers = [(e.gate_up_proj, e.down_proj) for e in self._experts()]
-        if any(type(layer.method) is not DenseMethod for pair in layers for layer in pair):
+        if not layers or any(type(layer.method) is not DenseMethod for pair in layers for layer in pair):
             self.w13 = self.w2 = None
             return False
         self.w13 = torch.stack([gate_up.weight.detach() for gate_up, _ in layers])
@@ -146,8 +163,8 @@ class SparseMoeBlock(nn.Module):
         """Whether the stacks still hold the experts' weights: a later ``quantize_model``
         replaces every expert's method (checked on the first), and the stacks are then
         dropped for the grouped path."""
-        first = next(iter(self._experts()))
-        if type(first.gate_up_proj.method) is DenseMethod:
+        first = next(iter(self._experts()), None)
+        if first is None or type(first.gate_up_proj.method) is DenseMethod:
             return True
         self.w13 = self.w2 = None
         return False

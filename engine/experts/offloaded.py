@@ -1,0 +1,204 @@
+"""One MoE layer's routed experts, offloaded: a pool of slots in fast memory (cache slots
+then two stream buffers), the store the experts come from, and the step that runs them.
+
+A step groups its (token, expert) pairs by expert, as the resident path does, then
+follows ``cache.step_actions``: loads go to the transfer queue, runs wait for their
+slot's load. When the step routes more distinct experts than ``stream_threshold``, it
+streams: the routed experts that are not cached pass through the two stream buffers in
+turn (each loaded while the one before computes), and the cache keeps what it holds;
+otherwise the misses take cache slots, evicting by the policy, in waves when they
+outnumber the slots. Before its first expert runs, the layer applies the next MoE
+layer's router to its own input to predict the next layer's experts and queues their
+loads behind its own (``prefetch``). Each expert's weighted output is added to the
+result in ascending expert order, exactly as the resident path adds them, so the output
+is the same bits whatever was resident.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from cadence.engine.experts.cache import ExpertCache, Load, StreamBuffers, prefetch_actions, step_actions
+from cadence.engine.experts.cost_model import CpuComputeCost
+from cadence.engine.experts.stats import ExpertStats
+from cadence.engine.experts.store import ExpertSource, slot_tensors
+from cadence.engine.experts.transfer import ExpertTransfers, Ticket
+from cadence.engine.models.causal_lm import CausalLM
+from cadence.engine.quantization.linear import QuantizedMethod
+from cadence.engine.quantization.method import LinearLayer
+
+# (hidden states [T, hidden]) -> routed expert ids [T, top_k]: a layer's router.
+Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class OffloadedExperts(nn.Module):
+    def __init__(
+        self,
+        slots: list[nn.Module],
+        sources: list[ExpertSource],
+        cache: ExpertCache,
+        transfers: ExpertTransfers,
+        stats: ExpertStats,
+        top_k: int,
+        stream_threshold: int | None = None,
+        cpu_compute: tuple[nn.Module, CpuComputeCost] | None = None,
+    ) -> None:
+        super().__init__()
+        if len(slots) != cache.num_slots + 2:
+            raise ValueError("an offloaded layer needs its cache slots and two stream buffers")
+        self.slots = nn.ModuleList(slots)
+        self.tensors = [slot_tensors(m) for m in slots]
+        self.sources, self.cache, self.transfers, self.stats = sources, cache, transfers, stats
+        self.num_experts, self.top_k = len(sources), top_k
+        self.stream_threshold = cache.num_slots if stream_threshold is None else stream_threshold
+        self.stream_buffers = StreamBuffers(cache.num_slots)
+        self.pending: dict[int, Ticket] = {}  # slot -> its latest load
+        self.predicted: set[int] | None = None  # experts a prefetch expected this layer to route
+        self.next_layer: tuple[OffloadedExperts, Router] | None = None  # set by the builder; not a submodule
+        # (CUDA) a CPU copy of a slot and the copy-or-compute costs: cold experts with few
+        # tokens run there from host memory instead of being copied.
+        self.cpu_compute = cpu_compute
+        self.prefetch_enabled = True
+
+    # ---- a step
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        pair_weights = weights.flatten()[order]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        starts = [0] * self.num_experts
+        for e in range(1, self.num_experts):
+            starts[e] = starts[e - 1] + counts[e - 1]
+        needed = [e for e, c in enumerate(counts) if c]
+        self._score_prediction(needed)
+        hits = [e for e in needed if self.cache.resident(e) is not None]
+        self.stats.hits += len(hits)
+        self.stats.misses += len(needed) - len(hits)
+        self.cache.policy.record(needed)
+        pair_out = torch.empty(flat.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+
+        def run(expert: int, module: nn.Module) -> None:
+            s, c = starts[expert], counts[expert]
+            rows = tokens[s : s + c]
+            pair_out[s : s + c] = module(x.index_select(0, rows)) * pair_weights[s : s + c, None]
+
+        on_cpu = self._cpu_experts(needed, hits, counts)
+        for expert in on_cpu:
+            self._run_on_cpu(expert, x, tokens[starts[expert] : starts[expert] + counts[expert]], run)
+        to_slots = [e for e in needed if e not in on_cpu]
+        streaming = len(to_slots) > self.stream_threshold
+        claim = self.stream_buffers.claim if streaming else self.cache.claim
+        self.stats.streamed_layers += streaming
+        self.stats.cached_layers += not streaming
+        prefetched = ran = False
+        for action in step_actions(to_slots, self.cache.resident, claim):
+            if isinstance(action, Load):
+                self.stats.waves += ran and not streaming  # a slot had to be freed by running first
+                ran = False
+                self._load(action.expert, action.slot)
+                continue
+            ran = True
+            if not prefetched:  # behind this layer's own loads in the queue
+                self._prefetch_next(x)
+                prefetched = True
+            self._wait(action.slot)
+            run(action.expert, self.slots[action.slot])
+        out = torch.zeros_like(x)
+        for expert in needed:  # ascending, as the resident path adds them
+            s, c = starts[expert], counts[expert]
+            out.index_add_(0, tokens[s : s + c], pair_out[s : s + c])
+        return out
+
+    # ---- loads
+
+    def _load(self, expert: int, slot: int) -> None:
+        source, tensors, module = self.sources[expert], self.tensors[slot], self.slots[slot]
+        non_blocking = self.transfers.stream is not None
+
+        def copy() -> None:
+            source.copy_into(tensors, non_blocking)
+            forget_derived_weights(module)
+
+        self.pending[slot] = self.transfers.submit(copy)
+        self.stats.load_bytes += source.nbytes
+
+    def _wait(self, slot: int) -> None:
+        ticket = self.pending.pop(slot, None)
+        if ticket is not None:
+            self.stats.stall_seconds += self.transfers.wait(ticket)
+
+    # ---- prefetch
+
+    def _prefetch_next(self, x: torch.Tensor) -> None:
+        """Predict the next MoE layer's experts from this layer's input and queue their loads."""
+        if self.next_layer is None or not self.prefetch_enabled:
+            return
+        layer, router = self.next_layer
+        _, ids = router(x)
+        counts = torch.bincount(ids.flatten(), minlength=layer.num_experts)
+        ranked = [e for e in torch.argsort(counts, descending=True, stable=True).tolist() if counts[e] > 0]
+        layer.predicted = set(ranked)
+        if len(ranked) > layer.stream_threshold:
+            return  # that layer will stream: its cache keeps what it has
+        for action in prefetch_actions(ranked, layer.cache):
+            layer._load(action.expert, action.slot)
+            self.stats.prefetch_loads += 1
+
+    def _score_prediction(self, needed: list[int]) -> None:
+        if self.predicted is None:
+            return
+        self.stats.prefetch_predicted += len(self.predicted)
+        self.stats.prefetch_correct += len(self.predicted.intersection(needed))
+        self.stats.prefetch_routed += len(needed)
+        self.predicted = None
+
+    # ---- CPU compute of cold experts (CUDA)
+
+    def _cpu_experts(self, needed: list[int], hits: list[int], counts: list[int]) -> set[int]:
+        if self.cpu_compute is None:
+            return set()
+        cost = self.cpu_compute[1]
+        resident = set(hits)
+        return {e for e in needed if e not in resident and cost.prefers_cpu(counts[e])}
+
+    def _run_on_cpu(
+        self, expert: int, x: torch.Tensor, rows: torch.Tensor, run: Callable[[int, nn.Module], None]
+    ) -> None:
+        assert self.cpu_compute is not None
+        module = self.cpu_compute[0]
+        self.sources[expert].copy_into(slot_tensors(module))
+        forget_derived_weights(module)
+        self.stats.cpu_computed += 1
+        run(expert, _OnCpu(module, x.device))
+
+
+class _OnCpu(nn.Module):
+    """Runs a CPU module on device activations: rows to the host and the result back."""
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.module, self.device = module, device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x.to("cpu")).to(self.device)
+
+
+def forget_derived_weights(module: nn.Module) -> None:
+    """A slot that took another expert's weights must not keep a dense copy made from the
+    previous one's (the CPU planner may hold one for a quantized layer)."""
+    for layer in module.modules():
+        if isinstance(layer, LinearLayer) and isinstance(layer.method, QuantizedMethod):
+            layer.method.drop_dense(layer)
+
+
+def offloaded_stats(model: CausalLM | nn.Module) -> ExpertStats | None:
+    """The model's shared expert-offloading totals, or None when no layer offloads."""
+    for module in model.modules():
+        if isinstance(module, OffloadedExperts):
+            return module.stats
+    return None
