@@ -83,6 +83,11 @@ class StreamBuffers:
         self.holding: list[int | None] = [None] * count
         self.next = 0
 
+    def begin_step(self) -> None:
+        """Forget the last step's experts: a buffer's contents are never looked up, so
+        within a step a buffer is busy exactly while the miss loaded into it waits to run."""
+        self.holding = [None] * len(self.holding)
+
     def claim(self, expert: int, pinned: set[int]) -> int | None:
         for i in range(len(self.holding)):
             b = (self.next + i) % len(self.holding)

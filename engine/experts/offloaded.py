@@ -93,6 +93,7 @@ class OffloadedExperts(nn.Module):
         to_slots = [e for e in needed if e not in on_cpu]
         streaming = len(to_slots) > self.stream_threshold
         claim = self.stream_buffers.claim if streaming else self.cache.claim
+        self.stream_buffers.begin_step()
         self.stats.streamed_layers += streaming
         self.stats.cached_layers += not streaming
         prefetched = ran = False

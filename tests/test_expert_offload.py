@@ -1,0 +1,163 @@
+"""Expert offloading (engine/experts/) through the engine on tiny random MoE models: with
+the routed experts in host memory or memory-mapped from disk and a cache smaller than a
+layer's experts, greedy tokens are identical to the fully resident model's under 16
+concurrent requests, with dense and quantized experts, under chunked prefill and
+preemption; the counters say what happened; and the options are checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cadence.engine.experts.offloaded import OffloadedExperts, offloaded_stats
+from cadence.engine.experts.options import ExpertOffloadOptions
+from cadence.engine.experts.stats import ExpertStats
+from cadence.engine.llm import LLM
+from cadence.engine.loader import load_model
+from helpers import greedy, make_llm
+from tiny_models import MOE_KINDS
+
+MAX_TOKENS = 8
+# 16 prompts of different lengths (make_llm's blocks hold 4 tokens), so the batch is ragged.
+PROMPTS = [[3 + i, 7 + 2 * i, 11] + [40 + (5 * i + j) % 400 for j in range(i)] for i in range(16)]
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(MAX_TOKENS))
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+_RESIDENT: dict[tuple[str, str | None], list[list[int]]] = {}
+
+
+def _resident(path: str, kind: str, quantization: str | None = None) -> list[list[int]]:
+    if (kind, quantization) not in _RESIDENT:
+        _RESIDENT[(kind, quantization)] = _generate(make_llm(path, max_num_seqs=16, quantization=quantization))
+    return _RESIDENT[(kind, quantization)]
+
+
+def _stats(llm: LLM) -> ExpertStats:
+    stats = offloaded_stats(llm.engine.model)
+    assert stats is not None
+    return stats
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+@pytest.mark.parametrize("mode", ["host", "disk"])
+def test_offloaded_tokens_match_resident(kind: str, mode: str, tiny_model_dir) -> None:
+    """One slot per layer (fewer than any step's experts): every step streams its misses
+    through the two buffers, and the tokens are still the resident model's."""
+    path = tiny_model_dir(kind)
+    llm = make_llm(path, max_num_seqs=16, expert_offload=mode, expert_cache_size=1)
+    assert _generate(llm) == _resident(path, kind)
+    stats = _stats(llm)
+    assert stats.misses > 0 and stats.load_bytes > 0
+    assert stats.streamed_layers > 0 and stats.cached_layers == 0
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["host", "disk"])
+def test_quantized_experts_offload(quantization: str, mode: str, tiny_model_dir) -> None:
+    """Quantized experts (disk: spilled once to a mapped file) give the resident quantized
+    model's tokens."""
+    path = tiny_model_dir("mixtral")
+    llm = make_llm(path, max_num_seqs=16, quantization=quantization, expert_offload=mode, expert_cache_size=2)
+    assert _generate(llm) == _resident(path, "mixtral", quantization)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_policies_streaming_and_prefetch_off_keep_tokens(policy: str, tiny_model_dir) -> None:
+    """Each policy, with streaming forced for every step and prefetch off, and with
+    streaming never used: the same tokens; the counters follow the choice."""
+    path = tiny_model_dir("qwen2_moe")
+    always = make_llm(
+        path,
+        max_num_seqs=16,
+        expert_offload="host",
+        expert_cache_size=3,
+        expert_cache_policy=policy,
+        expert_stream_threshold=0,
+        expert_prefetch=False,
+    )
+    assert _generate(always) == _resident(path, "qwen2_moe")
+    stats = _stats(always)
+    assert stats.streamed_layers > 0 and stats.cached_layers == 0
+    assert stats.prefetch_loads == 0 and stats.prefetch_predicted == 0
+    never = make_llm(
+        path,
+        max_num_seqs=16,
+        expert_offload="host",
+        expert_cache_size=3,
+        expert_cache_policy=policy,
+        expert_stream_threshold=6,
+    )
+    assert _generate(never) == _resident(path, "qwen2_moe")
+    stats = _stats(never)
+    assert stats.streamed_layers == 0 and stats.cached_layers > 0 and stats.waves > 0
+
+
+def test_prefetch_loads_the_next_layers_experts(tiny_model_dir) -> None:
+    """Mixtral's second layer gets its predicted experts loaded while the first computes;
+    most predictions are routed (the residual stream changes little in one layer)."""
+    path = tiny_model_dir("mixtral")
+    llm = make_llm(path, max_num_seqs=16, expert_offload="host", expert_cache_size=4, expert_stream_threshold=8)
+    assert _generate(llm) == _resident(path, "mixtral")
+    stats = _stats(llm)
+    assert stats.prefetch_loads > 0
+    assert 0 < stats.prefetch_correct <= min(stats.prefetch_predicted, stats.prefetch_routed)
+    assert stats.prefetch_precision > 0.5 and stats.prefetch_recall > 0.5
+
+
+def test_chunked_prefill_and_preemption(tiny_model_dir) -> None:
+    """Prompts cut into 5-token chunks, and a KV cache so small that sequences are
+    preempted and recomputed: the resident model's tokens."""
+    path = tiny_model_dir("qwen3_moe")
+    options = dict(max_num_seqs=16, long_prefill_token_threshold=5, num_gpu_blocks=24)
+    resident = _generate(make_llm(path, **options))
+    offloaded = make_llm(path, expert_offload="disk", expert_cache_size=1, **options)
+    assert _generate(offloaded) == resident == _resident(path, "qwen3_moe")
+    assert offloaded.engine._num_preemptions > 0
+
+
+def test_hit_rate_with_every_expert_cached(tiny_model_dir) -> None:
+    """With a slot for every expert, each expert is loaded once: the first layer's on
+    their first use (misses), the second's ahead of it by the prefetch (then hits). The
+    counters are exact."""
+    path = tiny_model_dir("qwen3_moe")  # 4 experts
+    llm = make_llm(path, max_num_seqs=16, expert_offload="host", expert_cache_size=4)
+    _generate(llm)
+    stats = _stats(llm)
+    layers = llm.engine.model_config.num_hidden_layers
+    assert layers == 2 and stats.misses == 4 and stats.prefetch_loads == 4
+    assert stats.streamed_layers == 0 and stats.waves == 0
+    expert_bytes = sum(s.nbytes for s in _offloaded_layers(llm)[0].sources)
+    assert stats.load_bytes == expert_bytes * layers
+
+
+def _offloaded_layers(llm: LLM) -> list[OffloadedExperts]:
+    return [m for m in llm.engine.model.modules() if isinstance(m, OffloadedExperts)]
+
+
+def test_no_expert_is_allocated_beyond_the_slots(tiny_model_dir) -> None:
+    """The model holds its slots and two stream buffers per layer, and no expert list."""
+    path = tiny_model_dir("mixtral")
+    model, config = load_model(path, torch.float32, expert_offload=ExpertOffloadOptions("disk", cache_size=2))
+    layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
+    assert len(layers) == config.num_hidden_layers
+    for layer in layers:
+        assert len(layer.slots) == 2 + 2 and layer.num_experts == 8
+    resident, _ = load_model(path, torch.float32)
+    assert isinstance(resident, torch.nn.Module) and isinstance(model, torch.nn.Module)
+    expert_params = sum(p.numel() for n, p in resident.named_parameters() if ".experts." in n)
+    slot_params = sum(p.numel() for n, p in model.named_parameters() if ".slots." in n)
+    assert slot_params == expert_params * 4 // 8
+
+
+def test_options_are_checked(tiny_model_dir) -> None:
+    """Offloading a dense model, an unknown mode and CPU compute on a CPU are refused."""
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        make_llm(tiny_model_dir("llama"), expert_offload="host")
+    with pytest.raises(ValueError, match="expert_offload must be one of"):
+        make_llm(tiny_model_dir("mixtral"), expert_offload="gpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        make_llm(tiny_model_dir("mixtral"), expert_offload="host", expert_cpu_compute=True)
