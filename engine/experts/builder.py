@@ -213,6 +213,7 @@ class ExpertOffloadBuilder:
                 self.top_k,
                 self.options.stream_threshold,
                 cpu,
+                bind=self.device.type == "cpu" and self.options.mode == "host",
             )
             offloaded.prefetch_enabled = self.options.prefetch
             self.blocks[index].offload = offloaded

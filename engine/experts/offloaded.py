@@ -45,6 +45,7 @@ class OffloadedExperts(nn.Module):
         top_k: int,
         stream_threshold: int | None = None,
         cpu_compute: tuple[nn.Module, CpuComputeCost] | None = None,
+        bind: bool = False,
     ) -> None:
         super().__init__()
         if len(slots) != cache.num_slots + 2:
@@ -61,6 +62,9 @@ class OffloadedExperts(nn.Module):
         # (CUDA) a CPU copy of a slot and the copy-or-compute costs: cold experts with few
         # tokens run there from host memory instead of being copied.
         self.cpu_compute = cpu_compute
+        # The sources are already in the memory the slots compute from (host memory on a
+        # CPU device): a load points the slot at the source's tensors instead of copying.
+        self.bind = bind
         self.prefetch_enabled = True
 
     # ---- a step
@@ -119,6 +123,10 @@ class OffloadedExperts(nn.Module):
 
     def _load(self, expert: int, slot: int) -> None:
         source, tensors, module = self.sources[expert], self.tensors[slot], self.slots[slot]
+        if self.bind:
+            source.bind_into(module)
+            forget_derived_weights(module)
+            return
         non_blocking = self.transfers.stream is not None
 
         def copy() -> None:

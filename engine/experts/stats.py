@@ -34,9 +34,6 @@ class ExpertStepStats:
             **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)}
         )
 
-    def copy(self) -> ExpertStepStats:
-        return dataclasses.replace(self)
-
     @property
     def hit_rate(self) -> float:
         routed = self.hits + self.misses
@@ -58,7 +55,10 @@ class ExpertStats(ExpertStepStats):
         super().__init__()
         self._seen = ExpertStepStats()
 
+    def snapshot(self) -> ExpertStepStats:
+        return ExpertStepStats(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ExpertStepStats)})
+
     def take_step(self) -> ExpertStepStats:
-        now = ExpertStepStats(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ExpertStepStats)})
+        now = self.snapshot()
         delta, self._seen = now.minus(self._seen), now
         return delta

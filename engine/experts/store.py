@@ -59,6 +59,20 @@ class ExpertSource:
                 c.mapped.release()
         return self.nbytes
 
+    def bind_into(self, module: nn.Module) -> None:
+        """Make a slot's tensors these very sources (each fills its whole tensor): no copy."""
+        for c in self.copies:
+            owner, _, name = c.dst.rpartition(".")
+            sub = module.get_submodule(owner)
+            if c.row or tuple(c.src.shape) != tuple(getattr(sub, name).shape):
+                raise ValueError(f"{c.dst}: a source that fills part of a tensor cannot be bound")
+            if name in sub._parameters:
+                param = sub._parameters[name]
+                assert param is not None
+                param.data = c.src
+            else:
+                sub._buffers[name] = c.src
+
 
 def host_source(expert: nn.Module, pin: bool) -> ExpertSource:
     """An expert built on the device, moved to host memory (pinned for async copies)."""
