@@ -1,5 +1,5 @@
 """Expert offloading (engine/experts/): decode throughput against the fully resident
-model, and what the expert caches did meanwhile (issue 16).
+model, and what the expert caches did meanwhile.
 
     python bench/moe_offload.py --out bench/out/moe_offload.json    # the full run
     python bench/moe_offload.py --quick                             # tiny shapes: a smoke run

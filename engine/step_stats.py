@@ -39,6 +39,8 @@ class StepRecorder:
     def __init__(self, kv_cache: KVCacheManager, expert_stats: ExpertStats | None = None) -> None:
         self.kv_cache = kv_cache
         self.expert_stats = expert_stats
+        if expert_stats is not None:
+            expert_stats.take_step()  # what the start-up warm-up did is no step's
         self._queries_seen = 0
         self._hits_seen = 0
         self.last: StepStats | None = None  # until taken

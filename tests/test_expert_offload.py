@@ -6,14 +6,18 @@ preemption; the counters say what happened; and the options are checked."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from cadence.engine.experts.offloaded import OffloadedExperts, offloaded_stats
 from cadence.engine.experts.options import ExpertOffloadOptions
 from cadence.engine.experts.stats import ExpertStats
+from cadence.engine.experts.store import ExpertSource, slot_tensors
 from cadence.engine.llm import LLM
 from cadence.engine.loader import load_model
+from cadence.engine.models.moe import SparseMoeBlock
 from helpers import greedy, make_llm
 from tiny_models import MOE_KINDS
 
@@ -163,3 +167,71 @@ def test_options_are_checked(tiny_model_dir) -> None:
         make_llm(tiny_model_dir("mixtral"), expert_offload="gpu")
     with pytest.raises(ValueError, match="CUDA"):
         make_llm(tiny_model_dir("mixtral"), expert_offload="host", expert_cpu_compute=True)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_slow_loads_are_waited_for(quantization: str | None, tiny_model_dir, monkeypatch) -> None:
+    """Disk loads made slow on the loader thread, with eviction, waves and prefetch (3
+    slots of 8, never streaming): a run that did not wait for its slot's load would read
+    the previous expert's weights and change the tokens."""
+    path = tiny_model_dir("mixtral")
+    copy_into = ExpertSource.copy_into
+
+    def slow_copy(self: ExpertSource, tensors: dict[str, torch.Tensor], non_blocking: bool = False) -> int:
+        time.sleep(0.002)
+        return copy_into(self, tensors, non_blocking)
+
+    monkeypatch.setattr(ExpertSource, "copy_into", slow_copy)
+    llm = make_llm(
+        path,
+        max_num_seqs=16,
+        quantization=quantization,
+        expert_offload="disk",
+        expert_cache_size=3,
+        expert_stream_threshold=8,
+    )
+    assert _generate(llm) == _resident(path, "mixtral", quantization)
+    stats = _stats(llm)
+    assert stats.waves > 0 and stats.prefetch_loads > 0 and stats.streamed_layers == 0
+
+
+def test_a_failed_load_empties_its_slot(tiny_model_dir) -> None:
+    """A load that raises surfaces in the step, and its expert is not left resident on
+    whatever the slot held: the next step loads it again and computes the resident result."""
+    path = tiny_model_dir("mixtral")
+    model, _ = load_model(path, torch.float32, expert_offload=ExpertOffloadOptions("disk", cache_size=2))
+    resident, _ = load_model(path, torch.float32)
+    layer = next(m for m in model.modules() if isinstance(m, OffloadedExperts))
+    block = next(m for m in resident.modules() if isinstance(m, SparseMoeBlock))
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+    weights, ids = block.route(x)
+    failing = int(ids[0, 0])
+    source = layer.sources[failing]
+
+    class Broken(ExpertSource):
+        def copy_into(self, tensors: dict[str, torch.Tensor], non_blocking: bool = False) -> int:
+            raise OSError("read failed")
+
+    layer.sources[failing] = Broken(source.copies)
+    with pytest.raises(OSError, match="read failed"):
+        layer(x, weights, ids)
+    assert layer.cache.resident(failing) is None
+    layer.sources[failing] = source
+    assert torch.equal(layer(x, weights, ids), block.grouped_experts(x, weights, ids))
+
+
+def test_host_on_cpu_binds_slots_to_the_host_experts(tiny_model_dir) -> None:
+    """On a CPU device a host load copies nothing: every slot tensor is one of the experts'
+    host tensors, so the slots hold no memory of their own."""
+    path = tiny_model_dir("mixtral")
+    model, _ = load_model(path, torch.float32, expert_offload=ExpertOffloadOptions("host", cache_size=2))
+    for layer in (m for m in model.modules() if isinstance(m, OffloadedExperts)):
+        owned = {c.src.data_ptr() for s in layer.sources for c in s.copies}
+        for slot in layer.slots:
+            assert {t.data_ptr() for t in slot_tensors(slot).values()} <= owned
+
+
+def test_expert_options_need_an_offload_mode(tiny_model_dir) -> None:
+    """A cache size without an offload mode is a mistake, said so rather than ignored."""
+    with pytest.raises(ValueError, match="need expert_offload"):
+        make_llm(tiny_model_dir("mixtral"), expert_cache_size=2)

@@ -12,6 +12,7 @@ any expert, quantized or not), and the next layer's router for prefetching.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch import nn
 from cadence.engine.experts.cache import ExpertCache
 from cadence.engine.experts.cost_model import CpuComputeCost, measure
 from cadence.engine.experts.mapped_file import MappedFile, MappedTensor, mapped_safetensors
-from cadence.engine.experts.offloaded import OffloadedExperts
+from cadence.engine.experts.offloaded import OffloadedExperts, forget_derived_weights
 from cadence.engine.experts.options import ExpertOffloadOptions
 from cadence.engine.experts.policy import make_policy
 from cadence.engine.experts.stats import ExpertStats
@@ -35,6 +36,7 @@ from cadence.engine.models.moe import SparseMoeBlock
 from cadence.engine.models.weight_names import expert_target, ours_from_mixtral
 from cadence.engine.quantization.method import DenseMethod, LinearLayer
 
+logger = logging.getLogger(__name__)
 Item = torch.Tensor | MappedTensor
 
 
@@ -96,11 +98,20 @@ class ExpertOffloadBuilder:
                 module.experts = nn.ModuleList()
                 self.blocks[module.layer_idx] = module
                 self.sources[module.layer_idx] = [None] * self.num_experts
+        if not self.blocks:
+            raise ValueError("expert offloading: this model has no sparse (MoE) layer")
         first = next(iter(self.blocks.values()))
         with torch.device("meta"):
             probe = first.new_expert(0)
         layers = [m for m in probe.modules() if isinstance(m, LinearLayer)]
         self.expected = sum(len(m.method.expected_tensors(m)) * len(m.output_sizes) for m in layers)
+        if self.expected == 0:
+            # GPTQ/AWQ and GGUF experts arrive in formats whose tensors only their own
+            # loaders know; offloading builds experts from dense checkpoint tensors.
+            raise ValueError(
+                "expert offloading loads experts from a dense checkpoint; this one stores them "
+                "pre-quantized. Offload a dense checkpoint, quantized at load with --quantization int8|int4"
+            )
         self.dense = all(type(m.method) is DenseMethod for m in layers)
         if self.options.cpu_compute and not self.dense:
             raise ValueError("expert_cpu_compute runs dense experts only; leave the experts unquantized")
@@ -223,6 +234,21 @@ class ExpertOffloadBuilder:
             current.next_layer = (following.offload, following.route)  # type: ignore[assignment]
         for file in self.files:
             file.release()  # the non-expert tensors were copied out
+        if self.device.type == "cpu" and self.options.mode == "host":
+            logger.warning(
+                "expert_offload=host on a CPU device keeps every expert in the same memory the model "
+                "computes from, so it saves no memory; expert_offload=disk does"
+            )
+
+    @staticmethod
+    def drop_planned_copies(model: CausalLM) -> None:
+        """The CPU planner may hold a dense copy of a quantized slot's weight; the slot's
+        first load would drop it (it belongs to whichever expert the slot held), so it is
+        memory the budget never gets to use."""
+        for module in model.modules():
+            if isinstance(module, OffloadedExperts):
+                for slot in module.slots:
+                    forget_derived_weights(slot)
 
     def _cpu_cost(self, template: nn.Module) -> CpuComputeCost:
         assert isinstance(template, MLP)

@@ -73,6 +73,12 @@ class ExpertCache:
         self.slot_of[expert] = slot
         return slot
 
+    def forget_slot(self, slot: int) -> None:
+        """Mark ``slot`` empty (its load failed, so what it holds is unknown)."""
+        if slot < self.num_slots and (held := self.expert_in[slot]) is not None:
+            self.expert_in[slot] = None
+            del self.slot_of[held]
+
 
 class StreamBuffers:
     """Two (or more) buffers a streamed layer loads into in turn: slot ids follow the

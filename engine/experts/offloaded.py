@@ -51,8 +51,15 @@ class OffloadedExperts(nn.Module):
         if len(slots) != cache.num_slots + 2:
             raise ValueError("an offloaded layer needs its cache slots and two stream buffers")
         self.slots = nn.ModuleList(slots)
-        self.tensors = [slot_tensors(m) for m in slots]
         self.sources, self.cache, self.transfers, self.stats = sources, cache, transfers, stats
+        # The sources are already in the memory the slots compute from (host memory on a
+        # CPU device): a load points the slot at the source's tensors instead of copying,
+        # and the slots' own storage is let go at once.
+        self.bind = bind
+        if bind:
+            for slot in slots:
+                sources[0].bind_into(slot)
+        self.tensors = [] if bind else [slot_tensors(m) for m in slots]
         self.num_experts, self.top_k = len(sources), top_k
         self.stream_threshold = cache.num_slots if stream_threshold is None else stream_threshold
         self.stream_buffers = StreamBuffers(cache.num_slots)
@@ -62,9 +69,6 @@ class OffloadedExperts(nn.Module):
         # (CUDA) a CPU copy of a slot and the copy-or-compute costs: cold experts with few
         # tokens run there from host memory instead of being copied.
         self.cpu_compute = cpu_compute
-        # The sources are already in the memory the slots compute from (host memory on a
-        # CPU device): a load points the slot at the source's tensors instead of copying.
-        self.bind = bind
         self.prefetch_enabled = True
 
     # ---- a step
@@ -99,20 +103,27 @@ class OffloadedExperts(nn.Module):
         claim = self.stream_buffers.claim if streaming else self.cache.claim
         self.stream_buffers.begin_step()
         self.stats.streamed_layers += streaming
-        self.stats.cached_layers += not streaming
-        prefetched = ran = False
+        self.stats.cached_layers += bool(to_slots) and not streaming
+        # The next layer's prefetch goes behind this layer's last load in the queue (the
+        # queue is first come, first served): at the first run once every miss is queued.
+        loads_left = sum(self.cache.resident(e) is None for e in to_slots)
+        prefetched = False
+        ran = False
         for action in step_actions(to_slots, self.cache.resident, claim):
             if isinstance(action, Load):
                 self.stats.waves += ran and not streaming  # a slot had to be freed by running first
                 ran = False
+                loads_left -= 1
                 self._load(action.expert, action.slot)
                 continue
             ran = True
-            if not prefetched:  # behind this layer's own loads in the queue
+            if not prefetched and loads_left == 0:
                 self._prefetch_next(x)
                 prefetched = True
             self._wait(action.slot)
             run(action.expert, self.slots[action.slot])
+        if not prefetched:
+            self._prefetch_next(x)
         out = torch.zeros_like(x)
         for expert in needed:  # ascending, as the resident path adds them
             s, c = starts[expert], counts[expert]
@@ -122,24 +133,34 @@ class OffloadedExperts(nn.Module):
     # ---- loads
 
     def _load(self, expert: int, slot: int) -> None:
-        source, tensors, module = self.sources[expert], self.tensors[slot], self.slots[slot]
+        source, module = self.sources[expert], self.slots[slot]
         if self.bind:
             source.bind_into(module)
             forget_derived_weights(module)
             return
+        tensors = self.tensors[slot]
         non_blocking = self.transfers.stream is not None
 
         def copy() -> None:
             source.copy_into(tensors, non_blocking)
             forget_derived_weights(module)
 
-        self.pending[slot] = self.transfers.submit(copy)
+        try:
+            self.pending[slot] = self.transfers.submit(copy)
+        except BaseException:
+            self.cache.forget_slot(slot)
+            raise
         self.stats.load_bytes += source.nbytes
 
     def _wait(self, slot: int) -> None:
         ticket = self.pending.pop(slot, None)
-        if ticket is not None:
+        if ticket is None:
+            return
+        try:
             self.stats.stall_seconds += self.transfers.wait(ticket)
+        except BaseException:
+            self.cache.forget_slot(slot)  # its contents are unknown: the next use loads again
+            raise
 
     # ---- prefetch
 
@@ -149,8 +170,8 @@ class OffloadedExperts(nn.Module):
             return
         layer, router = self.next_layer
         _, ids = router(x)
-        counts = torch.bincount(ids.flatten(), minlength=layer.num_experts)
-        ranked = [e for e in torch.argsort(counts, descending=True, stable=True).tolist() if counts[e] > 0]
+        counts = torch.bincount(ids.flatten(), minlength=layer.num_experts).tolist()
+        ranked = sorted((e for e, c in enumerate(counts) if c), key=lambda e: -counts[e])
         layer.predicted = set(ranked)
         if len(ranked) > layer.stream_threshold:
             return  # that layer will stream: its cache keeps what it has

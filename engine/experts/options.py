@@ -36,6 +36,12 @@ class ExpertOffloadOptions:
             raise ValueError(f"expert_cache_policy must be one of {', '.join(sorted(POLICIES))}, not {self.policy!r}")
         if self.stream_threshold is not None and self.stream_threshold < 0:
             raise ValueError(f"expert_stream_threshold must be 0 or more, not {self.stream_threshold}")
+        if self.mode == "none" and (
+            self.cache_size is not None or self.stream_threshold is not None or self.cpu_compute
+        ):
+            raise ValueError(
+                "expert_cache_size, expert_stream_threshold and expert_cpu_compute need expert_offload host or disk"
+            )
 
     @property
     def enabled(self) -> bool:
