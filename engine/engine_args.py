@@ -78,7 +78,8 @@ class EngineArgs:
     # fast memory (None: twice the experts per token), evicting by `expert_cache_policy`
     # (lru or lfu); the next layer's experts are predicted and loaded ahead
     # (`expert_prefetch`); a step routing more distinct experts than
-    # `expert_stream_threshold` (None: the slots) streams them through two buffers; on
+    # `expert_stream_threshold` (None: never on CPU, the slots on CUDA) streams them
+    # through two buffers; on
     # CUDA, `expert_cpu_compute` runs a cold expert with few tokens on the CPU instead.
     expert_offload: str = "none"
     expert_cache_size: int | None = None

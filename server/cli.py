@@ -114,7 +114,7 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
         "--expert-stream-threshold",
         type=int,
         help="stream a layer's experts through two buffers instead of caching them when a step routes "
-        "more distinct experts than this (default: the cache size)",
+        "more distinct experts than this (default: never on CPU, the cache size on CUDA)",
     )
     flag(
         "--expert-cpu-compute",

@@ -309,8 +309,14 @@ def test_options_defaults_and_slots() -> None:
     assert not ExpertOffloadOptions().enabled and ExpertOffloadOptions(mode="disk", stream_threshold=0).enabled
     assert ExpertOffloadOptions().slots_per_layer(8, 2) == 4
     assert ExpertOffloadOptions().slots_per_layer(8, 6) == 8
-    assert ExpertOffloadOptions(cache_size=3).slots_per_layer(8, 2) == 3
-    assert ExpertOffloadOptions(cache_size=20).slots_per_layer(8, 2) == 8
+    assert ExpertOffloadOptions("disk", cache_size=3).slots_per_layer(8, 2) == 3
+    assert ExpertOffloadOptions("disk", cache_size=20).slots_per_layer(8, 2) == 8
+    # Never streaming on CPU, the slot count on CUDA; a chosen threshold everywhere.
+    assert ExpertOffloadOptions("disk").stream_threshold_for("cpu", 8, 4) == 8
+    assert ExpertOffloadOptions("host").stream_threshold_for("cuda", 8, 4) == 4
+    assert ExpertOffloadOptions("host", stream_threshold=2).stream_threshold_for("cpu", 8, 4) == 2
+    with pytest.raises(ValueError, match="need expert_offload"):
+        ExpertOffloadOptions(cache_size=3)
     assert isinstance(make_policy("lfu"), LFUPolicy)
     with pytest.raises(ValueError, match="policy must be one of"):
         make_policy("mru")

@@ -48,17 +48,23 @@ def _stats(llm: LLM) -> ExpertStats:
 
 @pytest.mark.parametrize("kind", MOE_KINDS)
 @pytest.mark.parametrize("mode", ["host", "disk"])
-def test_offloaded_tokens_match_resident(kind: str, mode: str, tiny_model_dir) -> None:
-    """One slot per layer (fewer than any step's experts): every step streams its misses
-    through the two buffers, and the tokens are still the resident model's."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_offloaded_tokens_match_resident(kind: str, mode: str, stream: bool, tiny_model_dir) -> None:
+    """One slot per layer (fewer than any step's experts): every step runs in waves
+    through the cache (the CPU default) or streams its misses through the two buffers,
+    and the tokens are still the resident model's."""
     path = tiny_model_dir(kind)
-    llm = make_llm(path, max_num_seqs=16, expert_offload=mode, expert_cache_size=1)
+    threshold = 1 if stream else None
+    llm = make_llm(path, max_num_seqs=16, expert_offload=mode, expert_cache_size=1, expert_stream_threshold=threshold)
     assert _generate(llm) == _resident(path, kind)
     stats = _stats(llm)
     assert stats.misses > 0
     # On a CPU device host memory is the slots' memory: a host load binds, a disk load copies.
     assert (stats.load_bytes > 0) == (mode == "disk")
-    assert stats.streamed_layers > 0 and stats.cached_layers == 0
+    if stream:
+        assert stats.streamed_layers > 0 and stats.cached_layers == 0
+    else:
+        assert stats.streamed_layers == 0 and stats.cached_layers > 0 and stats.waves > 0
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

@@ -222,7 +222,7 @@ class ExpertOffloadBuilder:
                 transfers,
                 stats,
                 self.top_k,
-                self.options.stream_threshold,
+                self.options.stream_threshold_for(self.device.type, self.num_experts, self.cache_size),
                 cpu,
                 bind=self.device.type == "cpu" and self.options.mode == "host",
             )

@@ -43,7 +43,7 @@ class OffloadedExperts(nn.Module):
         transfers: ExpertTransfers,
         stats: ExpertStats,
         top_k: int,
-        stream_threshold: int | None = None,
+        stream_threshold: int,
         cpu_compute: tuple[nn.Module, CpuComputeCost] | None = None,
         bind: bool = False,
     ) -> None:
@@ -61,7 +61,7 @@ class OffloadedExperts(nn.Module):
                 sources[0].bind_into(slot)
         self.tensors = [] if bind else [slot_tensors(m) for m in slots]
         self.num_experts, self.top_k = len(sources), top_k
-        self.stream_threshold = cache.num_slots if stream_threshold is None else stream_threshold
+        self.stream_threshold = stream_threshold
         self.stream_buffers = StreamBuffers(cache.num_slots)
         self.pending: dict[int, Ticket] = {}  # slot -> its latest load
         self.predicted: set[int] | None = None  # experts a prefetch expected this layer to route

@@ -20,7 +20,7 @@ class ExpertOffloadOptions:
     policy: str = "lru"  # which cached expert gives up its slot: "lru" or "lfu"
     prefetch: bool = True  # predict the next layer's experts with its router, load them early
     # Stream a layer through two buffers instead of caching when a step routes more than
-    # this many distinct experts to it; None: more than the cache has slots.
+    # this many distinct experts to it; None: the device's default (``default_stream_threshold``).
     stream_threshold: int | None = None
     # CUDA: run a cold expert with few tokens on the CPU when that beats copying it.
     cpu_compute: bool = False
@@ -46,6 +46,16 @@ class ExpertOffloadOptions:
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
+
+    def stream_threshold_for(self, device_type: str, num_experts: int, slots: int) -> int:
+        """On CPU never stream: a copy there takes the same memory bandwidth the experts
+        compute with, so streaming gains little overlap and moves twice the bytes that
+        caching with waves does (bench/RESULTS.md, expert offloading: caching was 1.07-1.09x
+        streaming at batch 32). On CUDA, stream once a step routes more experts than the
+        cache holds (MoE-Lightning's regime: copies ride the PCIe DMA engines beside compute)."""
+        if self.stream_threshold is not None:
+            return self.stream_threshold
+        return num_experts if device_type == "cpu" else slots
 
     def slots_per_layer(self, num_experts: int, experts_per_token: int) -> int:
         return min(self.cache_size or 2 * experts_per_token, num_experts)
