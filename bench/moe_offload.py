@@ -29,7 +29,7 @@ Both regimes' routed shares by rank (transformers, fresh prompts) are printed.
 
 Stream or cache: at the largest batch (or --stream-batches) a 4-slot cache also runs with
 expert_stream_threshold 0 (always stream through the two buffers) and 8 (never), beside
-the default rule (stream when a step routes more distinct experts than there are slots).
+the default rule (on CPU: never stream; on CUDA: stream past the slot count).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class ExpertOffloadOptions:
     def stream_threshold_for(self, device_type: str, num_experts: int, slots: int) -> int:
         """On CPU never stream: a copy there takes the same memory bandwidth the experts
         compute with, so streaming gains little overlap and moves twice the bytes that
-        caching with waves does (bench/RESULTS.md, expert offloading: caching was 1.07-1.09x
+        caching with waves does (bench/RESULTS.md, expert offloading: caching was 1.08-1.13x
         streaming at batch 32). On CUDA, stream once a step routes more experts than the
         cache holds (MoE-Lightning's regime: copies ride the PCIe DMA engines beside compute)."""
         if self.stream_threshold is not None:
