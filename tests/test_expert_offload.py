@@ -6,11 +6,14 @@ preemption; the counters say what happened; and the options are checked."""
 
 from __future__ import annotations
 
+import copy
 import time
+from collections.abc import Callable, Iterable
 
 import pytest
 import torch
 
+from cadence.engine.experts.cache import replay
 from cadence.engine.experts.offloaded import OffloadedExperts, offloaded_stats
 from cadence.engine.experts.options import ExpertOffloadOptions
 from cadence.engine.experts.stats import ExpertStats
@@ -241,3 +244,41 @@ def test_expert_options_need_an_offload_mode(tiny_model_dir) -> None:
     """A cache size without an offload mode is a mistake, said so rather than ignored."""
     with pytest.raises(ValueError, match="need expert_offload"):
         make_llm(tiny_model_dir("mixtral"), expert_cache_size=2)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_recorded_trace_replays_to_the_engines_counts(policy: str, tiny_model_dir) -> None:
+    """The routing each layer saw while serving, replayed (cache.replay, no weights)
+    through a copy of the layer's cache as it stood before (the start-up warm-up left
+    experts in it), gives the engine's hits and misses: the engine's cache decisions are
+    the schedule's, nothing else."""
+    path = tiny_model_dir("mixtral")
+    llm = make_llm(
+        path,
+        max_num_seqs=16,
+        expert_offload="disk",
+        expert_cache_size=3,
+        expert_cache_policy=policy,
+        expert_stream_threshold=8,
+        expert_prefetch=False,
+    )
+    layers = _offloaded_layers(llm)
+    caches = [copy.deepcopy(layer.cache) for layer in layers]
+    traces: list[list[list[int]]] = [[] for _ in layers]
+    for layer, trace in zip(layers, traces):
+        record = layer.cache.policy.record
+
+        def recording(
+            experts: Iterable[int], record: Callable[[Iterable[int]], None] = record, trace: list[list[int]] = trace
+        ) -> None:
+            trace.append(list(experts))
+            record(experts)
+
+        layer.cache.policy.record = recording  # type: ignore[method-assign]
+    before = _stats(llm).snapshot()
+    _generate(llm)
+    served = _stats(llm).snapshot().minus(before)
+    replayed = [replay(trace, cache) for trace, cache in zip(traces, caches)]
+    assert sum(len(t) for t in traces) > 0
+    assert served.hits == sum(r.hits for r in replayed) > 0
+    assert served.misses == sum(r.misses for r in replayed) > 0
