@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ from cadence.engine.experts.store import ExpertSource, slot_tensors
 from cadence.engine.llm import LLM
 from cadence.engine.loader import load_model
 from cadence.engine.models.moe import SparseMoeBlock
-from helpers import greedy, make_llm
+from helpers import greedy, make_llm, rel_err
+from sdpa_contexts import VarlenSdpaContext
 from tiny_models import MOE_KINDS
 
 MAX_TOKENS = 8
@@ -282,3 +284,30 @@ def test_a_recorded_trace_replays_to_the_engines_counts(policy: str, tiny_model_
     assert sum(len(t) for t in traces) > 0
     assert served.hits == sum(r.hits for r in replayed) > 0
     assert served.misses == sum(r.misses for r in replayed) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["host", "disk"])
+def test_cuda_offload_matches_resident(mode: str, tiny_model_dir) -> None:
+    """On a GPU: int8 experts take the grouped path resident too, so offloaded tokens
+    (side-stream copies, from pinned host memory or the mapped file) are the resident
+    ones; dense experts, also with cold ones run on the CPU, give the resident logits
+    to rounding (resident runs them through the fused kernel)."""
+    path = tiny_model_dir("mixtral")
+    options = dict(device="cuda", max_num_seqs=16, quantization="int8")
+    resident = _generate(make_llm(path, **options))
+    offloaded = make_llm(path, expert_offload=mode, expert_cache_size=3, expert_stream_threshold=8, **options)
+    assert _generate(offloaded) == resident
+    stats = _stats(offloaded)
+    assert stats.load_bytes > 0 and stats.prefetch_loads > 0 and stats.waves > 0
+    ids = torch.tensor(PROMPTS[15], device="cuda")
+    dense, _ = load_model(path, torch.float32, "cuda")
+    for cpu_compute in (False, True):
+        offload = ExpertOffloadOptions(mode, cache_size=3, cpu_compute=cpu_compute)
+        model, _ = load_model(path, torch.float32, "cuda", expert_offload=offload)
+        ctx: Any = VarlenSdpaContext(model.attention_spec(), [ids.numel()])  # the paged backend's stand-in
+        positions = torch.arange(ids.numel(), device="cuda")
+        with torch.no_grad():
+            got = model.compute_logits(model(ids, positions, ctx))
+            want = dense.compute_logits(dense(ids, positions, ctx))
+        assert rel_err(got, want) < 1e-5
