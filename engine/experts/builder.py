@@ -78,7 +78,7 @@ class ExpertOffloadBuilder:
                 "it needs a CUDA device"
             )
         self.options, self.device, self.dtype = options, device, dtype
-        self.num_experts, self.top_k = config.moe.num_experts, config.moe.num_experts_per_tok
+        self.num_experts = config.moe.num_experts
         self.cache_size = options.slots_per_layer(config.moe.num_experts, config.moe.num_experts_per_tok)
         self.blocks: dict[int, SparseMoeBlock] = {}
         self.expected: int = 0  # checkpoint tensors per expert
@@ -221,7 +221,6 @@ class ExpertOffloadBuilder:
                 ExpertCache(self.cache_size, make_policy(self.options.policy)),
                 transfers,
                 stats,
-                self.top_k,
                 self.options.stream_threshold_for(self.device.type, self.num_experts, self.cache_size),
                 cpu,
                 bind=self.device.type == "cpu" and self.options.mode == "host",

@@ -1,17 +1,18 @@
 """One MoE layer's routed experts, offloaded: a pool of slots in fast memory (cache slots
 then two stream buffers), the store the experts come from, and the step that runs them.
 
-A step groups its (token, expert) pairs by expert, as the resident path does, then
+A step groups its (token, expert) pairs by expert with the resident path's own
+``moe.RoutedPairs``, then
 follows ``cache.step_actions``: loads go to the transfer queue, runs wait for their
 slot's load. When the step routes more distinct experts than ``stream_threshold``, it
 streams: the routed experts that are not cached pass through the two stream buffers in
 turn (each loaded while the one before computes), and the cache keeps what it holds;
 otherwise the misses take cache slots, evicting by the policy, in waves when they
-outnumber the slots. Before its first expert runs, the layer applies the next MoE
+outnumber the slots. Once its own misses are queued, the layer applies the next MoE
 layer's router to its own input to predict the next layer's experts and queues their
-loads behind its own (``prefetch``). Each expert's weighted output is added to the
-result in ascending expert order, exactly as the resident path adds them, so the output
-is the same bits whatever was resident.
+loads (``prefetch``). ``RoutedPairs.combine`` adds the experts' weighted outputs in
+ascending expert order whatever order they ran in, so the output is the same bits
+whatever was resident.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from cadence.engine.experts.stats import ExpertStats
 from cadence.engine.experts.store import ExpertSource, slot_tensors
 from cadence.engine.experts.transfer import ExpertTransfers, Ticket
 from cadence.engine.models.causal_lm import CausalLM
+from cadence.engine.models.moe import RoutedPairs
 from cadence.engine.quantization.linear import QuantizedMethod
 from cadence.engine.quantization.method import LinearLayer
 
@@ -42,7 +44,6 @@ class OffloadedExperts(nn.Module):
         cache: ExpertCache,
         transfers: ExpertTransfers,
         stats: ExpertStats,
-        top_k: int,
         stream_threshold: int,
         cpu_compute: tuple[nn.Module, CpuComputeCost] | None = None,
         bind: bool = False,
@@ -60,7 +61,7 @@ class OffloadedExperts(nn.Module):
             for slot in slots:
                 sources[0].bind_into(slot)
         self.tensors = [] if bind else [slot_tensors(m) for m in slots]
-        self.num_experts, self.top_k = len(sources), top_k
+        self.num_experts = len(sources)
         self.stream_threshold = stream_threshold
         self.stream_buffers = StreamBuffers(cache.num_slots)
         self.pending: dict[int, Ticket] = {}  # slot -> its latest load
@@ -74,30 +75,16 @@ class OffloadedExperts(nn.Module):
     # ---- a step
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        tokens = order // self.top_k
-        pair_weights = weights.flatten()[order]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        starts = [0] * self.num_experts
-        for e in range(1, self.num_experts):
-            starts[e] = starts[e - 1] + counts[e - 1]
-        needed = [e for e, c in enumerate(counts) if c]
+        pairs = RoutedPairs(x, weights, ids, self.num_experts)
+        needed = pairs.routed
         self._score_prediction(needed)
         hits = [e for e in needed if self.cache.resident(e) is not None]
         self.stats.hits += len(hits)
         self.stats.misses += len(needed) - len(hits)
         self.cache.policy.record(needed)
-        pair_out = torch.empty(flat.numel(), x.shape[1], dtype=x.dtype, device=x.device)
-
-        def run(expert: int, module: nn.Module) -> None:
-            s, c = starts[expert], counts[expert]
-            rows = tokens[s : s + c]
-            pair_out[s : s + c] = module(x.index_select(0, rows)) * pair_weights[s : s + c, None]
-
-        on_cpu = self._cpu_experts(needed, hits, counts)
+        on_cpu = self._cpu_experts(needed, hits, pairs.counts)
         for expert in on_cpu:
-            self._run_on_cpu(expert, x, tokens[starts[expert] : starts[expert] + counts[expert]], run)
+            self._run_on_cpu(expert, pairs)
         to_slots = [e for e in needed if e not in on_cpu]
         streaming = len(to_slots) > self.stream_threshold
         claim = self.stream_buffers.claim if streaming else self.cache.claim
@@ -106,7 +93,7 @@ class OffloadedExperts(nn.Module):
         self.stats.cached_layers += bool(to_slots) and not streaming
         # The next layer's prefetch goes behind this layer's last load in the queue (the
         # queue is first come, first served): at the first run once every miss is queued.
-        loads_left = sum(self.cache.resident(e) is None for e in to_slots)
+        loads_left = len(to_slots) - len(hits)  # every miss not run on the CPU loads once
         prefetched = False
         ran = False
         for action in step_actions(to_slots, self.cache.resident, claim):
@@ -121,14 +108,10 @@ class OffloadedExperts(nn.Module):
                 self._prefetch_next(x)
                 prefetched = True
             self._wait(action.slot)
-            run(action.expert, self.slots[action.slot])
+            pairs.run(action.expert, self.slots[action.slot])
         if not prefetched:
             self._prefetch_next(x)
-        out = torch.zeros_like(x)
-        for expert in needed:  # ascending, as the resident path adds them
-            s, c = starts[expert], counts[expert]
-            out.index_add_(0, tokens[s : s + c], pair_out[s : s + c])
-        return out
+        return pairs.combine()
 
     # ---- loads
 
@@ -196,15 +179,13 @@ class OffloadedExperts(nn.Module):
         resident = set(hits)
         return {e for e in needed if e not in resident and cost.prefers_cpu(counts[e])}
 
-    def _run_on_cpu(
-        self, expert: int, x: torch.Tensor, rows: torch.Tensor, run: Callable[[int, nn.Module], None]
-    ) -> None:
+    def _run_on_cpu(self, expert: int, pairs: RoutedPairs) -> None:
         assert self.cpu_compute is not None
         module = self.cpu_compute[0]
         self.sources[expert].copy_into(slot_tensors(module))
         forget_derived_weights(module)
         self.stats.cpu_computed += 1
-        run(expert, _OnCpu(module, x.device))
+        pairs.run(expert, _OnCpu(module, pairs.x.device))
 
 
 class _OnCpu(nn.Module):
