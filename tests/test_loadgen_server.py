@@ -64,9 +64,12 @@ def test_counts_equal_the_servers_usage_and_metrics(server: ServerProcess, tmp_p
     assert out["max_concurrent_requests"] <= 4
     # The prompts were cut to length with the server's own tokenizer, and its usage agrees.
     assert out["input_lens"] == [24] * 12 and out["total_input_tokens"] == 288
-    # One gap between each two text chunks: a chunk may carry two tokens when the front end
-    # wakes after two engine steps, or none when a token ends inside a UTF-8 character.
-    assert all(1 <= len(gaps) <= 5 for gaps in out["itls"])
+    # One gap between each two text chunks: a chunk may carry several tokens when the front
+    # end wakes after several engine steps (a busy machine can fold a whole answer into one
+    # chunk), or none when a token ends inside a UTF-8 character. So at most 5 gaps each,
+    # none negative, and most requests streamed in more than one chunk.
+    assert all(len(gaps) <= 5 and min(gaps, default=0.0) >= 0.0 for gaps in out["itls"])
+    assert sum(len(gaps) >= 1 for gaps in out["itls"]) >= 6
 
     metrics = out["server_metrics"]
     assert metrics["available"] and metrics["prefix"] == "cadence" and metrics["idle_after_run"]
