@@ -29,6 +29,7 @@ def test_a_plan_serves_each_batch_size_from_its_nearest_bucket() -> None:
     ]  # fmt: skip
     assert not plan.batch_invariant  # packed rounds activations to bf16, the dense family does not
     assert KernelPlan(("dense",) * 4 + ("dequant",)).batch_invariant  # the same bits
+    assert not KernelPlan(("fp16",) * 4 + ("dense",)).batch_invariant  # fp16 weights: bits of their own
     with pytest.raises(ValueError):
         KernelPlan(("packed",))
     with pytest.raises(ValueError):
@@ -39,20 +40,26 @@ TIMES = {  # µs at M = 1, 4, 16, 64, 256: packed wins small batches, the dense 
     "packed": [10.0, 20.0, 80.0, 300.0, 1200.0],
     "dequant": [60.0, 62.0, 90.0, 150.0, 500.0],
     "dense": [30.0, 32.0, 40.0, 100.0, 400.0],
+    "fp16": [12.0, 18.0, 30.0, 90.0, 380.0],
 }
+WITHOUT_FP16 = {k: v for k, v in TIMES.items() if k != "fp16"}
 
 
 def test_choose_keeps_one_family_under_auto_and_mixes_under_fastest() -> None:
-    assert choose(TIMES, "auto", dense_held=True) == KernelPlan.fixed("dense")
+    assert choose(WITHOUT_FP16, "auto", {"dense"}) == KernelPlan.fixed("dense")
     # Without the copy the dense family is dequant, which here loses to packed on average.
-    assert choose(TIMES, "auto", dense_held=False) == KernelPlan.fixed("packed")
-    assert choose(TIMES, "fastest", dense_held=True).kernels == ("packed", "packed", "dense", "dense", "dense")
-    assert choose(TIMES, "fastest", dense_held=False).kernels == ("packed", "packed", "packed", "dequant", "dequant")
-    assert choose(TIMES, "dequant", dense_held=True) == KernelPlan.fixed("dequant")
+    assert choose(WITHOUT_FP16, "auto", set()) == KernelPlan.fixed("packed")
+    assert choose(WITHOUT_FP16, "fastest", {"dense"}).kernels == ("packed", "packed", "dense", "dense", "dense")
+    assert choose(WITHOUT_FP16, "fastest", set()).kernels == ("packed", "packed", "packed", "dequant", "dequant")
+    assert choose(WITHOUT_FP16, "dequant", {"dense"}) == KernelPlan.fixed("dequant")
+    # fp16, near the best at every M, wins auto where its copy fits, and only then.
+    assert choose(TIMES, "auto", {"dense", "fp16"}) == KernelPlan.fixed("fp16")
+    assert choose(TIMES, "auto", {"dense"}) == KernelPlan.fixed("dense")
+    assert choose(TIMES, "fastest", {"dense", "fp16"}).kernels == ("packed", "fp16", "fp16", "fp16", "fp16")
 
 
 def test_options_are_validated(tmp_path) -> None:
-    for mode in ("auto", "fastest", "packed", "dequant", "dense", str(tmp_path / "table.json")):
+    for mode in ("auto", "fastest", "packed", "dequant", "dense", "fp16", str(tmp_path / "table.json")):
         assert validate_cpu_kernels(mode) == mode
     for bad in ("fast", str(tmp_path / "table.txt"), str(tmp_path / "missing" / "table.json")):
         with pytest.raises(ValueError, match="cpu_kernels"):
@@ -82,8 +89,8 @@ def test_auto_measures_once_and_reads_the_table_after(tiny_model_dir, tmp_path, 
     saved = json.loads(table.read_text())
     entries = saved[cpu_planner.machine_key()]
     # Each format-and-shape group was timed with every kernel at every bucket, once.
-    assert len(calls) == len(entries) * 3 * len(BUCKETS)
-    assert all(sorted(times) == ["dense", "dequant", "packed"] for times in entries.values())
+    assert len(calls) == len(entries) * 4 * len(BUCKETS)
+    assert all(sorted(times) == ["dense", "dequant", "fp16", "packed"] for times in entries.values())
     assert all(len(t) == len(BUCKETS) for times in entries.values() for t in times.values())
     summary = group_summary(model.modules())
     assert sum(summary.values()) == 4 * len(model.model.layers)  # the four projections of every layer
@@ -107,7 +114,8 @@ def test_times_measured_on_a_busy_machine_are_not_saved(tiny_model_dir, tmp_path
 def test_dense_copies_stay_within_the_memory_budget(tiny_model_dir, tmp_path, monkeypatch) -> None:
     table = str(tmp_path / "kernels.json")
     # The dense family always wins: only memory decides whether its copy is kept.
-    monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: 1.0 if kernel != "packed" else 9.0)
+    times = {"packed": 9.0, "fp16": 5.0}
+    monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: times.get(kernel, 1.0))
     monkeypatch.setattr(cpu_planner, "available_host_memory", lambda: 1 << 40)
     held = _int8_model(tiny_model_dir, table)
     layers = [m for m in held.modules() if getattr(m, "cpu_plan", None) is not None]
@@ -120,6 +128,9 @@ def test_dense_copies_stay_within_the_memory_budget(tiny_model_dir, tmp_path, mo
     monkeypatch.setattr(cpu_planner, "time_cell", lambda *a: pytest.fail("a fixed choice measures nothing"))
     forced = _int8_model(tiny_model_dir, "dense")
     assert all(m.cpu_dense is not None for m in forced.modules() if getattr(m, "cpu_plan", None) is not None)
+    forced = _int8_model(tiny_model_dir, "fp16")
+    layers = [m for m in forced.modules() if getattr(m, "cpu_plan", None) is not None]
+    assert layers and all(m.cpu_fp16 is not None and m.cpu_dense is None for m in layers)
 
 
 def test_every_kernel_gives_the_layer_its_values() -> None:
@@ -130,11 +141,14 @@ def test_every_kernel_gives_the_layer_its_values() -> None:
     x = torch.randn(5, 96)
     exact = x @ layer.dequantized_weight(torch.float32).t()
     outputs = {}
-    for kernel in ("packed", "dequant", "dense"):
+    for kernel in ("packed", "dequant", "dense", "fp16"):
         layer.cpu_plan = KernelPlan.fixed(kernel)
         outputs[kernel] = layer(x)
         assert torch.allclose(outputs[kernel], exact, rtol=2e-2, atol=2e-2)
     assert torch.equal(outputs["dense"], outputs["dequant"])
+    # fp16: the weight rounded to fp16 once, then fp32 arithmetic.
+    rounded = x.double() @ layer.dequantized_weight(torch.float32).half().double().t()
+    assert torch.allclose(outputs["fp16"].double(), rounded, rtol=1e-5, atol=1e-5)
 
 
 def test_a_malformed_or_stale_table_is_measured_again(tiny_model_dir, tmp_path, monkeypatch) -> None:
@@ -157,8 +171,9 @@ def test_a_malformed_or_stale_table_is_measured_again(tiny_model_dir, tmp_path, 
 
     monkeypatch.setattr(cpu_planner, "time_cell", counting)
     _int8_model(tiny_model_dir, str(table))
-    assert sorted(set(calls)) == ["dense", "dequant", "packed"] and len(calls) == 3 * len(BUCKETS)
-    assert sorted(json.loads(table.read_text())[cpu_planner.machine_key()][group]) == ["dense", "dequant", "packed"]
+    assert sorted(set(calls)) == ["dense", "dequant", "fp16", "packed"] and len(calls) == 4 * len(BUCKETS)
+    timed = sorted(json.loads(table.read_text())[cpu_planner.machine_key()][group])
+    assert timed == ["dense", "dequant", "fp16", "packed"]
 
 
 def test_the_int8_head_never_runs_the_packed_op(tiny_model_dir, tmp_path, monkeypatch) -> None:

@@ -13,11 +13,15 @@ keyed by CPU model, ISA flags, torch version and thread count, so later starts s
   batch sizes, so a row's result never depends on its batch (greedy decoding is batch
   invariant); within the dense family, a kept dense copy where memory allows.
 * ``fastest``: the fastest kernel at each batch size, even if that mixes numerics.
-* ``packed``, ``dequant``, ``dense``: that kernel everywhere (dense regardless of memory).
+* ``packed``, ``dequant``, ``dense``, ``fp16``: that kernel everywhere (its copy regardless
+  of memory).
 * a path to a ``.json`` file: ``auto``, with the times read from and saved to that file.
 
-A dense copy is kept only while all of them fit in ``DENSE_MEMORY_FRACTION`` of the memory
-available after loading: a quantized model that would not fit dense stays quantized.
+A kept copy (``dense``'s fp32 chunks, ``fp16``'s packed ones) is made only while all of
+them fit in ``DENSE_MEMORY_FRACTION`` of the memory available after loading: a quantized
+model that would not fit dense stays quantized. ``fp16`` is offered with fp32
+activations on builds with fbgemm; a group whose weights overflow fp16, or whose shape no
+tile size keeps invariant, is not offered it.
 """
 
 from __future__ import annotations
@@ -40,12 +44,15 @@ from cadence.engine.quantization.cpu_kernels import (
     BUCKETS,
     DENSE,
     DEQUANT,
+    FP16,
+    HELD_KERNELS,
     KERNELS,
     PACKED,
     KernelPlan,
 )
 from cadence.engine.quantization.linear import QuantizedMethod, dense_bytes
 from cadence.engine.quantization.method import LinearLayer
+from cadence.kernels.fp16_linear import fp16_gemm_available
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +61,7 @@ DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left aft
 MIN_CORE_SHARE = 0.6  # below this share of the cores while measuring, the times are not saved
 # Part of the table's key: raise it when the kernels change what they cost, so older times
 # are measured again rather than trusted.
-KERNELS_VERSION = 2
+KERNELS_VERSION = 3
 # Each (kernel, M) cell is timed over the group's layers in turn until _CELL_SECONDS have
 # passed and _MIN_CALLS calls were made (two calls, once _CELL_CAP_SECONDS are spent), at
 # most two passes (or _MAX_CALLS_FLOOR calls). The fastest call counts: other work on the
@@ -109,8 +116,23 @@ class LayerGroup:
     layers: list[LinearLayer]
     kernels: tuple[str, ...]
 
-    def dense_bytes(self, dtype: torch.dtype) -> int:
-        return len(self.layers) * dense_bytes(self.layers[0], dtype)
+    def held_bytes(self, kernel: str, dtype: torch.dtype) -> int:
+        """The memory ``kernel``'s kept copies take for the whole group."""
+        return len(self.layers) * dense_bytes(self.layers[0], torch.float16 if kernel == FP16 else dtype)
+
+    def hold(self, kernel: str, dtype: torch.dtype) -> None:
+        for layer in self.layers:
+            if kernel == FP16:
+                self.method.hold_fp16(layer)
+            else:
+                self.method.hold_dense(layer, dtype)
+
+    def drop(self, kernel: str) -> None:
+        for layer in self.layers:
+            if kernel == FP16:
+                self.method.drop_fp16(layer)
+            else:
+                self.method.drop_dense(layer)
 
 
 def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype) -> list[LayerGroup]:
@@ -120,6 +142,8 @@ def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype) -> list[Layer
         if not isinstance(module, LinearLayer) or not isinstance(module.method, QuantizedMethod):
             continue
         kernels = module.method.cpu_kernels(module)
+        if FP16 in kernels and (dtype != torch.float32 or not fp16_gemm_available()):
+            kernels = tuple(k for k in kernels if k != FP16)
         if len(kernels) > 1:
             fmt = type(module.method).__name__.removesuffix("Method").lower()
             shape = (fmt, module.out_features, module.in_features, getattr(module, "cpu_group_size", None))
@@ -149,13 +173,15 @@ def time_cell(group: LayerGroup, kernel: str, m: int, dtype: torch.dtype) -> flo
     return min(times) * 1e6
 
 
-def choose(times: dict[str, list[float]], mode: str, dense_held: bool) -> KernelPlan:
-    """The plan from measured µs per bucket. ``dense`` counts only where its copy is held;
-    otherwise ``dequant`` stands for the dense family (same bits, no copy)."""
-    dense_family = DENSE if dense_held and DENSE in times else DEQUANT
+def choose(times: dict[str, list[float]], mode: str, affordable: set[str]) -> KernelPlan:
+    """The plan from measured µs per bucket. A kernel that reads a kept copy counts only
+    where the copy fits (``affordable``); ``dequant`` stands for the dense family where
+    ``dense``'s does not (same bits, no copy)."""
+    dense_family = DENSE if DENSE in affordable and DENSE in times else DEQUANT
     if mode in KERNELS:
         return KernelPlan.fixed(mode)
-    candidates = [k for k in (PACKED, dense_family) if k in times]
+    held_fp16 = [FP16] if FP16 in affordable else []
+    candidates = [k for k in (PACKED, dense_family, *held_fp16) if k in times]
     if mode == "fastest":
         return KernelPlan(tuple(min(candidates, key=lambda k: times[k][i]) for i in range(len(BUCKETS))))
     best = [min(times[k][i] for k in candidates) for i in range(len(BUCKETS))]
@@ -221,32 +247,34 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
     clock = _MeasuringClock()
     for group in groups:
         times = {} if table is None else table.times(group.key, group.kernels)
-        need = group.dense_bytes(dtype)
-        # Fixed "dense" keeps its copy whatever the memory; otherwise only within the budget.
-        affordable = DENSE in group.kernels and (mode == DENSE or (not fixed and need <= budget))
-        missing = [] if fixed else [k for k in group.kernels if k not in times and (k != DENSE or affordable)]
-        held = affordable and (mode == DENSE or DENSE in missing)  # timing dense needs the copies
-        if held:
-            _hold(group, dtype)
+        # A fixed mode keeps its kernel's copy whatever the memory; otherwise only within the budget.
+        affordable = {
+            k
+            for k in HELD_KERNELS
+            if k in group.kernels and (mode == k or (not fixed and group.held_bytes(k, dtype) <= budget))
+        }
+        unaffordable = set(HELD_KERNELS) - affordable
+        missing = [] if fixed else [k for k in group.kernels if k not in times and k not in unaffordable]
         for kernel in missing:
+            if kernel in HELD_KERNELS and not _try_hold(group, kernel, dtype, affordable):
+                continue
             with clock:
                 times[kernel] = [round(time_cell(group, kernel, m, dtype), 1) for m in BUCKETS]
-        plan = choose(times, mode if mode in ("fastest", *KERNELS) else "auto", affordable)
-        if not set(plan.kernels) <= set(group.kernels):
-            logger.warning("%s does not run %s on CPU; it runs %s", group.key, plan.describe(), group.kernels[0])
-            plan = KernelPlan.fixed(group.kernels[0])
-        keeps_dense = DENSE in plan.kernels
-        if keeps_dense and not held:
-            _hold(group, dtype)
-        elif held and not keeps_dense:
-            for layer in group.layers:
-                group.method.drop_dense(layer)
-        if keeps_dense:
-            budget -= need
+            if kernel in HELD_KERNELS:
+                group.drop(kernel)  # made again below if chosen: two copies at once may not fit
+        choice = mode if mode in ("fastest", *KERNELS) else "auto"
+        plan = _runnable(group, choose(times, choice, affordable))
+        # Make the chosen kernels' copies; a kernel whose copy the weights refuse leaves the
+        # group's choices (``_try_hold``), and the choice is made again without it.
+        while not all(_try_hold(group, k, dtype, affordable) for k in HELD_KERNELS if k in plan.kernels):
+            plan = _runnable(group, choose(times, choice, affordable))
+        kept = [k for k in HELD_KERNELS if k in plan.kernels]
+        held = sum(group.held_bytes(k, dtype) for k in kept)
+        budget -= held
         for layer in group.layers:
             layer.cpu_plan = plan
-        short_of_memory = not fixed and DENSE in group.kernels and not affordable
-        _log_choice(group, plan, times, need if keeps_dense else 0, short_of_memory)
+        short_of_memory = not fixed and any(k in group.kernels and k not in affordable for k in HELD_KERNELS)
+        _log_choice(group, plan, times, held, short_of_memory)
     if table is None or not clock.cells:
         return
     share = clock.core_share()
@@ -267,9 +295,25 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
     )
 
 
-def _hold(group: LayerGroup, dtype: torch.dtype) -> None:
-    for layer in group.layers:
-        group.method.hold_dense(layer, dtype)
+def _runnable(group: LayerGroup, plan: KernelPlan) -> KernelPlan:
+    if set(plan.kernels) <= set(group.kernels):
+        return plan
+    logger.warning("%s does not run %s on CPU; it runs %s", group.key, plan.describe(), group.kernels[0])
+    return KernelPlan.fixed(group.kernels[0])
+
+
+def _try_hold(group: LayerGroup, kernel: str, dtype: torch.dtype, affordable: set[str]) -> bool:
+    """Make the group's copies for ``kernel``; where its weights cannot take it (``fp16``:
+    out of range, or no invariant tiling), the kernel leaves the group's choices."""
+    try:
+        group.hold(kernel, dtype)
+    except ValueError as exc:
+        group.drop(kernel)
+        group.kernels = tuple(k for k in group.kernels if k != kernel)
+        affordable.discard(kernel)
+        logger.info("CPU kernels for %s: no %s (%s)", group.key, kernel, exc)
+        return False
+    return True
 
 
 class _MeasuringClock:

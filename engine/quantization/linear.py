@@ -31,12 +31,15 @@ from cadence.engine.quantization.cpu_int4_layout import (
 )
 from cadence.engine.quantization.cpu_kernels import (
     DENSE,
+    FP16,
     KERNELS,
     PACKED,
     ChunkMaker,
     chunk_bounds,
+    chunked_fp16_matmul,
     chunked_matmul,
     held_chunks,
+    held_fp16,
 )
 from cadence.engine.quantization.method import (
     DenseMethod,
@@ -100,6 +103,11 @@ class QuantizedMethod(DenseMethod):
     def run_cpu_kernel(self, layer: LinearLayer, x2: torch.Tensor, kernel: str) -> torch.Tensor:
         if kernel == PACKED:
             return self.packed_matmul(layer, x2)
+        if kernel == FP16:
+            if layer.cpu_fp16 is None:
+                self.hold_fp16(layer)
+            assert layer.cpu_fp16 is not None
+            return chunked_fp16_matmul(x2.float(), layer.out_features, layer.cpu_fp16).to(x2.dtype)
         held = layer.cpu_dense
         maker = held if kernel == DENSE and held is not None and layer.cpu_dense_dtype == x2.dtype else None
         maker = maker or self.dense_chunk_maker(layer, x2.dtype)
@@ -113,6 +121,14 @@ class QuantizedMethod(DenseMethod):
     @staticmethod
     def drop_dense(layer: LinearLayer) -> None:
         layer.cpu_dense, layer.cpu_dense_dtype = None, None
+
+    def hold_fp16(self, layer: LinearLayer) -> None:
+        """Make and keep the ``fp16`` kernel's packed chunks (half of ``dense_bytes`` in fp32)."""
+        layer.cpu_fp16 = held_fp16(self.chunk_bounds(layer), self.dense_chunk_maker(layer, torch.float32))
+
+    @staticmethod
+    def drop_fp16(layer: LinearLayer) -> None:
+        layer.cpu_fp16 = None
 
     def packed_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from cadence.engine.quantization.cpu_kernels import DENSE, DEQUANT
+from cadence.engine.quantization.cpu_kernels import DENSE, DEQUANT, FP16
 from cadence.engine.quantization.linear import Int8Method
 from cadence.engine.quantization.method import LinearLayer
 from cadence.kernels.quant_formats import quantize_int8
@@ -42,7 +42,7 @@ class Int8HeadMethod(Int8Method):
     def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:
         # Not the packed op: it returns logits in its bf16 activations, whose 8-bit mantissa
         # ties the top candidates of a greedy argmax often enough to change answers.
-        return (DEQUANT, DENSE)
+        return (DEQUANT, DENSE, FP16)
 
     def quantize(self, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         source = dense if self.exact_weight is None else self.exact_weight()
