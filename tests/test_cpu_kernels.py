@@ -58,6 +58,15 @@ def test_choose_keeps_one_family_under_auto_and_mixes_under_fastest() -> None:
     assert choose(TIMES, "fastest", {"dense", "fp16"}).kernels == ("packed", "fp16", "fp16", "fp16", "fp16")
 
 
+def test_auto_weighs_a_group_by_its_share_of_the_whole_model() -> None:
+    times = {"packed": [10.0, 10.0, 40.0, 100.0, 400.0], "fp16": [25.0, 12.0, 30.0, 60.0, 250.0]}
+    # On its own, packed's lead at M=1 outweighs fp16's at large M...
+    assert choose(times, "auto", {"fp16"}) == KernelPlan.fixed("packed")
+    # ...but where the rest of the model (an LM head, say) dominates the step at M=1, the
+    # group's 15 µs there count for little, and its 150 µs at M=256 for more.
+    assert choose(times, "auto", {"fp16"}, model_best=[1000.0, 100.0, 300.0, 600.0, 2500.0]) == KernelPlan.fixed("fp16")
+
+
 def test_options_are_validated(tmp_path) -> None:
     for mode in ("auto", "fastest", "packed", "dequant", "dense", "fp16", str(tmp_path / "table.json")):
         assert validate_cpu_kernels(mode) == mode

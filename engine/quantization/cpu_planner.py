@@ -173,23 +173,44 @@ def time_cell(group: LayerGroup, kernel: str, m: int, dtype: torch.dtype) -> flo
     return min(times) * 1e6
 
 
-def choose(times: dict[str, list[float]], mode: str, affordable: set[str]) -> KernelPlan:
-    """The plan from measured µs per bucket. A kernel that reads a kept copy counts only
-    where the copy fits (``affordable``); ``dequant`` stands for the dense family where
-    ``dense``'s does not (same bits, no copy)."""
+def candidates(times: dict[str, list[float]], affordable: set[str]) -> list[str]:
+    """The kernels ``auto`` and ``fastest`` choose among: ``packed``, the dense family
+    (``dense`` where its copy fits, else ``dequant``: the same bits, no copy), and ``fp16``
+    where its copy fits."""
     dense_family = DENSE if DENSE in affordable and DENSE in times else DEQUANT
+    held_fp16 = [FP16] if FP16 in affordable else []
+    return [k for k in (PACKED, dense_family, *held_fp16) if k in times]
+
+
+def choose(
+    times: dict[str, list[float]], mode: str, affordable: set[str], model_best: list[float] | None = None
+) -> KernelPlan:
+    """The plan from measured µs per bucket. ``auto``: the one kernel with the least mean
+    over batch sizes of time / ``model_best`` (the whole model's best linear time at that
+    size, so a group weighs by its share of the step; this group's own best without it)."""
     if mode in KERNELS:
         return KernelPlan.fixed(mode)
-    held_fp16 = [FP16] if FP16 in affordable else []
-    candidates = [k for k in (PACKED, dense_family, *held_fp16) if k in times]
+    names = candidates(times, affordable)
     if mode == "fastest":
-        return KernelPlan(tuple(min(candidates, key=lambda k: times[k][i]) for i in range(len(BUCKETS))))
-    best = [min(times[k][i] for k in candidates) for i in range(len(BUCKETS))]
+        return KernelPlan(tuple(min(names, key=lambda k: times[k][i]) for i in range(len(BUCKETS))))
+    scale = model_best or [min(times[k][i] for k in names) for i in range(len(BUCKETS))]
 
-    def slowdown(kernel: str) -> float:  # mean over batch sizes of time / best time
-        return sum(t / b for t, b in zip(times[kernel], best)) / len(BUCKETS)
+    def slowdown(kernel: str) -> float:
+        return sum(t / b for t, b in zip(times[kernel], scale)) / len(BUCKETS)
 
-    return KernelPlan.fixed(min(candidates, key=slowdown))
+    return KernelPlan.fixed(min(names, key=slowdown))
+
+
+def model_best_times(measured: list[tuple[LayerGroup, dict[str, list[float]], set[str]]]) -> list[float] | None:
+    """µs per bucket of every measured group's fastest candidate, times its layer count."""
+    best = [0.0] * len(BUCKETS)
+    for group, times, affordable in measured:
+        names = candidates(times, affordable)
+        if not names:
+            return None
+        for i in range(len(BUCKETS)):
+            best[i] += len(group.layers) * min(times[k][i] for k in names)
+    return best
 
 
 class KernelTable:
@@ -236,7 +257,7 @@ class KernelTable:
 
 def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str = "auto") -> None:
     """Give every CPU-quantized layer among ``modules`` (activations in ``dtype``) its ``KernelPlan``,
-    keeping dense copies where the plan reads them, and log what was chosen and why."""
+    keeping the copies its kernels read (dense, fp16), and log what was chosen and why."""
     mode = validate_cpu_kernels(mode)
     groups = layer_groups(modules, dtype)
     if not groups:
@@ -245,6 +266,7 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
     table = None if fixed else KernelTable(mode if mode.endswith(".json") else default_table_path())
     budget = int(available_host_memory() * DENSE_MEMORY_FRACTION)
     clock = _MeasuringClock()
+    measured: list[tuple[LayerGroup, dict[str, list[float]], set[str]]] = []
     for group in groups:
         times = {} if table is None else table.times(group.key, group.kernels)
         # A fixed mode keeps its kernel's copy whatever the memory; otherwise only within the budget.
@@ -262,14 +284,18 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
                 times[kernel] = [round(time_cell(group, kernel, m, dtype), 1) for m in BUCKETS]
             if kernel in HELD_KERNELS:
                 group.drop(kernel)  # made again below if chosen: two copies at once may not fit
-        choice = mode if mode in ("fastest", *KERNELS) else "auto"
-        plan = _runnable(group, choose(times, choice, affordable))
+        measured.append((group, times, affordable))
+    model_best = model_best_times(measured)
+    choice = mode if mode in ("fastest", *KERNELS) else "auto"
+    for group, times, affordable in measured:
+        # Copies already kept for earlier groups leave less for this one.
+        affordable -= {k for k in HELD_KERNELS if mode != k and group.held_bytes(k, dtype) > budget}
+        plan = _runnable(group, choose(times, choice, affordable, model_best))
         # Make the chosen kernels' copies; a kernel whose copy the weights refuse leaves the
         # group's choices (``_try_hold``), and the choice is made again without it.
         while not all(_try_hold(group, k, dtype, affordable) for k in HELD_KERNELS if k in plan.kernels):
-            plan = _runnable(group, choose(times, choice, affordable))
-        kept = [k for k in HELD_KERNELS if k in plan.kernels]
-        held = sum(group.held_bytes(k, dtype) for k in kept)
+            plan = _runnable(group, choose(times, choice, affordable, model_best))
+        held = sum(group.held_bytes(k, dtype) for k in HELD_KERNELS if k in plan.kernels)
         budget -= held
         for layer in group.layers:
             layer.cpu_plan = plan
@@ -345,9 +371,7 @@ def _log_choice(
     measured = "; ".join(f"{k} {'/'.join(f'{t:.0f}' for t in v)}" for k, v in times.items())
     why = f"µs per call at M={'/'.join(map(str, BUCKETS))}: {measured}" if measured else "fixed by --cpu-kernels"
     memory = (
-        f", dense copies {held / 2**20:.0f} MiB"
-        if held
-        else (", no memory for dense copies" if short_of_memory else "")
+        f", kept copies {held / 2**20:.0f} MiB" if held else (", no memory for kept copies" if short_of_memory else "")
     )
     invariant = "batch-invariant" if plan.batch_invariant else "not batch-invariant"
     logger.info("CPU kernels for %s: %s (%s%s; %s)", group.key, plan.describe(), invariant, memory, why)
