@@ -132,7 +132,7 @@ def test_int4_linear_cpu_dense_kernels_unpack_the_packed_bytes(
     assert torch.equal(unpack_cpu_int4(mod.cpu_packed, 192, 256, mod.cpu_block_n), codes)
     method = mod.method
     assert isinstance(method, Int4Method)
-    assert method.cpu_kernels(mod) == ("packed", "dequant", "dense")
+    assert method.cpu_kernels(mod) == ("packed", "dequant", "dense", "fp16")
     x = torch.randn(40, 256).to(dtype)
     packed = method.packed_matmul(mod, x) + lin.bias.to(dtype)
     mod.cpu_plan = KernelPlan.fixed("dequant")
@@ -143,6 +143,12 @@ def test_int4_linear_cpu_dense_kernels_unpack_the_packed_bytes(
     method.hold_dense(mod, dtype)
     mod.cpu_plan = KernelPlan.fixed("dense")
     assert torch.equal(mod(x), dequant)
+    # fp16: the same unpacked values rounded to fp16, summed in fp32 (activations cast to fp32).
+    mod.cpu_plan = KernelPlan.fixed("fp16")
+    fp16 = mod(x)
+    dense_fp32 = method.dense_chunk_maker(mod, torch.float32)(0, 192)
+    ref = x.double() @ dense_fp32.half().double().t() + lin.bias.double()
+    assert fp16.dtype == dtype and rel_err(fp16.double(), ref.to(dtype).double()) < 1e-2
 
 
 @pytest.mark.parametrize("zeros", ["symmetric", "uint8", "float"])
