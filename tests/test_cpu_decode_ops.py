@@ -124,14 +124,16 @@ def _expected_mask(backend: TorchSDPABackend, context_lens: list[int], window: i
 )
 def test_cpu_decode_group_mask_is_additive_over_the_padded_keys(context_lens: list[int], window: int | None) -> None:
     """Every CPU decode group carries a float mask (0 = attend, -inf = not) over its keys
-    padded to ``InvariantShape.kv_len``, and gathers that many slots."""
+    padded to ``InvariantShape.kv_len``, and reads that many positions in whole blocks."""
     backend = _backend(window)
     (group,) = backend.build_metadata(_decode_batch(context_lens)).decode_groups
     expected = _expected_mask(backend, context_lens, window)
     assert group.attn_mask.dtype == torch.float32
     assert torch.equal(group.attn_mask == 0, expected)
     assert bool((group.attn_mask[~expected] == float("-inf")).all())
-    assert group.gather_slots.shape == (len(context_lens), expected.shape[-1])
+    blocks = group.gather_blocks
+    assert group.gather_slots is None and blocks is not None and blocks.length == expected.shape[-1]
+    assert blocks.block_ids.shape == (len(context_lens), -(-expected.shape[-1] // BLOCK_SIZE))
 
 
 def _decode_inputs(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

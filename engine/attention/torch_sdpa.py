@@ -29,17 +29,30 @@ from cadence.kernels.kv_quant import dequantize_rows, quantize_rows
 
 
 @dataclass
+class BlockGather:
+    """The CPU's read of a padded context: whole cache blocks (``[..., blocks]`` ids, block 0
+    past a sequence's last block) cut to ``length`` positions. Copying blocks rather than
+    slots moves the same bytes in far fewer, larger pieces; the positions past a
+    sequence's end hold whatever finite K/V their block holds, read under a -inf mask."""
+
+    block_ids: torch.Tensor
+    length: int
+
+
+@dataclass
 class PrefillChunk:
     """One multi-token chunk (on CPU, a segment of one): its rows in the flat batch and what
     it attends to."""
 
     query_start: int
     query_len: int
-    # None on CUDA when the chunk starts the sequence: it then attends to its own new K/V only.
+    # None on CUDA when the chunk starts the sequence: it then attends to its own new K/V
+    # only; and on CPU, which reads blocks (``gather_blocks``).
     gather_slots: torch.Tensor | None
     # CUDA: [query_len, kv_len] bool, True = attend, or None = causal. CPU: always a float
     # mask, its rows and keys padded as invariant_sdpa.prefill_mask makes them.
     attn_mask: torch.Tensor | None
+    gather_blocks: BlockGather | None = None
 
 
 @dataclass
@@ -49,10 +62,11 @@ class DecodeGroup:
 
     start: int
     end: int
-    gather_slots: torch.Tensor  # [rows, max_len] slots, padded
+    gather_slots: torch.Tensor | None  # [rows, max_len] slots, padded (CUDA; CPU reads blocks)
     # [rows, 1, 1, max_len]: bool, True = attend, on CUDA (where a mask also keeps SDPA
     # off the flash kernel); the additive float mask of invariant_sdpa.decode_mask on CPU.
     attn_mask: torch.Tensor
+    gather_blocks: BlockGather | None = None
 
 
 @dataclass
@@ -122,6 +136,22 @@ class _SlotRows:
             return _gather(self.rows, slots)
         stored = _gather(_bytes(self.rows), slots).view(self.rows.dtype)
         return dequantize_rows(stored, _gather(self.scales, slots), self.dtype)
+
+    def gather_blocks(self, blocks: BlockGather, block_size: int) -> torch.Tensor:
+        """``[..., blocks.length, heads, dim]``: the blocks' rows, in order, cut to length."""
+        if self.scales is None:
+            return _gather_blocks(self.rows, blocks, block_size)
+        stored = _gather_blocks(_bytes(self.rows), blocks, block_size).view(self.rows.dtype)
+        return dequantize_rows(stored, _gather_blocks(self.scales, blocks, block_size), self.dtype)
+
+
+def _gather_blocks(rows: torch.Tensor, blocks: BlockGather, block_size: int) -> torch.Tensor:
+    # 2-D, one row per block: index_select copies each row whole (a 4-D view took as
+    # long as copying slot by slot).
+    per_block = rows.view(rows.shape[0] // block_size, -1)
+    got = per_block.index_select(0, blocks.block_ids.reshape(-1))
+    positions = got.view(*blocks.block_ids.shape[:-1], -1, *rows.shape[1:])
+    return positions.narrow(-rows.dim(), 0, blocks.length)
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
@@ -200,23 +230,30 @@ class TorchSDPABackend(AttentionBackend):
         for start, end in group_by_length([shape.kv_len(n) for n in decode_lens]):
             lens = decode_lens[start:end]
             mask = decode_mask(lens, shape, window, self.dtype, device)
-            slots = self._padded_slots(tables[start:end], max(lens), mask.shape[-1])
-            decode_groups.append(DecodeGroup(start, end, slots, mask))
+            blocks = self._padded_blocks(tables[start:end], lens, mask.shape[-1])
+            decode_groups.append(DecodeGroup(start, end, None, mask, blocks))
         prefills = []
         for i in range(num_decodes, batch.num_seqs):
             context_len, query_len = batch.context_lens[i], batch.query_lens[i]
             for offset in range(0, query_len, PREFILL_SEGMENT):
                 start, end = context_len + offset, context_len + min(offset + PREFILL_SEGMENT, query_len)
                 mask = prefill_mask(start, end, shape, window, self.dtype, device)
-                slots = self._padded_slots(tables[i], end, mask.shape[-1])
-                prefills.append(PrefillChunk(batch.query_starts[i] + offset, end - start, slots, mask))
+                blocks = self._padded_blocks(tables[i : i + 1], [end], mask.shape[-1])
+                blocks.block_ids = blocks.block_ids[0]
+                prefills.append(PrefillChunk(batch.query_starts[i] + offset, end - start, None, mask, blocks))
         return TorchSDPAMetadata(batch.slot_mapping, decode_groups, prefills)
 
-    def _padded_slots(self, table: torch.Tensor, length: int, padded: int) -> torch.Tensor:
-        """``leading_slots`` of ``length`` positions, then slot 0 up to ``padded``: a cache
-        row that is always finite (the cache starts zeroed, and only model K/V is written to
-        it), read under a -inf mask."""
-        return F.pad(leading_slots(table, length, self.block_size), (0, padded - length))
+    def _padded_blocks(self, tables: torch.Tensor, lengths: list[int], padded: int) -> BlockGather:
+        """The blocks holding each row's ``lengths`` positions, then block 0 up to ``padded``
+        positions: cache rows that are always finite (the cache starts zeroed, and only
+        model K/V is written to it), read under a -inf mask."""
+        size = self.block_size
+        num_blocks = -(-padded // size)
+        width = min(num_blocks, tables.shape[-1])
+        used = torch.tensor([-(-n // size) for n in lengths], device=tables.device)[:, None]
+        ids = tables[:, :width].long()
+        ids = torch.where(torch.arange(width, device=tables.device) < used, ids, 0)
+        return BlockGather(F.pad(ids, (0, num_blocks - width)), padded)
 
     def forward(
         self,
@@ -260,6 +297,7 @@ class TorchSDPABackend(AttentionBackend):
         scale = self.spec.scale
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         for group in metadata.decode_groups:
+            assert group.gather_slots is not None
             keys = key_cache.gather(group.gather_slots).transpose(1, 2)  # [rows, kv_heads, max_len, head_dim]
             values = value_cache.gather(group.gather_slots).transpose(1, 2)
             rows = group.end - group.start
@@ -316,22 +354,23 @@ class TorchSDPABackend(AttentionBackend):
         num_kv_heads, head_dim = key_cache.rows.shape[1], key_cache.rows.shape[2]
         for group in metadata.decode_groups:
             rows = group.end - group.start
+            assert group.gather_blocks is not None
             decoded = decode_attention(
                 query[group.start : group.end].view(rows, num_kv_heads, -1, head_dim),
-                key_cache.gather(group.gather_slots).transpose(1, 2),
-                value_cache.gather(group.gather_slots).transpose(1, 2),
+                key_cache.gather_blocks(group.gather_blocks, self.block_size).transpose(1, 2),
+                value_cache.gather_blocks(group.gather_blocks, self.block_size).transpose(1, 2),
                 group.attn_mask,
                 self.spec.scale,
                 self.invariant.decode_rows,
             )
             out[group.start : group.end].view(rows, num_kv_heads, -1, head_dim).copy_(decoded)
         for chunk in metadata.prefills:
-            assert chunk.gather_slots is not None and chunk.attn_mask is not None
+            assert chunk.gather_blocks is not None and chunk.attn_mask is not None
             chunk_rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[chunk_rows] = prefill_attention(
                 query[chunk_rows],
-                key_cache.gather(chunk.gather_slots),
-                value_cache.gather(chunk.gather_slots),
+                key_cache.gather_blocks(chunk.gather_blocks, self.block_size),
+                value_cache.gather_blocks(chunk.gather_blocks, self.block_size),
                 chunk.attn_mask,
                 self.spec.scale,
             )
