@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--llama-gguf", help="the f16 GGUF (default: PEERS_DIR/llamacpp/<model>-f16.gguf, made if missing)")
     ap.add_argument("--vllm-python", help="python of vLLM's venv (default: PEERS_DIR/vllm-venv/bin/python)")
     ap.add_argument("--llama-threads", type=int, default=2, help="llama-server -t and -tb")
+    ap.add_argument(
+        "--cadence-args", default="", help="more `cadence serve` options for both Cadence engines, as one string"
+    )
     args = ap.parse_args(argv)
     llama = os.path.join(args.peers_dir, "llamacpp")
     args.llama_server = args.llama_server or os.path.join(llama, "build", "bin", "llama-server")
@@ -92,7 +95,9 @@ def engine_spec(name: str, args: argparse.Namespace, hf_folder: str) -> EngineSp
     """How to start `name`; FileNotFoundError when the peer is not installed."""
     if name.startswith("cadence"):
         serve = [sys.executable, "-m", "cadence.server.cli", "serve", "--host", "127.0.0.1", "--port", "{port}"]
-        return EngineSpec(LABELS[name], serve + (["--quantization", "none"] if name == "cadence-dense" else []))
+        serve += args.cadence_args.split()
+        label = f"{LABELS[name]} {args.cadence_args}".rstrip()
+        return EngineSpec(label, serve + (["--quantization", "none"] if name == "cadence-dense" else []))
     if name == "vllm":
         if not os.path.isfile(args.vllm_python):
             raise FileNotFoundError(f"{args.vllm_python} is missing (run bench/install_peers.sh)")

@@ -62,6 +62,14 @@ def generation_eos_ids(model_path: str, config: ModelConfig) -> set[int]:
     return eos
 
 
+def default_token_budget(device: torch.device) -> int:
+    """A step's tokens when the user sets none. On CPU the linears run in tiles of at most
+    128 rows, so a bigger step gains no GEMM speed and only holds every prompt of it back
+    for the whole step: 1024 beat 512 and 2048 on both concurrencies of bench/vs_peers.py
+    (bench/RESULTS.md). On GPU a big step keeps the device busy."""
+    return 1024 if device.type == "cpu" else 2048
+
+
 class EngineCore:
     """Owns the scheduler and the model runner, and turns steps into per-sequence outputs.
 
@@ -93,7 +101,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens or max(2048, args.max_num_seqs),
+                max_num_batched_tokens=args.max_num_batched_tokens
+                or max(default_token_budget(self.device), args.max_num_seqs),
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
             ),
