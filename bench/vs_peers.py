@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -95,7 +96,7 @@ def engine_spec(name: str, args: argparse.Namespace, hf_folder: str) -> EngineSp
     """How to start `name`; FileNotFoundError when the peer is not installed."""
     if name.startswith("cadence"):
         serve = [sys.executable, "-m", "cadence.server.cli", "serve", "--host", "127.0.0.1", "--port", "{port}"]
-        serve += args.cadence_args.split()
+        serve += shlex.split(args.cadence_args)
         label = f"{LABELS[name]} {args.cadence_args}".rstrip()
         return EngineSpec(label, serve + (["--quantization", "none"] if name == "cadence-dense" else []))
     if name == "vllm":

@@ -26,6 +26,9 @@ from cadence.kernels.batch_invariant import TilePlan, measure_tiles, run_tiles
 logger = logging.getLogger(__name__)
 
 FP16_MAX = 65504.0
+# fbgemm packs the fp16 matrix in blocks of K rounded up to 512 and of N up to a column
+# block (at most 32 wide): the bytes a packed weight takes, as budgets must count them.
+_PACK_K, _PACK_N = 512, 32
 
 _plans: dict[tuple[int, int, int], TilePlan] = {}
 _available: bool | None = None
@@ -50,6 +53,14 @@ def fp16_gemm_available() -> bool:
         except (RuntimeError, AttributeError, NotImplementedError):
             _available = False
     return _available
+
+
+def packed_fp16_bytes(out_features: int, in_features: int) -> int:
+    """An upper bound on what ``pack_fp16`` of an ``[N, K]`` weight takes (about 1.8x N*K*2
+    at K = 576)."""
+    k = -(-in_features // _PACK_K) * _PACK_K
+    n = -(-out_features // _PACK_N) * _PACK_N
+    return n * k * 2
 
 
 def fits_fp16(weight: torch.Tensor) -> bool:

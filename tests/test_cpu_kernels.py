@@ -17,6 +17,7 @@ from cadence.engine.quantization.cpu_planner import choose, group_summary, plan_
 from cadence.engine.quantization.linear import Int8Linear
 from cadence.engine.quantization.lm_head import Int8HeadMethod
 from cadence.engine.quantization.method import LinearLayer
+from cadence.kernels.fp16_linear import fp16_gemm_available
 from cadence.kernels.quant_formats import quantize_int8
 from cadence.server.cli import build_parser, engine_args_from
 from helpers import load_llama
@@ -43,6 +44,8 @@ TIMES = {  # µs at M = 1, 4, 16, 64, 256: packed wins small batches, the dense 
     "fp16": [12.0, 18.0, 30.0, 90.0, 380.0],
 }
 WITHOUT_FP16 = {k: v for k, v in TIMES.items() if k != "fp16"}
+# The kernels a quantized layer offers with fp32 activations on this build (fp16 needs fbgemm).
+BUILD_KERNELS = sorted(["dense", "dequant", "packed", *(["fp16"] if fp16_gemm_available() else [])])
 
 
 def test_choose_keeps_one_family_under_auto_and_mixes_under_fastest() -> None:
@@ -98,8 +101,8 @@ def test_auto_measures_once_and_reads_the_table_after(tiny_model_dir, tmp_path, 
     saved = json.loads(table.read_text())
     entries = saved[cpu_planner.machine_key()]
     # Each format-and-shape group was timed with every kernel at every bucket, once.
-    assert len(calls) == len(entries) * 4 * len(BUCKETS)
-    assert all(sorted(times) == ["dense", "dequant", "fp16", "packed"] for times in entries.values())
+    assert len(calls) == len(entries) * len(BUILD_KERNELS) * len(BUCKETS)
+    assert all(sorted(times) == BUILD_KERNELS for times in entries.values())
     assert all(len(t) == len(BUCKETS) for times in entries.values() for t in times.values())
     summary = group_summary(model.modules())
     assert sum(summary.values()) == 4 * len(model.model.layers)  # the four projections of every layer
@@ -137,9 +140,40 @@ def test_dense_copies_stay_within_the_memory_budget(tiny_model_dir, tmp_path, mo
     monkeypatch.setattr(cpu_planner, "time_cell", lambda *a: pytest.fail("a fixed choice measures nothing"))
     forced = _int8_model(tiny_model_dir, "dense")
     assert all(m.cpu_dense is not None for m in forced.modules() if getattr(m, "cpu_plan", None) is not None)
-    forced = _int8_model(tiny_model_dir, "fp16")
-    layers = [m for m in forced.modules() if getattr(m, "cpu_plan", None) is not None]
-    assert layers and all(m.cpu_fp16 is not None and m.cpu_dense is None for m in layers)
+    if fp16_gemm_available():
+        forced = _int8_model(tiny_model_dir, "fp16")
+        layers = [m for m in forced.modules() if getattr(m, "cpu_plan", None) is not None]
+        assert layers and all(m.cpu_fp16 is not None and m.cpu_dense is None for m in layers)
+
+
+def test_fastest_keeps_both_copies_only_where_both_fit(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """A mixed plan reading dense and fp16 copies must fit both in the budget."""
+    if not fp16_gemm_available():
+        pytest.skip("this torch build has no fbgemm")
+    times = {"packed": [9.0] * 5, "dequant": [9.0] * 5, "dense": [5.0] * 4 + [1.0], "fp16": [1.0] * 4 + [5.0]}
+    monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: times[kernel][BUCKETS.index(m)])
+    monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "kernels.json"))
+    monkeypatch.setattr(cpu_planner, "available_host_memory", lambda: 1 << 40)
+
+    def planned(model: LlamaForCausalLM) -> list[LinearLayer]:
+        return [m for m in model.modules() if isinstance(m, LinearLayer) and m.cpu_plan is not None]
+
+    roomy = planned(_int8_model(tiny_model_dir, "fastest"))
+    assert roomy and all(m.cpu_plan == KernelPlan(("fp16",) * 4 + ("dense",)) for m in roomy)
+    assert all(m.cpu_dense is not None and m.cpu_fp16 is not None for m in roomy)
+    # Room for either copy of the largest group but not both: no layer keeps two.
+    groups = cpu_planner.layer_groups(roomy, torch.float32)
+    both = max(g.held_bytes("dense", torch.float32) + g.held_bytes("fp16", torch.float32) for g in groups)
+    memory = int(both * 0.9 / cpu_planner.DENSE_MEMORY_FRACTION)
+    monkeypatch.setattr(cpu_planner, "available_host_memory", lambda: memory)
+    tight = planned(_int8_model(tiny_model_dir, "fastest"))
+    kept = 0
+    for group in cpu_planner.layer_groups(tight, torch.float32):
+        layer = group.layers[0]
+        kept += group.held_bytes("dense", torch.float32) if layer.cpu_dense is not None else 0
+        kept += group.held_bytes("fp16", torch.float32) if layer.cpu_fp16 is not None else 0
+    assert 0 < kept <= memory * cpu_planner.DENSE_MEMORY_FRACTION
+    assert any(m.cpu_dense is None or m.cpu_fp16 is None for m in tight)
 
 
 def test_every_kernel_gives_the_layer_its_values() -> None:
@@ -150,11 +184,13 @@ def test_every_kernel_gives_the_layer_its_values() -> None:
     x = torch.randn(5, 96)
     exact = x @ layer.dequantized_weight(torch.float32).t()
     outputs = {}
-    for kernel in ("packed", "dequant", "dense", "fp16"):
+    for kernel in ("packed", "dequant", "dense", *(["fp16"] if fp16_gemm_available() else [])):
         layer.cpu_plan = KernelPlan.fixed(kernel)
         outputs[kernel] = layer(x)
         assert torch.allclose(outputs[kernel], exact, rtol=2e-2, atol=2e-2)
     assert torch.equal(outputs["dense"], outputs["dequant"])
+    if not fp16_gemm_available():
+        return
     # fp16: the weight rounded to fp16 once, then fp32 arithmetic.
     rounded = x.double() @ layer.dequantized_weight(torch.float32).half().double().t()
     assert torch.allclose(outputs["fp16"].double(), rounded, rtol=1e-5, atol=1e-5)
@@ -180,9 +216,8 @@ def test_a_malformed_or_stale_table_is_measured_again(tiny_model_dir, tmp_path, 
 
     monkeypatch.setattr(cpu_planner, "time_cell", counting)
     _int8_model(tiny_model_dir, str(table))
-    assert sorted(set(calls)) == ["dense", "dequant", "fp16", "packed"] and len(calls) == 4 * len(BUCKETS)
-    timed = sorted(json.loads(table.read_text())[cpu_planner.machine_key()][group])
-    assert timed == ["dense", "dequant", "fp16", "packed"]
+    assert sorted(set(calls)) == BUILD_KERNELS and len(calls) == len(BUILD_KERNELS) * len(BUCKETS)
+    assert sorted(json.loads(table.read_text())[cpu_planner.machine_key()][group]) == BUILD_KERNELS
 
 
 def test_the_int8_head_never_runs_the_packed_op(tiny_model_dir, tmp_path, monkeypatch) -> None:

@@ -218,7 +218,7 @@ class TorchSDPABackend(AttentionBackend):
 
     def _invariant_metadata(self, batch: StepBatch) -> TorchSDPAMetadata:
         """The CPU's batch-invariant calls (``invariant_sdpa``): key lengths padded by
-        ``InvariantShape.kv_len`` and gathered through slot 0 past a sequence's end, float masks
+        ``InvariantShape.kv_len`` and read in whole blocks (``BlockGather``), float masks
         always, and each prefill chunk cut into segments that see keys up to their own end."""
         device = batch.slot_mapping.device
         window = self.spec.sliding_window

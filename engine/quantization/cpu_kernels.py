@@ -1,6 +1,6 @@
 """The kernels a quantized linear layer can run on CPU, and the plan that picks one per batch size.
 
-Three ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
+Four ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
 
 * ``packed``: torch's packed op (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
   with bf16 activations. It reads the quantized bytes directly, so it wins where a step is

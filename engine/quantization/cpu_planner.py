@@ -1,6 +1,6 @@
 """Choosing each quantized layer's CPU kernels by measuring them on the machine that serves.
 
-Which of ``packed``, ``dequant`` and ``dense`` (``cpu_kernels.py``) is fastest depends on
+Which of ``packed``, ``dequant``, ``dense`` and ``fp16`` (``cpu_kernels.py``) is fastest depends on
 the CPU (AMX, AVX512-BF16, plain AVX2), the layer's shape and the batch size, in ways no
 rule of thumb captured. After loading, layers are grouped by format and shape; each group's
 kernels are timed at the batch sizes of ``BUCKETS`` on the group's own layers, in turn, so
@@ -10,7 +10,8 @@ keyed by CPU model, ISA flags, torch version and thread count, so later starts s
 ``--cpu-kernels`` (``EngineArgs.cpu_kernels``):
 
 * ``auto`` (default): one kernel family per layer, the one that is fastest across the
-  batch sizes, so a row's result never depends on its batch (greedy decoding is batch
+  batch sizes, each weighed against the best time of all the planned layers at that
+  size, so a row's result never depends on its batch (greedy decoding is batch
   invariant); within the dense family, a kept dense copy where memory allows.
 * ``fastest``: the fastest kernel at each batch size, even if that mixes numerics.
 * ``packed``, ``dequant``, ``dense``, ``fp16``: that kernel everywhere (its copy regardless
@@ -52,7 +53,7 @@ from cadence.engine.quantization.cpu_kernels import (
 )
 from cadence.engine.quantization.linear import QuantizedMethod, dense_bytes
 from cadence.engine.quantization.method import LinearLayer
-from cadence.kernels.fp16_linear import fp16_gemm_available
+from cadence.kernels.fp16_linear import fp16_gemm_available, packed_fp16_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +118,12 @@ class LayerGroup:
     kernels: tuple[str, ...]
 
     def held_bytes(self, kernel: str, dtype: torch.dtype) -> int:
-        """The memory ``kernel``'s kept copies take for the whole group."""
-        return len(self.layers) * dense_bytes(self.layers[0], torch.float16 if kernel == FP16 else dtype)
+        """The memory ``kernel``'s kept copies take for the whole group (fbgemm pads ``fp16``'s)."""
+        layer = self.layers[0]
+        if kernel != FP16:
+            return len(self.layers) * dense_bytes(layer, dtype)
+        bounds = self.method.chunk_bounds(layer)
+        return len(self.layers) * sum(packed_fp16_bytes(stop - start, layer.in_features) for start, stop in bounds)
 
     def hold(self, kernel: str, dtype: torch.dtype) -> None:
         for layer in self.layers:
@@ -202,7 +207,8 @@ def choose(
 
 
 def model_best_times(measured: list[tuple[LayerGroup, dict[str, list[float]], set[str]]]) -> list[float] | None:
-    """µs per bucket of every measured group's fastest candidate, times its layer count."""
+    """µs per bucket of every measured group's fastest candidate, times its layer count: the
+    best time of all the layers with a choice of kernels (what ``auto`` weighs a group by)."""
     best = [0.0] * len(BUCKETS)
     for group, times, affordable in measured:
         names = candidates(times, affordable)
@@ -291,6 +297,10 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
         # Copies already kept for earlier groups leave less for this one.
         affordable -= {k for k in HELD_KERNELS if mode != k and group.held_bytes(k, dtype) > budget}
         plan = _runnable(group, choose(times, choice, affordable, model_best))
+        # A mixed plan (``fastest``) may read both copies: together they must fit too.
+        while not fixed and sum(group.held_bytes(k, dtype) for k in HELD_KERNELS if k in plan.kernels) > budget:
+            affordable.discard(FP16 if FP16 in plan.kernels else DENSE)
+            plan = _runnable(group, choose(times, choice, affordable, model_best))
         # Make the chosen kernels' copies; a kernel whose copy the weights refuse leaves the
         # group's choices (``_try_hold``), and the choice is made again without it.
         while not all(_try_hold(group, k, dtype, affordable) for k in HELD_KERNELS if k in plan.kernels):
@@ -333,7 +343,7 @@ def _try_hold(group: LayerGroup, kernel: str, dtype: torch.dtype, affordable: se
     out of range, or no invariant tiling), the kernel leaves the group's choices."""
     try:
         group.hold(kernel, dtype)
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         group.drop(kernel)
         group.kernels = tuple(k for k in group.kernels if k != kernel)
         affordable.discard(kernel)

@@ -123,7 +123,7 @@ class QuantizedMethod(DenseMethod):
         layer.cpu_dense, layer.cpu_dense_dtype = None, None
 
     def hold_fp16(self, layer: LinearLayer) -> None:
-        """Make and keep the ``fp16`` kernel's packed chunks (half of ``dense_bytes`` in fp32)."""
+        """Make and keep the ``fp16`` kernel's packed chunks (``packed_fp16_bytes`` each)."""
         layer.cpu_fp16 = held_fp16(self.chunk_bounds(layer), self.dense_chunk_maker(layer, torch.float32))
 
     @staticmethod
