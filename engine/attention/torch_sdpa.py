@@ -238,20 +238,20 @@ class TorchSDPABackend(AttentionBackend):
             for offset in range(0, query_len, PREFILL_SEGMENT):
                 start, end = context_len + offset, context_len + min(offset + PREFILL_SEGMENT, query_len)
                 mask = prefill_mask(start, end, shape, window, self.dtype, device)
-                blocks = self._padded_blocks(tables[i : i + 1], [end], mask.shape[-1])
-                blocks.block_ids = blocks.block_ids[0]
+                blocks = self._padded_blocks(tables[i], [end], mask.shape[-1])
                 prefills.append(PrefillChunk(batch.query_starts[i] + offset, end - start, None, mask, blocks))
         return TorchSDPAMetadata(batch.slot_mapping, decode_groups, prefills)
 
     def _padded_blocks(self, tables: torch.Tensor, lengths: list[int], padded: int) -> BlockGather:
-        """The blocks holding each row's ``lengths`` positions, then block 0 up to ``padded``
-        positions: cache rows that are always finite (the cache starts zeroed, and only
-        model K/V is written to it), read under a -inf mask."""
+        """The blocks holding each row's ``lengths`` positions (``tables`` ``[rows, blocks]``,
+        or one row ``[blocks]`` with one length), then block 0 up to ``padded`` positions:
+        cache rows that are always finite (the cache starts zeroed, and only model K/V is
+        written to it), read under a -inf mask."""
         size = self.block_size
         num_blocks = -(-padded // size)
         width = min(num_blocks, tables.shape[-1])
-        used = torch.tensor([-(-n // size) for n in lengths], device=tables.device)[:, None]
-        ids = tables[:, :width].long()
+        used = torch.tensor([-(-n // size) for n in lengths], device=tables.device).view(*tables.shape[:-1], 1)
+        ids = tables[..., :width].long()
         ids = torch.where(torch.arange(width, device=tables.device) < used, ids, 0)
         return BlockGather(F.pad(ids, (0, num_blocks - width)), padded)
 
