@@ -100,11 +100,18 @@ def chunk_bounds(n: int, k: int, row_multiple: int) -> list[tuple[int, int]]:
 def chunked_matmul(x: torch.Tensor, n: int, bounds: Sequence[tuple[int, int]], chunk: ChunkMaker) -> torch.Tensor:
     """``x [M, K] @ W.T`` with ``W``'s row ranges ``bounds`` made by ``chunk``, each through
     ``invariant_linear``: a row's bits do not depend on the batch."""
+    return _by_chunk(x, n, bounds, lambda start, stop: invariant_linear(x, chunk(start, stop)))
+
+
+def _by_chunk(
+    x: torch.Tensor, n: int, bounds: Sequence[tuple[int, int]], product: Callable[[int, int], torch.Tensor]
+) -> torch.Tensor:
+    """The ``[M, n]`` output from ``product(start, stop)``, the output columns of each chunk."""
     if len(bounds) == 1:
-        return invariant_linear(x, chunk(*bounds[0]))
+        return product(*bounds[0])
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
     for start, stop in bounds:
-        out[:, start:stop] = invariant_linear(x, chunk(start, stop))
+        out[:, start:stop] = product(start, stop)
     return out
 
 
@@ -130,9 +137,4 @@ def held_fp16(bounds: Sequence[tuple[int, int]], chunk: ChunkMaker) -> dict[tupl
 
 def chunked_fp16_matmul(x: torch.Tensor, n: int, held: dict[tuple[int, int], Fp16Weight]) -> torch.Tensor:
     """``x [M, K] @ W.T`` through the held fp16 chunks, each at batch-invariant tiles."""
-    if len(held) == 1:
-        return invariant_fp16_linear(x, next(iter(held.values())))
-    out = torch.empty(x.shape[0], n, dtype=x.dtype)
-    for (start, stop), weight in held.items():
-        out[:, start:stop] = invariant_fp16_linear(x, weight)
-    return out
+    return _by_chunk(x, n, list(held), lambda start, stop: invariant_fp16_linear(x, held[(start, stop)]))
