@@ -7,6 +7,7 @@
 #   bash bench/gpu_session.sh decode    # bench/gpu_decode.py at Llama-8B shapes, graphs only
 #   bash bench/gpu_session.sh invariant # what --batch-invariant costs at batch 1/16/64 (gpu_decode.py)
 #   bash bench/gpu_session.sh serve     # `cadence serve`, 8B-shaped: batch 1-256, graphs/eager, bf16/int8/int4
+#                                       # (arguments after the stage go to bench/gpu_serve.py)
 #   bash bench/gpu_session.sh tune      # bench/tune_tiled.py: the tiled GEMMs' launches, against dense
 #
 # The device machine has torch and triton but no pip index: `bash bench/gpu_wheels.sh` here
@@ -61,7 +62,7 @@ case "$stage" in
             2>&1 | tee -a "$out/invariant.log"
         ;;
     serve)
-        (cd bench && python3 gpu_serve.py) 2>&1 | tee "$out/serve.log"
+        (cd bench && python3 gpu_serve.py "${@:2}") 2>&1 | tee "$out/serve.log"
         ;;
     tune)
         (cd bench && python3 tune_tiled.py --budget-s "${TUNE_BUDGET_S:-240}" --out "$out") 2>&1 | tee "$out/tune.log"
