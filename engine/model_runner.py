@@ -25,10 +25,10 @@ from cadence.engine.attention.backend import (
 from cadence.engine.attention.selector import create_attention_backend
 from cadence.engine.batch_invariant import make_batch_invariant
 from cadence.engine.cuda_graphs import DecodeGraphs
-from cadence.engine.experts.offloaded import offloaded_stats
 from cadence.engine.input_batch import InputBatch, RequestState, StepInputs
 from cadence.engine.kv_transfer.transport import KVTransport
 from cadence.engine.models.causal_lm import CausalLM
+from cadence.engine.models.moe import routes_on_host
 from cadence.engine.protocol import TokenLogprobs
 from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from cadence.engine.sampling_params import SamplingParams
@@ -193,11 +193,13 @@ class ModelRunner:
 
     def _graphs_supported(self, kv_cache_dtype: str) -> bool:
         """CUDA graphs need a backend with graph hooks on a GPU, and no host sync in the
-        step: an fp8 cache below compute capability 8.9 is written by torch code that syncs."""
+        step: an fp8 cache below compute capability 8.9 is written by torch code that syncs,
+        and MoE layers with offloaded or quantized experts read their routing on the host
+        (only dense resident experts go through the fused kernel)."""
         if self.device.type != "cuda" or not self.backend.supports_cuda_graphs:
             return False
-        if offloaded_stats(self.model) is not None:
-            return False  # an offloaded layer reads its routing on the host every step
+        if routes_on_host(self.model):
+            return False
         return kv_cache_dtype != "fp8" or has_fp8_hardware(self.device)
 
     def _run_eager(self, step: StepInputs) -> torch.Tensor:

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from cadence.engine.loader import load_model
 from cadence.engine.model_config import ModelConfig
-from cadence.engine.models.moe import MoEForCausalLM, SparseMoeBlock
+from cadence.engine.models.moe import MoEForCausalLM, SparseMoeBlock, routes_on_host
 from cadence.engine.quantization.linear import Int8Method
 from cadence.engine.quantization.method import DenseMethod
 from helpers import greedy, hf_greedy, make_llm, rel_err
@@ -54,7 +54,7 @@ def tokens(outputs) -> list[list[int]]:
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     ctx = VarlenSdpaContext(model.attention_spec(), [ids.numel()])
     with torch.no_grad():
-        return model.compute_logits(model(ids, torch.arange(ids.numel()), ctx))
+        return model.compute_logits(model(ids, torch.arange(ids.numel(), device=ids.device), ctx))
 
 
 def test_logits_match_transformers(moe_model) -> None:
@@ -129,10 +129,12 @@ def test_fused_path_matches_grouped_path(tiny_model_dir) -> None:
     model, _ = load_model(tiny_model_dir("qwen2_moe"), torch.float32, "cpu")
     block = model.get_submodule("model.layers.1.mlp")
     assert isinstance(block, SparseMoeBlock) and block.w13 is None  # not stacked on CPU
+    assert block.reads_routing_on_host() and routes_on_host(model)  # so no CUDA graphs
     x = torch.randn(7, 64, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         grouped = block(x)
         assert block.stack_dense_experts() and block.w13 is not None
+        assert not block.reads_routing_on_host()
         first = block.experts[0].get_submodule("gate_up_proj")
         assert first.weight.data_ptr() == block.w13[0].data_ptr()
         fused = block(x)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from cadence.engine.model_config import ModelConfig
+from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.models.llama import MLP, LlamaForCausalLM, dense_mlp
 from cadence.engine.models.weight_names import ours_from_mixtral
 from cadence.engine.quantization.method import DenseMethod, LinearLayer, QuantConfig
@@ -149,6 +150,12 @@ class SparseMoeBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
+    def reads_routing_on_host(self) -> bool:
+        """Whether a forward reads its routing on the host: offloaded experts, and the
+        grouped path (its per-expert token counts), do; the fused kernel does not. A step
+        that does cannot be captured in a CUDA graph."""
+        return self.offload is not None or self.w13 is None or not self.stacked_experts_current()
+
     def grouped_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The torch path: each routed expert run once on its tokens (``RoutedPairs``)."""
         pairs = RoutedPairs(x, weights, ids, self.num_experts)
@@ -214,3 +221,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         for module in self.modules():
             if isinstance(module, SparseMoeBlock) and module.gate.weight.is_cuda:
                 module.stack_dense_experts()
+
+
+def routes_on_host(model: CausalLM | nn.Module) -> bool:
+    """Whether any of the model's MoE layers reads its routing on the host every step."""
+    return any(isinstance(m, SparseMoeBlock) and m.reads_routing_on_host() for m in model.modules())
