@@ -9,12 +9,14 @@
 #   bash bench/gpu_session.sh serve     # `cadence serve`, 8B-shaped: batch 1-256, graphs/eager, bf16/int8/int4
 #                                       # (arguments after the stage go to bench/gpu_serve.py)
 #   bash bench/gpu_session.sh tune      # bench/tune_tiled.py: the tiled GEMMs' launches, against dense
+#   bash bench/gpu_session.sh profile   # bench/step_profile.py: a decode step's device time against its wall
+#                                       # time at batch 1/64/256 (arguments after the stage go to it)
 #
 # The device machine has torch and triton but no pip index: `bash bench/gpu_wheels.sh` here
 # puts gguf and the server's packages in .whl/ (carry it), installed into /tmp/site, and
 # this checkout is imported as `cadence` through a symlink in /tmp/pkg.
 set -euo pipefail
-stage="${1:?usage: gpu_session.sh tests|kernels|decode|invariant|serve|tune}"
+stage="${1:?usage: gpu_session.sh tests|kernels|decode|invariant|serve|tune|profile}"
 out="${OUT:-/tmp/gpu_session}"
 mkdir -p "$out" /tmp/pkg
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -64,6 +66,9 @@ case "$stage" in
         ;;
     serve)
         (cd bench && python3 gpu_serve.py "${@:2}") 2>&1 | tee "$out/serve.log"
+        ;;
+    profile)
+        (cd bench && python3 step_profile.py "${@:2}") 2>&1 | tee "$out/profile.log"
         ;;
     tune)
         (cd bench && python3 tune_tiled.py --budget-s "${TUNE_BUDGET_S:-240}" --out "$out") 2>&1 | tee "$out/tune.log"
