@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cadence import LLM, SamplingParams
 from cadence.engine.protocol import EngineCoreRequest
+from common.decode_profile import step_until_decoding
 from common.random_llama import TINY, build_random_model, llama3_shaped
 
 QUANTIZATION = {"bf16": None, "int8": "int8", "int4": "int4"}
@@ -33,18 +34,12 @@ PROMPT_LEN = 128
 
 def decode_ready(llm: LLM, batch: int, max_tokens: int, vocab: int) -> None:
     """Add ``batch`` requests and step until every one of them is decoding."""
-    engine = llm.engine
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         prompt = torch.randint(3, vocab - 1, (PROMPT_LEN,), generator=gen).tolist()
-        engine.add_request(EngineCoreRequest(f"profile-{batch}-{i}", prompt, params))
-    while engine.scheduler.waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-    ):
-        engine.step()
-    for _ in range(3):  # the first decode steps of a size may still compile or allocate
-        engine.step()
+        llm.engine.add_request(EngineCoreRequest(f"profile-{batch}-{i}", prompt, params))
+    step_until_decoding(llm.engine, batch)
 
 
 def profile_steps(llm: LLM, steps: int, on_gpu: bool) -> tuple[float, float, profile]:

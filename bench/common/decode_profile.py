@@ -10,9 +10,22 @@ import pstats
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from cadence import SamplingParams
+from cadence.engine.engine_core import EngineCore
 from cadence.engine.protocol import EngineCoreRequest
 from common.cadence_runs import blocks_needed, cadence_llm, max_model_len_for
 from common.workloads import Workload
+
+
+def step_until_decoding(engine: EngineCore, batch: int) -> None:
+    """Step until all ``batch`` requests added are decoding, then a few more steps: the first
+    decode steps of a batch size may still allocate, or compile kernels on a GPU."""
+    for _ in range(1000):
+        engine.step()
+        running = engine.scheduler.running
+        if len(running) == batch and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running):
+            break
+    for _ in range(3):
+        engine.step()
 
 
 def profile_decode(path: str, work: Workload, mbt: int, dtype: str, num_steps: int = 10) -> list[str]:
@@ -25,17 +38,7 @@ def profile_decode(path: str, work: Workload, mbt: int, dtype: str, num_steps: i
         params = SamplingParams(max_tokens=max(work.max_tokens) + 3 * num_steps, temperature=0.0, ignore_eos=True)
         engine.add_request(EngineCoreRequest(f"prof-{i}", p, params, 0))
     batch = len(work.prompts)
-    # Step until every sequence is decoding, plus a few warm decode steps.
-    for _ in range(1000):
-        engine.step()
-        if (
-            engine.scheduler.running
-            and len(engine.scheduler.running) == batch
-            and all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running)
-        ):
-            break
-    for _ in range(3):
-        engine.step()
+    step_until_decoding(engine, batch)
 
     out: list[str] = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
