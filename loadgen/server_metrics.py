@@ -95,9 +95,13 @@ class MetricsScraper:
             self.prefix = find_prefix(self.before)
 
     def begin(self, run_start: float) -> None:
-        """Sample the gauges every `interval` seconds from the run's start (a perf_counter reading)."""
+        """Sample the gauges every `interval` seconds from the run's start (a perf_counter
+        reading). The scrape taken just before the start is the timeline's first point, at
+        0 s: a run shorter than the interval still has one, and no scrape competes with the
+        first requests."""
         self._start = run_start
         if self.before is not None and self.interval > 0:
+            self.timeline.append(self._point(self.before, 0.0))
             self._task = asyncio.create_task(self._sample_loop())
 
     def cancel(self) -> None:
@@ -110,12 +114,15 @@ class MetricsScraper:
             await asyncio.sleep(self.interval)
             series = await self.scrape()
             if series is not None:
-                point = {"t": time.perf_counter() - self._start}
-                for name in GAUGES:
-                    value = self.gauge(series, name)
-                    if value is not None:
-                        point[name] = value
-                self.timeline.append(point)
+                self.timeline.append(self._point(series, time.perf_counter() - self._start))
+
+    def _point(self, series: Series, t: float) -> dict[str, float]:
+        point = {"t": t}
+        for name in GAUGES:
+            value = self.gauge(series, name)
+            if value is not None:
+                point[name] = value
+        return point
 
     async def stop(self, idle_timeout: float) -> None:
         """End the sampling; wait for the server to settle (aborts are freed asynchronously), then scrape."""

@@ -23,6 +23,13 @@ from cadence.server.cli import build_parser, engine_args_from
 from helpers import load_llama
 
 
+@pytest.fixture(autouse=True)
+def own_kernel_table(tmp_path, monkeypatch) -> None:
+    """Each test here its own empty timing table: several fake the planner's timings, and
+    a faked table entry must reach no other test (nor may one another test measured)."""
+    monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "own-cpu-kernels.json"))
+
+
 def test_a_plan_serves_each_batch_size_from_its_nearest_bucket() -> None:
     plan = KernelPlan(("packed", "packed", "dense", "dense", "dequant"))
     assert [plan.kernel_for(m) for m in (1, 2, 3, 8, 9, 32, 33, 128, 129, 4096)] == [
