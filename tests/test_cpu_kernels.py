@@ -159,7 +159,6 @@ def test_fastest_keeps_both_copies_only_where_both_fit(tiny_model_dir, tmp_path,
         pytest.skip("this torch build has no fbgemm")
     times = {"packed": [9.0] * 5, "dequant": [9.0] * 5, "dense": [5.0] * 4 + [1.0], "fp16": [1.0] * 4 + [5.0]}
     monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: times[kernel][BUCKETS.index(m)])
-    monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "kernels.json"))
     monkeypatch.setattr(cpu_planner, "available_host_memory", lambda: 1 << 40)
 
     def planned(model: LlamaForCausalLM) -> list[LinearLayer]:

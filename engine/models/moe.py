@@ -142,7 +142,8 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.route(x)
         if self.offload is not None:
             out = self.offload(x, weights, ids)
-        elif self.w13 is not None and self.w2 is not None and self.stacked_experts_current():
+        elif self.runs_fused_kernel():
+            assert self.w13 is not None and self.w2 is not None
             out = self.fused_experts(x, weights, ids, self.w13, self.w2)
         else:
             out = self.grouped_experts(x, weights, ids)
@@ -150,11 +151,15 @@ class SparseMoeBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
+    def runs_fused_kernel(self) -> bool:
+        """Whether resident experts go through the fused kernel: stacked, and still current."""
+        return self.w13 is not None and self.w2 is not None and self.stacked_experts_current()
+
     def reads_routing_on_host(self) -> bool:
         """Whether a forward reads its routing on the host: offloaded experts, and the
         grouped path (its per-expert token counts), do; the fused kernel does not. A step
         that does cannot be captured in a CUDA graph."""
-        return self.offload is not None or self.w13 is None or not self.stacked_experts_current()
+        return self.offload is not None or not self.runs_fused_kernel()
 
     def grouped_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The torch path: each routed expert run once on its tokens (``RoutedPairs``)."""
