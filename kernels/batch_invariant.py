@@ -123,10 +123,14 @@ def measure_tile_plan(
 
 
 def measure_tiles(
-    gemm: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype, device: torch.device | str
+    gemm: Callable[[torch.Tensor], torch.Tensor],
+    in_features: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    inputs: torch.Tensor | None = None,
 ) -> TilePlan:
-    """Which ladder sizes give every row of ``gemm`` (a product with a fixed random weight)
-    the same bits, on random inputs.
+    """Which ladder sizes give every row of ``gemm`` (a product with a fixed weight) the same
+    bits, on ``inputs`` (at least ``TILE_LADDER[-1] + 3`` rows; random by default).
 
     At each size, the tile is run at offset 0 and again one and three rows further on
     (each of those also from a fresh copy), so every row is seen at two neighbouring
@@ -134,9 +138,10 @@ def measure_tiles(
     rest fall into classes by the bits of their common rows, and the class whose tiling
     costs least over decode and prefill batch sizes wins (``_modelled_cost``).
     """
-    gen = torch.Generator().manual_seed(1)
-    largest = TILE_LADDER[-1]
-    x = torch.randn(largest + 3, in_features, generator=gen).to(dtype=dtype, device=device)
+    if inputs is None:
+        gen = torch.Generator().manual_seed(1)
+        inputs = torch.randn(TILE_LADDER[-1] + 3, in_features, generator=gen)
+    x = inputs.to(dtype=dtype, device=device)
     results: dict[int, torch.Tensor] = {}
     for size in TILE_LADDER:
         at_zero = gemm(x[:size])
@@ -165,6 +170,27 @@ def measure_tiles(
     # Each batch size counts relative to the best plan for it, so batch 1 weighs as much
     # as a long prefill.
     return min(zip(plans, costs), key=lambda pc: sum(c / b for c, b in zip(pc[1], best)))[0]
+
+
+def cancellation_probe(out_features: int, in_features: int, big: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight and inputs under which a change in a GEMM's summation order shows even
+    through an output rounded to few bits (bf16's 8): every 8th input column is 1, and
+    each weight row has ``+big`` and ``-big`` at two of those columns, so the exact sum is
+    the random terms alone while a running fp32 sum holds ``big`` between the two, and
+    rounds the terms added meanwhile to ``big``'s coarse steps. Where the order differs,
+    different terms are so rounded, and the outputs differ by far more than the output's
+    own rounding. (Random inputs alone only show an order change where an exact sum
+    happens to lie near a rounding boundary.)"""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    inputs = torch.randn(TILE_LADDER[-1] + 3, in_features, generator=gen)
+    columns = torch.arange(0, in_features, 8)
+    inputs[:, columns] = 1.0
+    first, second = (columns[torch.randint(0, len(columns), (out_features,), generator=gen)] for _ in range(2))
+    rows = torch.arange(out_features)[first != second]
+    weight[rows, first[first != second]] = big
+    weight[rows, second[first != second]] = -big
+    return weight, inputs
 
 
 # Batch sizes the plans are ranked on, each counting as much as the others: batch-1

@@ -116,7 +116,7 @@ def _assert_all_alike(outputs: dict[str, Generated]) -> None:
         ("llama_bias", None, "auto"),
         ("mistral", None, "auto"),
         # Quantized layers: the planner's own choice, and each kernel it can choose.
-        *[("llama", q, k) for q in ("int8", "int4") for k in ("auto", "packed", "dequant", "dense", "fp16")],
+        *[("llama", q, k) for q in ("int8", "int4") for k in ("auto", "packed", "dequant", "dense", "fp16", "bf16")],
     ],
 )
 def test_greedy_request_is_the_same_in_any_batch(

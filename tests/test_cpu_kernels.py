@@ -17,7 +17,7 @@ from cadence.engine.quantization.cpu_planner import choose, group_summary, plan_
 from cadence.engine.quantization.linear import Int8Linear
 from cadence.engine.quantization.lm_head import Int8HeadMethod
 from cadence.engine.quantization.method import LinearLayer
-from cadence.kernels.fp16_linear import fp16_gemm_available
+from cadence.kernels.half_linear import BF16, FP16, available
 from cadence.kernels.quant_formats import quantize_int8
 from cadence.server.cli import build_parser, engine_args_from
 from helpers import load_llama
@@ -51,8 +51,10 @@ TIMES = {  # µs at M = 1, 4, 16, 64, 256: packed wins small batches, the dense 
     "fp16": [12.0, 18.0, 30.0, 90.0, 380.0],
 }
 WITHOUT_FP16 = {k: v for k, v in TIMES.items() if k != "fp16"}
-# The kernels a quantized layer offers with fp32 activations on this build (fp16 needs fbgemm).
-BUILD_KERNELS = sorted(["dense", "dequant", "packed", *(["fp16"] if fp16_gemm_available() else [])])
+# The half kernels this build and CPU run: fp16 needs fbgemm, bf16 native bf16.
+HALF = [fmt.name for fmt in (FP16, BF16) if available(fmt)]
+# The kernels a quantized layer offers with fp32 activations here.
+BUILD_KERNELS = sorted(["dense", "dequant", "packed", *HALF])
 
 
 def test_choose_keeps_one_family_under_auto_and_mixes_under_fastest() -> None:
@@ -147,17 +149,18 @@ def test_dense_copies_stay_within_the_memory_budget(tiny_model_dir, tmp_path, mo
     monkeypatch.setattr(cpu_planner, "time_cell", lambda *a: pytest.fail("a fixed choice measures nothing"))
     forced = _int8_model(tiny_model_dir, "dense")
     assert all(m.cpu_dense is not None for m in forced.modules() if getattr(m, "cpu_plan", None) is not None)
-    if fp16_gemm_available():
-        forced = _int8_model(tiny_model_dir, "fp16")
-        layers = [m for m in forced.modules() if getattr(m, "cpu_plan", None) is not None]
-        assert layers and all(m.cpu_fp16 is not None and m.cpu_dense is None for m in layers)
+    for half in HALF:
+        forced = _int8_model(tiny_model_dir, half)
+        held_half = [m for m in forced.modules() if isinstance(m, LinearLayer) and m.cpu_plan is not None]
+        assert held_half and all(list(m.cpu_half) == [half] and m.cpu_dense is None for m in held_half)
 
 
 def test_fastest_keeps_both_copies_only_where_both_fit(tiny_model_dir, tmp_path, monkeypatch) -> None:
     """A mixed plan reading dense and fp16 copies must fit both in the budget."""
-    if not fp16_gemm_available():
+    if not available(FP16):
         pytest.skip("this torch build has no fbgemm")
     times = {"packed": [9.0] * 5, "dequant": [9.0] * 5, "dense": [5.0] * 4 + [1.0], "fp16": [1.0] * 4 + [5.0]}
+    times["bf16"] = [9.0] * 5
     monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: times[kernel][BUCKETS.index(m)])
     monkeypatch.setattr(cpu_planner, "available_host_memory", lambda: 1 << 40)
 
@@ -166,7 +169,7 @@ def test_fastest_keeps_both_copies_only_where_both_fit(tiny_model_dir, tmp_path,
 
     roomy = planned(_int8_model(tiny_model_dir, "fastest"))
     assert roomy and all(m.cpu_plan == KernelPlan(("fp16",) * 4 + ("dense",)) for m in roomy)
-    assert all(m.cpu_dense is not None and m.cpu_fp16 is not None for m in roomy)
+    assert all(m.cpu_dense is not None and "fp16" in m.cpu_half for m in roomy)
     # Room for either copy of the largest group but not both: no layer keeps two.
     groups = cpu_planner.layer_groups(roomy, torch.float32)
     both = max(g.held_bytes("dense", torch.float32) + g.held_bytes("fp16", torch.float32) for g in groups)
@@ -177,9 +180,9 @@ def test_fastest_keeps_both_copies_only_where_both_fit(tiny_model_dir, tmp_path,
     for group in cpu_planner.layer_groups(tight, torch.float32):
         layer = group.layers[0]
         kept += group.held_bytes("dense", torch.float32) if layer.cpu_dense is not None else 0
-        kept += group.held_bytes("fp16", torch.float32) if layer.cpu_fp16 is not None else 0
+        kept += group.held_bytes("fp16", torch.float32) if "fp16" in layer.cpu_half else 0
     assert 0 < kept <= memory * cpu_planner.DENSE_MEMORY_FRACTION
-    assert any(m.cpu_dense is None or m.cpu_fp16 is None for m in tight)
+    assert any(m.cpu_dense is None or "fp16" not in m.cpu_half for m in tight)
 
 
 def test_every_kernel_gives_the_layer_its_values() -> None:
@@ -190,16 +193,19 @@ def test_every_kernel_gives_the_layer_its_values() -> None:
     x = torch.randn(5, 96)
     exact = x @ layer.dequantized_weight(torch.float32).t()
     outputs = {}
-    for kernel in ("packed", "dequant", "dense", *(["fp16"] if fp16_gemm_available() else [])):
+    for kernel in ("packed", "dequant", "dense", *HALF):
         layer.cpu_plan = KernelPlan.fixed(kernel)
         outputs[kernel] = layer(x)
         assert torch.allclose(outputs[kernel], exact, rtol=2e-2, atol=2e-2)
     assert torch.equal(outputs["dense"], outputs["dequant"])
-    if not fp16_gemm_available():
-        return
-    # fp16: the weight rounded to fp16 once, then fp32 arithmetic.
-    rounded = x.double() @ layer.dequantized_weight(torch.float32).half().double().t()
-    assert torch.allclose(outputs["fp16"].double(), rounded, rtol=1e-5, atol=1e-5)
+    dense = layer.dequantized_weight(torch.float32)
+    if "fp16" in HALF:  # the weight rounded to fp16 once, then fp32 arithmetic
+        rounded = x.double() @ dense.half().double().t()
+        assert torch.allclose(outputs["fp16"].double(), rounded, rtol=1e-5, atol=1e-5)
+    if "bf16" in HALF:  # weight and activations rounded to bf16, summed in fp32, output rounded to bf16
+        rounded = x.bfloat16().double() @ dense.bfloat16().double().t()
+        assert torch.allclose(outputs["bf16"].double(), rounded, rtol=2**-8, atol=1e-6)
+        assert torch.equal(outputs["bf16"], outputs["bf16"].bfloat16().float())
 
 
 def test_a_malformed_or_stale_table_is_measured_again(tiny_model_dir, tmp_path, monkeypatch) -> None:

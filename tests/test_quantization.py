@@ -35,7 +35,7 @@ from cadence.engine.quantization import cpu_kernels as cpu_kernels_module
 from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_transposed, unpack_cpu_int4
 from cadence.engine.quantization.cpu_kernels import KernelPlan
 from cadence.kernels import w4a16
-from cadence.kernels.fp16_linear import fp16_gemm_available
+from cadence.kernels.half_linear import BF16, FP16, available
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
 from helpers import CPU_PATH_TOL, head_of, load_llama, rel_err
 from quant_eval import EVAL_TEXT, TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
@@ -133,7 +133,8 @@ def test_int4_linear_cpu_dense_kernels_unpack_the_packed_bytes(
     assert torch.equal(unpack_cpu_int4(mod.cpu_packed, 192, 256, mod.cpu_block_n), codes)
     method = mod.method
     assert isinstance(method, Int4Method)
-    assert method.cpu_kernels(mod) == ("packed", "dequant", "dense", "fp16")  # fp16 where fbgemm is (the planner)
+    # The half kernels where their GEMM runs (the planner decides that).
+    assert method.cpu_kernels(mod) == ("packed", "dequant", "dense", "fp16", "bf16")
     x = torch.randn(40, 256).to(dtype)
     packed = method.packed_matmul(mod, x) + lin.bias.to(dtype)
     mod.cpu_plan = KernelPlan.fixed("dequant")
@@ -144,7 +145,7 @@ def test_int4_linear_cpu_dense_kernels_unpack_the_packed_bytes(
     method.hold_dense(mod, dtype)
     mod.cpu_plan = KernelPlan.fixed("dense")
     assert torch.equal(mod(x), dequant)
-    if not fp16_gemm_available():
+    if not available(FP16):
         return
     # fp16: the same unpacked values rounded to fp16, summed in fp32 (activations cast to fp32).
     mod.cpu_plan = KernelPlan.fixed("fp16")
@@ -157,6 +158,13 @@ def test_int4_linear_cpu_dense_kernels_unpack_the_packed_bytes(
         assert (fp16.double() - rounded).abs().max() < 1e-5
     else:
         assert rel_err(fp16.double(), rounded) < 1e-2
+    if not available(BF16):
+        return
+    # bf16: those values and the activations rounded to bf16, summed in fp32, rounded to bf16.
+    mod.cpu_plan = KernelPlan.fixed("bf16")
+    bf16 = mod(x)
+    rounded = x.bfloat16().double() @ dense_fp32.bfloat16().double().t() + bias
+    assert bf16.dtype == dtype and rel_err(bf16.double(), rounded) < 1e-2
 
 
 @pytest.mark.parametrize("zeros", ["symmetric", "uint8", "float"])

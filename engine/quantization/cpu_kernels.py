@@ -1,6 +1,6 @@
 """The kernels a quantized linear layer can run on CPU, and the plan that picks one per batch size.
 
-Four ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
+Five ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
 
 * ``packed``: torch's packed op (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
   with bf16 activations. It reads the quantized bytes directly, so it wins where a step is
@@ -12,13 +12,18 @@ Four ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
 * ``dense``: the same dense chunks, made once after loading and kept. Fast at large M,
   at the cost of the dense weight's memory.
 * ``fp16``: the same dense chunks rounded to fp16 once and kept for fbgemm's fp16 GEMM
-  (``kernels/fp16_linear.py``), fp32 arithmetic at batch-invariant tile sizes: half the
+  (``kernels/half_linear.py``), fp32 arithmetic at batch-invariant tile sizes: half the
   bytes of ``dense`` to read at small M, and on some CPUs the fastest GEMM at large M.
   Only with fp32 activations, on builds with fbgemm.
+* ``bf16``: the same chunks rounded to bf16 once and kept in oneDNN's blocked layout for
+  its bf16 GEMM (``kernels/half_linear.py``), bf16 activations and output like
+  ``packed``: where the CPU has native bf16, about twice the rate of the fp32 GEMMs at
+  large M, and at small M as few bytes to read as ``fp16``. Only with fp32 activations, on
+  CPUs with native bf16.
 
 ``dense`` and ``dequant`` run the same matmul calls on bit-identical chunks, so they give
-the same bits; ``packed`` rounds activations to bf16 and ``fp16`` weights to fp16, and
-each gives bits of its own. Which kernel
+the same bits; ``packed`` rounds activations to bf16, ``fp16`` weights to fp16, and
+``bf16`` both; each gives bits of its own. Which kernel
 serves which M is measured on the machine (``cpu_planner.py``) and held per layer as a
 ``KernelPlan``. A layer with no plan runs its format's first kernel at every M (``packed``;
 the int8 LM head, whose logits must not be rounded to bf16, has no ``packed``).
@@ -32,12 +37,14 @@ from dataclasses import dataclass
 import torch
 
 from cadence.kernels.batch_invariant import invariant_linear
-from cadence.kernels.fp16_linear import Fp16Weight, fits_fp16, fp16_tile_plan, invariant_fp16_linear, pack_fp16
+from cadence.kernels.half_linear import FORMATS, HalfWeight, invariant_half_linear, pack, tile_plan
 
-PACKED, DEQUANT, DENSE, FP16 = "packed", "dequant", "dense", "fp16"
-KERNELS = (PACKED, DEQUANT, DENSE, FP16)
+PACKED, DEQUANT, DENSE, FP16, BF16 = "packed", "dequant", "dense", "fp16", "bf16"
+KERNELS = (PACKED, DEQUANT, DENSE, FP16, BF16)
+# The kernels that read a half-precision copy made once and kept, by their format's name.
+HALF_KERNELS = (FP16, BF16)
 # The kernels that read a copy made once and kept (memory the planner budgets).
-HELD_KERNELS = (DENSE, FP16)
+HELD_KERNELS = (DENSE, *HALF_KERNELS)
 # The batch sizes the planner measures; a step's M takes the choice of the nearest one
 # (on a log scale), so a 2048-token prefill takes 256's, where the per-row cost has settled.
 BUCKETS = (1, 4, 16, 64, 256)
@@ -49,7 +56,7 @@ DEQUANT_CHUNK_ELEMENTS = 1 << 21
 
 def numerics(kernel: str) -> str:
     """Kernels with the same numerics give the same bits for the same row."""
-    return {PACKED: "bf16-packed", FP16: "fp16"}.get(kernel, "dense")
+    return {PACKED: "bf16-packed", FP16: "fp16", BF16: "bf16"}.get(kernel, "dense")
 
 
 @dataclass(frozen=True)
@@ -121,20 +128,27 @@ def held_chunks(bounds: Sequence[tuple[int, int]], chunk: ChunkMaker) -> ChunkMa
     return lambda start, stop: made[(start, stop)]
 
 
-def held_fp16(bounds: Sequence[tuple[int, int]], chunk: ChunkMaker) -> dict[tuple[int, int], Fp16Weight]:
-    """The ``fp16`` kernel's copy: each chunk of ``bounds`` made once, rounded and packed.
-    ValueError where a value overflows fp16 or no tile size keeps a chunk's rows invariant."""
+HeldHalf = dict[tuple[int, int], HalfWeight]  # a half kernel's packed chunks, by row range
+
+
+def held_half(kernel: str, bounds: Sequence[tuple[int, int]], chunk: ChunkMaker) -> HeldHalf:
+    """The copy of ``kernel`` (one of ``HALF_KERNELS``): each chunk of ``bounds`` made once,
+    rounded and packed. ValueError where a value does not fit the format or no tile size
+    keeps a chunk's rows invariant."""
+    fmt = FORMATS[kernel]
     held = {}
     for start, stop in bounds:
         dense = chunk(start, stop)
-        if not fits_fp16(dense):
-            raise ValueError(f"weight rows {start}:{stop} hold values beyond fp16's range")
-        if not fp16_tile_plan(stop - start, dense.shape[1]).sizes:
-            raise ValueError(f"no batch-invariant fp16 tiling for {stop - start}x{dense.shape[1]}")
-        held[(start, stop)] = pack_fp16(dense)
+        try:
+            packed = pack(fmt, dense)
+        except ValueError as exc:
+            raise ValueError(f"weight rows {start}:{stop}: {exc}") from None
+        if not tile_plan(fmt, stop - start, dense.shape[1]).sizes:
+            raise ValueError(f"no batch-invariant {kernel} tiling for {stop - start}x{dense.shape[1]}")
+        held[(start, stop)] = packed
     return held
 
 
-def chunked_fp16_matmul(x: torch.Tensor, n: int, held: dict[tuple[int, int], Fp16Weight]) -> torch.Tensor:
-    """``x [M, K] @ W.T`` through the held fp16 chunks, each at batch-invariant tiles."""
-    return _by_chunk(x, n, list(held), lambda start, stop: invariant_fp16_linear(x, held[(start, stop)]))
+def chunked_half_matmul(x: torch.Tensor, n: int, held: HeldHalf) -> torch.Tensor:
+    """``x [M, K] @ W.T`` through a half kernel's held chunks, each at batch-invariant tiles."""
+    return _by_chunk(x, n, list(held), lambda start, stop: invariant_half_linear(x, held[(start, stop)]))

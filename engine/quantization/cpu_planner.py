@@ -1,6 +1,6 @@
 """Choosing each quantized layer's CPU kernels by measuring them on the machine that serves.
 
-Which of ``packed``, ``dequant``, ``dense`` and ``fp16`` (``cpu_kernels.py``) is fastest depends on
+Which of ``packed``, ``dequant``, ``dense``, ``fp16`` and ``bf16`` (``cpu_kernels.py``) is fastest depends on
 the CPU (AMX, AVX512-BF16, plain AVX2), the layer's shape and the batch size, in ways no
 rule of thumb captured. After loading, layers are grouped by format and shape; each group's
 kernels are timed at the batch sizes of ``BUCKETS`` on the group's own layers, in turn, so
@@ -14,15 +14,16 @@ keyed by CPU model, ISA flags, torch version and thread count, so later starts s
   size, so a row's result never depends on its batch (greedy decoding is batch
   invariant); within the dense family, a kept dense copy where memory allows.
 * ``fastest``: the fastest kernel at each batch size, even if that mixes numerics.
-* ``packed``, ``dequant``, ``dense``, ``fp16``: that kernel everywhere (its copy regardless
-  of memory).
+* ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``: that kernel everywhere (its copy
+  regardless of memory).
 * a path to a ``.json`` file: ``auto``, with the times read from and saved to that file.
 
-A kept copy (``dense``'s fp32 chunks, ``fp16``'s packed ones) is made only while all of
-them fit in ``DENSE_MEMORY_FRACTION`` of the memory available after loading: a quantized
-model that would not fit dense stays quantized. ``fp16`` is offered with fp32
-activations on builds with fbgemm; a group whose weights overflow fp16, or whose shape no
-tile size keeps invariant, is not offered it.
+A kept copy (``dense``'s fp32 chunks, ``fp16``'s and ``bf16``'s packed ones) is made only
+while all of them fit in ``DENSE_MEMORY_FRACTION`` of the memory available after loading:
+a quantized model that would not fit dense stays quantized. ``fp16`` is offered with fp32
+activations on builds with fbgemm, ``bf16`` with fp32 activations on CPUs with native
+bf16; a group whose weights overflow fp16, or whose shape no tile size keeps invariant,
+is not offered that kernel.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from cadence.engine.quantization.cpu_kernels import (
     BUCKETS,
     DENSE,
     DEQUANT,
-    FP16,
+    HALF_KERNELS,
     HELD_KERNELS,
     KERNELS,
     PACKED,
@@ -53,7 +54,7 @@ from cadence.engine.quantization.cpu_kernels import (
 )
 from cadence.engine.quantization.linear import QuantizedMethod, dense_bytes
 from cadence.engine.quantization.method import LinearLayer
-from cadence.kernels.fp16_linear import fp16_gemm_available, packed_fp16_bytes
+from cadence.kernels.half_linear import FORMATS, available
 
 logger = logging.getLogger(__name__)
 
@@ -118,24 +119,26 @@ class LayerGroup:
     kernels: tuple[str, ...]
 
     def held_bytes(self, kernel: str, dtype: torch.dtype) -> int:
-        """The memory ``kernel``'s kept copies take for the whole group (fbgemm pads ``fp16``'s)."""
+        """The memory ``kernel``'s kept copies take for the whole group (packed half copies
+        are padded to their GEMM's blocks)."""
         layer = self.layers[0]
-        if kernel != FP16:
+        if kernel not in HALF_KERNELS:
             return len(self.layers) * dense_bytes(layer, dtype)
         bounds = self.method.chunk_bounds(layer)
-        return len(self.layers) * sum(packed_fp16_bytes(stop - start, layer.in_features) for start, stop in bounds)
+        packed_bytes = FORMATS[kernel].packed_bytes
+        return len(self.layers) * sum(packed_bytes(stop - start, layer.in_features) for start, stop in bounds)
 
     def hold(self, kernel: str, dtype: torch.dtype) -> None:
         for layer in self.layers:
-            if kernel == FP16:
-                self.method.hold_fp16(layer)
+            if kernel in HALF_KERNELS:
+                self.method.hold_half(layer, kernel)
             else:
                 self.method.hold_dense(layer, dtype)
 
     def drop(self, kernel: str) -> None:
         for layer in self.layers:
-            if kernel == FP16:
-                self.method.drop_fp16(layer)
+            if kernel in HALF_KERNELS:
+                self.method.drop_half(layer, kernel)
             else:
                 self.method.drop_dense(layer)
 
@@ -147,8 +150,10 @@ def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype) -> list[Layer
         if not isinstance(module, LinearLayer) or not isinstance(module.method, QuantizedMethod):
             continue
         kernels = module.method.cpu_kernels(module)
-        if FP16 in kernels and (dtype != torch.float32 or not fp16_gemm_available()):
-            kernels = tuple(k for k in kernels if k != FP16)
+        # The half kernels take fp32 activations, and run where their GEMM does.
+        kernels = tuple(
+            k for k in kernels if k not in HALF_KERNELS or (dtype == torch.float32 and available(FORMATS[k]))
+        )
         if len(kernels) > 1:
             fmt = type(module.method).__name__.removesuffix("Method").lower()
             shape = (fmt, module.out_features, module.in_features, getattr(module, "cpu_group_size", None))
@@ -180,11 +185,11 @@ def time_cell(group: LayerGroup, kernel: str, m: int, dtype: torch.dtype) -> flo
 
 def candidates(times: dict[str, list[float]], affordable: set[str]) -> list[str]:
     """The kernels ``auto`` and ``fastest`` choose among: ``packed``, the dense family
-    (``dense`` where its copy fits, else ``dequant``: the same bits, no copy), and ``fp16``
-    where its copy fits."""
+    (``dense`` where its copy fits, else ``dequant``: the same bits, no copy), and the half
+    kernels whose copies fit."""
     dense_family = DENSE if DENSE in affordable and DENSE in times else DEQUANT
-    held_fp16 = [FP16] if FP16 in affordable else []
-    return [k for k in (PACKED, dense_family, *held_fp16) if k in times]
+    held_half = [k for k in HALF_KERNELS if k in affordable]
+    return [k for k in (PACKED, dense_family, *held_half) if k in times]
 
 
 def choose(
@@ -263,7 +268,7 @@ class KernelTable:
 
 def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str = "auto") -> None:
     """Give every CPU-quantized layer among ``modules`` (activations in ``dtype``) its ``KernelPlan``,
-    keeping the copies its kernels read (dense, fp16), and log what was chosen and why."""
+    keeping the copies its kernels read (dense, fp16, bf16), and log what was chosen and why."""
     mode = validate_cpu_kernels(mode)
     groups = layer_groups(modules, dtype)
     if not groups:
@@ -299,7 +304,7 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
         plan = _runnable(group, choose(times, choice, affordable, model_best))
         # A mixed plan (``fastest``) may read both copies: together they must fit too.
         while not fixed and sum(group.held_bytes(k, dtype) for k in HELD_KERNELS if k in plan.kernels) > budget:
-            affordable.discard(FP16 if FP16 in plan.kernels else DENSE)
+            affordable.discard([k for k in HELD_KERNELS if k in plan.kernels][-1])  # a half copy first
             plan = _runnable(group, choose(times, choice, affordable, model_best))
         # Make the chosen kernels' copies; a kernel whose copy the weights refuse leaves the
         # group's choices (``_try_hold``), and the choice is made again without it.

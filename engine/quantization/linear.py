@@ -31,15 +31,15 @@ from cadence.engine.quantization.cpu_int4_layout import (
 )
 from cadence.engine.quantization.cpu_kernels import (
     DENSE,
-    FP16,
+    HALF_KERNELS,
     KERNELS,
     PACKED,
     ChunkMaker,
     chunk_bounds,
-    chunked_fp16_matmul,
+    chunked_half_matmul,
     chunked_matmul,
     held_chunks,
-    held_fp16,
+    held_half,
 )
 from cadence.engine.quantization.method import (
     DenseMethod,
@@ -103,11 +103,10 @@ class QuantizedMethod(DenseMethod):
     def run_cpu_kernel(self, layer: LinearLayer, x2: torch.Tensor, kernel: str) -> torch.Tensor:
         if kernel == PACKED:
             return self.packed_matmul(layer, x2)
-        if kernel == FP16:
-            if layer.cpu_fp16 is None:
-                self.hold_fp16(layer)
-            assert layer.cpu_fp16 is not None
-            return chunked_fp16_matmul(x2.float(), layer.out_features, layer.cpu_fp16).to(x2.dtype)
+        if kernel in HALF_KERNELS:
+            if kernel not in layer.cpu_half:
+                self.hold_half(layer, kernel)
+            return chunked_half_matmul(x2.float(), layer.out_features, layer.cpu_half[kernel]).to(x2.dtype)
         held = layer.cpu_dense
         maker = held if kernel == DENSE and held is not None and layer.cpu_dense_dtype == x2.dtype else None
         maker = maker or self.dense_chunk_maker(layer, x2.dtype)
@@ -122,13 +121,14 @@ class QuantizedMethod(DenseMethod):
     def drop_dense(layer: LinearLayer) -> None:
         layer.cpu_dense, layer.cpu_dense_dtype = None, None
 
-    def hold_fp16(self, layer: LinearLayer) -> None:
-        """Make and keep the ``fp16`` kernel's packed chunks (``packed_fp16_bytes`` each)."""
-        layer.cpu_fp16 = held_fp16(self.chunk_bounds(layer), self.dense_chunk_maker(layer, torch.float32))
+    def hold_half(self, layer: LinearLayer, kernel: str) -> None:
+        """Make and keep a half kernel's packed chunks (its format's ``packed_bytes`` each)."""
+        chunks = self.dense_chunk_maker(layer, torch.float32)
+        layer.cpu_half[kernel] = held_half(kernel, self.chunk_bounds(layer), chunks)
 
     @staticmethod
-    def drop_fp16(layer: LinearLayer) -> None:
-        layer.cpu_fp16 = None
+    def drop_half(layer: LinearLayer, kernel: str) -> None:
+        layer.cpu_half.pop(kernel, None)
 
     def packed_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -29,8 +29,7 @@ from torch import nn
 from cadence.kernels.batch_invariant import invariant_linear
 
 if TYPE_CHECKING:
-    from cadence.engine.quantization.cpu_kernels import KernelPlan
-    from cadence.kernels.fp16_linear import Fp16Weight
+    from cadence.engine.quantization.cpu_kernels import HeldHalf, KernelPlan
 
 
 class QuantMethod(ABC):
@@ -108,7 +107,7 @@ class LinearLayer(nn.Module):
     cpu_plan: KernelPlan | None
     cpu_dense: Callable[[int, int], torch.Tensor] | None
     cpu_dense_dtype: torch.dtype | None
-    cpu_fp16: dict[tuple[int, int], Fp16Weight] | None  # the "fp16" kernel's packed chunks, if held
+    cpu_half: dict[str, HeldHalf]  # the packed chunks of the half kernels ("fp16", "bf16") held
 
     def __init__(
         self,
@@ -133,7 +132,8 @@ class LinearLayer(nn.Module):
             self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device), requires_grad=False)
         method.create_weights(self, input_size, self.output_sizes, dtype, device)
         self.loaded: set[tuple[int, str]] = set()  # (shard, tensor name) seen while loading
-        self.cpu_plan, self.cpu_dense, self.cpu_dense_dtype, self.cpu_fp16 = None, None, None, None
+        self.cpu_plan, self.cpu_dense, self.cpu_dense_dtype = None, None, None
+        self.cpu_half = {}
         # Where Triton kernels serve the layer: one kernel configuration for every batch
         # size, so a row's bits do not depend on the batch (set by the engine,
         # engine/batch_invariant.py).

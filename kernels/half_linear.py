@@ -1,0 +1,146 @@
+"""CPU linears with half-precision weights kept prepacked, every row batch-invariant.
+
+Two formats, each a GEMM that reads a weight packed once for it:
+
+* ``fp16``: fbgemm's fp16 GEMM (``torch.ops.quantized.linear_dynamic_fp16``) converts the
+  fp16 weight to fp32 in registers (F16C) and multiplies and sums in fp32, the scheme
+  llama.cpp runs its f16 models with on x86. Half the bytes of fp32 to read at small
+  batch; fp32 FMA speed at large batch.
+* ``bf16``: oneDNN's bf16 GEMM on a weight reordered into its blocked layout
+  (``torch.ops.mkldnn._linear_pointwise``, the call inductor's CPU backend makes):
+  activations rounded to bf16, bf16 products summed in fp32 (AVX512-BF16 or AMX), the
+  output rounded to bf16. About twice fp32's rate where the CPU has native bf16, so
+  prefill and batched decode gain most; offered only there.
+
+The weight's values are rounded once (a quantized model's dequantized values, whose own
+quantization error is far larger than this rounding). Like a BLAS GEMM, a kernel's sum
+order may follow the number of rows, so calls run at tile sizes measured to give every
+row the same bits (``batch_invariant.measure_tiles``), per format, weight shape and
+thread count. Where a format's GEMM is missing or no tile size verifies, it is not
+offered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from cadence.kernels.batch_invariant import TilePlan, cancellation_probe, measure_tiles, run_tiles
+
+logger = logging.getLogger(__name__)
+
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class HalfFormat:
+    """How one half-precision format packs a ``[N, K]`` weight and multiplies by it."""
+
+    name: str
+    largest: float  # the magnitude the tile check's weights reach (within the format's range)
+    pack: Callable[[torch.Tensor], object]  # an fp32 [N, K] weight -> the GEMM's packed weight
+    gemm: Callable[[torch.Tensor, object], torch.Tensor]  # fp32 [M, K] x packed -> fp32 [M, N]
+    packed_bytes: Callable[[int, int], int]  # an upper bound on a packed [N, K] weight's bytes
+    hardware_ready: Callable[[], bool]  # whether the CPU runs this format natively
+
+
+@dataclass(frozen=True)
+class HalfWeight:
+    """A ``[N, K]`` weight prepacked for one format's GEMM."""
+
+    fmt: HalfFormat
+    packed: object  # the format's packed weight (an opaque object)
+    out_features: int
+    in_features: int
+
+
+def _pack_fp16(weight: torch.Tensor) -> object:
+    if weight.numel() and not bool(weight.abs().max() <= FP16_MAX):
+        raise ValueError("the weight holds values beyond fp16's range")
+    return torch.ops.quantized.linear_prepack_fp16(weight, None)
+
+
+def _fp16_gemm(x: torch.Tensor, packed: object) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+
+
+def _fp16_bytes(out_features: int, in_features: int) -> int:
+    # fbgemm packs K in blocks of 512 and N in column blocks of at most 32.
+    return -(-out_features // 32) * 32 * (-(-in_features // 512) * 512) * 2
+
+
+# The batch-size hint oneDNN's weight reorder takes; the blocked layout serves every M.
+_BF16_REORDER_HINT = 64
+
+
+def _pack_bf16(weight: torch.Tensor) -> object:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), _BF16_REORDER_HINT)
+
+
+def _bf16_gemm(x: torch.Tensor, packed: object) -> torch.Tensor:
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
+    return out.float()
+
+
+def _bf16_bytes(out_features: int, in_features: int) -> int:
+    # oneDNN's blocked layouts pad N and K to whole blocks (at most 64 wide).
+    return -(-out_features // 64) * 64 * (-(-in_features // 64) * 64) * 2
+
+
+def _bf16_native() -> bool:
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+FP16 = HalfFormat("fp16", 2.0**15, _pack_fp16, _fp16_gemm, _fp16_bytes, lambda: True)
+BF16 = HalfFormat("bf16", 2.0**20, _pack_bf16, _bf16_gemm, _bf16_bytes, _bf16_native)
+FORMATS = {fmt.name: fmt for fmt in (FP16, BF16)}
+
+_plans: dict[tuple[str, int, int, int], TilePlan] = {}
+_available: dict[str, bool] = {}
+
+
+def available(fmt: HalfFormat) -> bool:
+    """Whether this torch build and CPU run ``fmt``'s GEMM natively, with the right values."""
+    if fmt.name not in _available:
+        try:
+            ones = pack(fmt, torch.ones(16, 16))
+            right = torch.equal(fmt.gemm(torch.ones(1, 16), ones.packed), torch.full((1, 16), 16.0))
+            _available[fmt.name] = bool(right and fmt.hardware_ready())
+        except (RuntimeError, AttributeError, NotImplementedError):
+            _available[fmt.name] = False
+    return _available[fmt.name]
+
+
+def pack(fmt: HalfFormat, weight: torch.Tensor) -> HalfWeight:
+    """``weight`` (``[N, K]``, any float dtype) rounded to ``fmt`` and packed. ValueError
+    where a value does not fit the format."""
+    dense = weight.detach().float().contiguous()
+    return HalfWeight(fmt, fmt.pack(dense), dense.shape[0], dense.shape[1])
+
+
+def tile_plan(fmt: HalfFormat, out_features: int, in_features: int) -> TilePlan:
+    """The verified tile sizes for this format and shape at this thread count, measured on first use."""
+    key = (fmt.name, out_features, in_features, torch.get_num_threads())
+    plan = _plans.get(key)
+    if plan is None:
+        # bf16's rounded output hides most changes of summation order from random inputs.
+        dense, inputs = cancellation_probe(out_features, in_features, fmt.largest)
+        weight = pack(fmt, dense)
+        gemm = lambda x: fmt.gemm(x, weight.packed)  # noqa: E731
+        plan = _plans[key] = measure_tiles(gemm, in_features, torch.float32, "cpu", inputs)
+        if not plan.sizes:
+            logger.info("the %s GEMM keeps no tile size batch-invariant for %dx%d", fmt.name, *key[1:3])
+    return plan
+
+
+def invariant_half_linear(x: torch.Tensor, weight: HalfWeight) -> torch.Tensor:
+    """``x [M, K] (fp32) @ weight.T`` in fp32, each row with the bits it would have alone."""
+    plan = tile_plan(weight.fmt, weight.out_features, weight.in_features)
+    if not plan.sizes:
+        raise RuntimeError(
+            f"no batch-invariant {weight.fmt.name} tiling for {weight.out_features}x{weight.in_features}"
+        )
+    return run_tiles(x.contiguous(), plan, lambda tile: weight.fmt.gemm(tile, weight.packed))
