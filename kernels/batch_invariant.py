@@ -78,17 +78,31 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def run_tiles(rows: torch.Tensor, plan: TilePlan, gemm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``gemm(rows)`` run at the plan's tile sizes, the last tile padded with zero rows."""
-    parts = []
+def run_tiles(
+    rows: torch.Tensor,
+    plan: TilePlan,
+    gemm: Callable[[torch.Tensor], torch.Tensor],
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``gemm(rows)`` run at the plan's tile sizes, the last tile padded with zero rows, in
+    ``out_dtype`` (default: the GEMM's own). Each tile is written into the output as it
+    comes, converted on the way: one pass over the result, not a cast and a concatenation."""
+    tiles = plan.tiles(rows.shape[0])
+    out: torch.Tensor | None = None
     start = 0
-    for taken, size in plan.tiles(rows.shape[0]):
+    for taken, size in tiles:
         tile = rows[start : start + taken]
         if taken < size:
             tile = F.pad(tile, (0, 0, 0, size - taken))
-        parts.append(gemm(tile)[:taken])
+        part = gemm(tile)[:taken]
+        if len(tiles) == 1:
+            return part if out_dtype is None else part.to(out_dtype)
+        if out is None:
+            out = torch.empty(rows.shape[0], part.shape[1], dtype=out_dtype or part.dtype, device=part.device)
+        out[start : start + taken] = part
         start += taken
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    assert out is not None
+    return out
 
 
 def tile_plan(weight: torch.Tensor, bias: torch.Tensor | None = None) -> TilePlan:

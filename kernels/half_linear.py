@@ -41,8 +41,10 @@ class HalfFormat:
 
     name: str
     largest: float  # the magnitude the tile check's weights reach (within the format's range)
+    input_dtype: torch.dtype  # what the GEMM takes activations in
     pack: Callable[[torch.Tensor], object]  # an fp32 [N, K] weight -> the GEMM's packed weight
-    gemm: Callable[[torch.Tensor, object], torch.Tensor]  # fp32 [M, K] x packed -> fp32 [M, N]
+    # [M, K] activations (any float dtype) x packed -> [M, N] in the format's output dtype
+    gemm: Callable[[torch.Tensor, object], torch.Tensor]
     packed_bytes: Callable[[int, int], int]  # an upper bound on a packed [N, K] weight's bytes
     hardware_ready: Callable[[], bool]  # whether the CPU runs this format natively
 
@@ -81,8 +83,7 @@ def _pack_bf16(weight: torch.Tensor) -> object:
 
 
 def _bf16_gemm(x: torch.Tensor, packed: object) -> torch.Tensor:
-    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
-    return out.float()
+    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
 
 
 def _bf16_bytes(out_features: int, in_features: int) -> int:
@@ -94,8 +95,8 @@ def _bf16_native() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-FP16 = HalfFormat("fp16", 2.0**15, _pack_fp16, _fp16_gemm, _fp16_bytes, lambda: True)
-BF16 = HalfFormat("bf16", 2.0**20, _pack_bf16, _bf16_gemm, _bf16_bytes, _bf16_native)
+FP16 = HalfFormat("fp16", 2.0**15, torch.float32, _pack_fp16, _fp16_gemm, _fp16_bytes, lambda: True)
+BF16 = HalfFormat("bf16", 2.0**20, torch.bfloat16, _pack_bf16, _bf16_gemm, _bf16_bytes, _bf16_native)
 FORMATS = {fmt.name: fmt for fmt in (FP16, BF16)}
 
 _plans: dict[tuple[str, int, int, int], TilePlan] = {}
@@ -107,7 +108,7 @@ def available(fmt: HalfFormat) -> bool:
     if fmt.name not in _available:
         try:
             ones = pack(fmt, torch.ones(16, 16))
-            right = torch.equal(fmt.gemm(torch.ones(1, 16), ones.packed), torch.full((1, 16), 16.0))
+            right = torch.equal(fmt.gemm(torch.ones(1, 16), ones.packed).float(), torch.full((1, 16), 16.0))
             _available[fmt.name] = bool(right and fmt.hardware_ready())
         except (RuntimeError, AttributeError, NotImplementedError):
             _available[fmt.name] = False
@@ -143,4 +144,5 @@ def invariant_half_linear(x: torch.Tensor, weight: HalfWeight) -> torch.Tensor:
         raise RuntimeError(
             f"no batch-invariant {weight.fmt.name} tiling for {weight.out_features}x{weight.in_features}"
         )
-    return run_tiles(x.contiguous(), plan, lambda tile: weight.fmt.gemm(tile, weight.packed))
+    rows = x.to(weight.fmt.input_dtype).contiguous()
+    return run_tiles(rows, plan, lambda tile: weight.fmt.gemm(tile, weight.packed), torch.float32)
