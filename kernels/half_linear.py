@@ -10,7 +10,7 @@ Two formats, each a GEMM that reads a weight packed once for it:
   (``torch.ops.mkldnn._linear_pointwise``, the call inductor's CPU backend makes):
   activations rounded to bf16, bf16 products summed in fp32 (AVX512-BF16 or AMX), the
   output rounded to bf16. About twice fp32's rate where the CPU has native bf16, so
-  prefill and batched decode gain most; offered only there.
+  prefill and batched decode gain most; offered only there (AVX512-BF16 or AMX).
 
 The weight's values are rounded once (a quantized model's dequantized values, whose own
 quantization error is far larger than this rounding). Like a BLAS GEMM, a kernel's sum
@@ -92,7 +92,10 @@ def _bf16_bytes(out_features: int, in_features: int) -> int:
 
 
 def _bf16_native() -> bool:
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    # oneDNN also runs bf16 on plain AVX-512 by converting, which is no faster than fp32;
+    # only bf16 dot products (AVX512-BF16) or AMX tiles make the format worth holding.
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return bool(torch.backends.mkldnn.is_available() and native)
 
 
 FP16 = HalfFormat("fp16", 2.0**15, torch.float32, _pack_fp16, _fp16_gemm, _fp16_bytes, lambda: True)
