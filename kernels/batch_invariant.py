@@ -87,6 +87,10 @@ def run_tiles(
     """``gemm(rows)`` run at the plan's tile sizes, the last tile padded with zero rows, in
     ``out_dtype`` (default: the GEMM's own). Each tile is written into the output as it
     comes, converted on the way: one pass over the result, not a cast and a concatenation."""
+    if rows.shape[0] == 0:  # no rows: the GEMM's output shape, from one tile of padding
+        rows = rows.new_zeros(plan.sizes[0], rows.shape[1])
+        empty = gemm(rows)[:0]
+        return empty if out_dtype is None else empty.to(out_dtype)
     tiles = plan.tiles(rows.shape[0])
     out: torch.Tensor | None = None
     start = 0
@@ -101,7 +105,7 @@ def run_tiles(
             out = torch.empty(rows.shape[0], part.shape[1], dtype=out_dtype or part.dtype, device=part.device)
         out[start : start + taken] = part
         start += taken
-    assert out is not None
+    assert out is not None  # two tiles or more
     return out
 
 
@@ -186,7 +190,9 @@ def measure_tiles(
     return min(zip(plans, costs), key=lambda pc: sum(c / b for c, b in zip(pc[1], best)))[0]
 
 
-def cancellation_probe(out_features: int, in_features: int, big: float) -> tuple[torch.Tensor, torch.Tensor]:
+def cancellation_probe(
+    out_features: int, in_features: int, big: float, seed: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight and inputs under which a change in a GEMM's summation order shows even
     through an output rounded to few bits (bf16's 8): every 8th input column is 1, and
     each weight row has ``+big`` and ``-big`` at two of those columns, so the exact sum is
@@ -195,7 +201,7 @@ def cancellation_probe(out_features: int, in_features: int, big: float) -> tuple
     different terms are so rounded, and the outputs differ by far more than the output's
     own rounding. (Random inputs alone only show an order change where an exact sum
     happens to lie near a rounding boundary.)"""
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=gen)
     inputs = torch.randn(TILE_LADDER[-1] + 3, in_features, generator=gen)
     columns = torch.arange(0, in_features, 8)

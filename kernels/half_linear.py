@@ -43,7 +43,7 @@ class HalfFormat:
     largest: float  # the magnitude the tile check's weights reach (within the format's range)
     input_dtype: torch.dtype  # what the GEMM takes activations in
     pack: Callable[[torch.Tensor], object]  # an fp32 [N, K] weight -> the GEMM's packed weight
-    # [M, K] activations (any float dtype) x packed -> [M, N] in the format's output dtype
+    # [M, K] activations in input_dtype x packed -> [M, N] in the format's output dtype
     gemm: Callable[[torch.Tensor, object], torch.Tensor]
     packed_bytes: Callable[[int, int], int]  # an upper bound on a packed [N, K] weight's bytes
     hardware_ready: Callable[[], bool]  # whether the CPU runs this format natively
@@ -83,7 +83,7 @@ def _pack_bf16(weight: torch.Tensor) -> object:
 
 
 def _bf16_gemm(x: torch.Tensor, packed: object) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def _bf16_bytes(out_features: int, in_features: int) -> int:
@@ -91,11 +91,21 @@ def _bf16_bytes(out_features: int, in_features: int) -> int:
     return -(-out_features // 64) * 64 * (-(-in_features // 64) * 64) * 2
 
 
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 dot products (AVX512-BF16) or AMX tiles, which make bf16
+    matmuls faster than fp32. oneDNN also runs bf16 on plain AVX-512, by converting, at
+    no gain over fp32."""
+    # Private helpers, but the same ones torch's own CPU dispatch consults; a torch
+    # without them is treated as "no native bf16", the conservative answer.
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        fn = getattr(torch.cpu, probe, None)
+        if fn is not None and bool(fn()):
+            return True
+    return False
+
+
 def _bf16_native() -> bool:
-    # oneDNN also runs bf16 on plain AVX-512 by converting, which is no faster than fp32;
-    # only bf16 dot products (AVX512-BF16) or AMX tiles make the format worth holding.
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return bool(torch.backends.mkldnn.is_available() and native)
+    return bool(torch.backends.mkldnn.is_available() and native_bf16())
 
 
 FP16 = HalfFormat("fp16", 2.0**15, torch.float32, _pack_fp16, _fp16_gemm, _fp16_bytes, lambda: True)
@@ -111,7 +121,8 @@ def available(fmt: HalfFormat) -> bool:
     if fmt.name not in _available:
         try:
             ones = pack(fmt, torch.ones(16, 16))
-            right = torch.equal(fmt.gemm(torch.ones(1, 16), ones.packed).float(), torch.full((1, 16), 16.0))
+            x = torch.ones(1, 16, dtype=fmt.input_dtype)
+            right = torch.equal(fmt.gemm(x, ones.packed).float(), torch.full((1, 16), 16.0))
             _available[fmt.name] = bool(right and fmt.hardware_ready())
         except (RuntimeError, AttributeError, NotImplementedError):
             _available[fmt.name] = False
@@ -133,15 +144,21 @@ def tile_plan(fmt: HalfFormat, out_features: int, in_features: int) -> TilePlan:
         # bf16's rounded output hides most changes of summation order from random inputs.
         dense, inputs = cancellation_probe(out_features, in_features, fmt.largest)
         weight = pack(fmt, dense)
-        gemm = lambda x: fmt.gemm(x, weight.packed)  # noqa: E731
-        plan = _plans[key] = measure_tiles(gemm, in_features, torch.float32, "cpu", inputs)
+
+        def gemm(x: torch.Tensor) -> torch.Tensor:
+            return fmt.gemm(x, weight.packed)
+
+        # In the GEMM's own input dtype, so the check's shifted and copied views are what
+        # serving passes (views into one cast batch), not fresh casts of each.
+        plan = _plans[key] = measure_tiles(gemm, in_features, fmt.input_dtype, "cpu", inputs)
         if not plan.sizes:
             logger.info("the %s GEMM keeps no tile size batch-invariant for %dx%d", fmt.name, *key[1:3])
     return plan
 
 
 def invariant_half_linear(x: torch.Tensor, weight: HalfWeight) -> torch.Tensor:
-    """``x [M, K] (fp32) @ weight.T`` in fp32, each row with the bits it would have alone."""
+    """``x [M, K] @ weight.T`` as fp32 (for bf16, bf16-rounded values widened), each row
+    with the bits it would have alone; ``x`` is cast to the format's input dtype."""
     plan = tile_plan(weight.fmt, weight.out_features, weight.in_features)
     if not plan.sizes:
         raise RuntimeError(

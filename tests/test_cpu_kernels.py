@@ -80,7 +80,7 @@ def test_auto_weighs_a_group_by_its_share_of_the_whole_model() -> None:
 
 
 def test_options_are_validated(tmp_path) -> None:
-    for mode in ("auto", "fastest", "packed", "dequant", "dense", "fp16", str(tmp_path / "table.json")):
+    for mode in ("auto", "fastest", "packed", "dequant", "dense", "fp16", "bf16", str(tmp_path / "table.json")):
         assert validate_cpu_kernels(mode) == mode
     for bad in ("fast", str(tmp_path / "table.txt"), str(tmp_path / "missing" / "table.json")):
         with pytest.raises(ValueError, match="cpu_kernels"):
@@ -135,7 +135,7 @@ def test_times_measured_on_a_busy_machine_are_not_saved(tiny_model_dir, tmp_path
 def test_dense_copies_stay_within_the_memory_budget(tiny_model_dir, tmp_path, monkeypatch) -> None:
     table = str(tmp_path / "kernels.json")
     # The dense family always wins: only memory decides whether its copy is kept.
-    times = {"packed": 9.0, "fp16": 5.0}
+    times = {"packed": 9.0, "fp16": 5.0, "bf16": 5.0}
     monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: times.get(kernel, 1.0))
     monkeypatch.setattr(cpu_planner, "available_host_memory", lambda: 1 << 40)
     held = _int8_model(tiny_model_dir, table)
@@ -185,6 +185,29 @@ def test_fastest_keeps_both_copies_only_where_both_fit(tiny_model_dir, tmp_path,
     assert any(m.cpu_dense is None or "fp16" not in m.cpu_half for m in tight)
 
 
+def test_a_copy_the_weights_refuse_leaves_no_other_copy_behind(monkeypatch, caplog) -> None:
+    """Under ``fastest``, fp16's copy is refused (a value beyond its range) after the
+    dense copy was made for the same plan: the plan is chosen again, and the layer keeps
+    exactly the copies the new plan reads."""
+    if not available(FP16):
+        pytest.skip("this torch build has no fbgemm")
+    weight = torch.randn(64, 96)
+    weight[3, 5] = 1e5
+    layer = Int8Linear(*quantize_int8(weight))
+    times = {"packed": [9.0] * 5, "dequant": [9.0] * 5, "dense": [5.0] * 4 + [1.0], "fp16": [1.0] * 4 + [5.0]}
+    times["bf16"] = [2.0] * 5
+    monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: times[kernel][BUCKETS.index(m)])
+    monkeypatch.setattr(cpu_planner, "available_host_memory", lambda: 1 << 40)
+    with caplog.at_level(logging.INFO, logger="cadence.engine.quantization.cpu_planner"):
+        plan_cpu_kernels([layer], torch.float32, "fastest")
+    assert "no fp16" in caplog.text
+    assert layer.cpu_plan is not None and "fp16" not in layer.cpu_plan.kernels
+    held = {*layer.cpu_half, *(["dense"] if layer.cpu_dense is not None else [])}
+    assert held == set(layer.cpu_plan.kernels) & {"dense", "fp16", "bf16"}
+    expected = ("bf16",) * 4 + ("dense",) if "bf16" in HALF else ("dense",) * 5
+    assert layer.cpu_plan.kernels == expected
+
+
 def test_every_kernel_gives_the_layer_its_values() -> None:
     torch.manual_seed(0)
     weight = torch.randn(64, 96) / 10
@@ -232,16 +255,19 @@ def test_a_malformed_or_stale_table_is_measured_again(tiny_model_dir, tmp_path, 
     assert sorted(json.loads(table.read_text())[cpu_planner.machine_key()][group]) == BUILD_KERNELS
 
 
-def test_the_int8_head_never_runs_the_packed_op(tiny_model_dir, tmp_path, monkeypatch) -> None:
-    """Its bf16 logits would tie greedy candidates; a table naming packed for it is ignored."""
-    monkeypatch.setattr(cpu_planner, "time_cell", lambda g, k, m, d: 1.0 if k == "packed" else 50.0)
-    for mode in ("auto", "fastest", "packed", str(tmp_path / "kernels.json")):
+@pytest.mark.parametrize("rounding", ["packed", *(["bf16"] if "bf16" in HALF else [])])
+def test_the_int8_head_never_rounds_logits_to_bf16(tiny_model_dir, tmp_path, monkeypatch, rounding: str) -> None:
+    """``packed`` and ``bf16`` give bf16 logits, which would tie greedy candidates: neither
+    serves the head, however fast, and a table naming one for it is ignored."""
+    monkeypatch.setattr(cpu_planner, "time_cell", lambda g, k, m, d: 1.0 if k == rounding else 50.0)
+    for mode in ("auto", "fastest", rounding, str(tmp_path / "kernels.json")):
         model = load_llama(tiny_model_dir("tied"), torch.float32, "cpu", "int8", True, cpu_kernels=mode)
         layers = [m for m in model.modules() if isinstance(m, LinearLayer)]
         heads = [m.cpu_plan for m in layers if isinstance(m.method, Int8HeadMethod)]
-        assert len(heads) == 1 and heads[0] is not None and "packed" not in heads[0].kernels, mode
+        assert len(heads) == 1 and heads[0] is not None, mode
+        assert not {"packed", "bf16"} & set(heads[0].kernels), mode
         body = [m.cpu_plan for m in layers if not isinstance(m.method, Int8HeadMethod)]
-        assert body and all(plan == KernelPlan.fixed("packed") for plan in body), mode
+        assert body and all(plan == KernelPlan.fixed(rounding) for plan in body), mode
 
 
 def test_a_table_path_with_a_tilde_is_expanded(monkeypatch, tmp_path) -> None:

@@ -7,6 +7,7 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 from cadence import LLM, SamplingParams
+from cadence.engine.quantization import cpu_planner
 from cadence.engine.quantization.lm_head import Int8HeadMethod
 from helpers import needs_smollm2
 from server_harness import ServerProcess
@@ -15,8 +16,20 @@ pytestmark = [needs_smollm2, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess(None) as process:
+def offline(session_kernel_table: str) -> LLM:
+    """`LLM()`, built before the server, its CPU kernel times saved however busy the
+    machine is."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_planner, "MIN_CORE_SHARE", 0.0)
+        return LLM()
+
+
+@pytest.fixture(scope="module")
+def server(offline: LLM, session_kernel_table: str):
+    """The server reads the kernel table `offline` saved, as two starts on one machine share
+    ~/.cache/cadence's: starts that measured apart could choose differently where two
+    kernels are near a tie, and then give other greedy tokens."""
+    with ServerProcess(None, "--cpu-kernels", session_kernel_table) as process:
         yield process
 
 
@@ -61,10 +74,10 @@ def test_default_model_streams_the_same_answer(server) -> None:
     assert len(pieces) > 3, "the answer arrives in pieces, not at the end"
 
 
-def test_offline_llm_with_no_model_gives_the_servers_greedy_tokens(server) -> None:
-    """`LLM()` and `cadence serve`, both with no arguments: the same model, quantization
-    (the file's Q4_1 blocks, its Q8_0 head as int8) and tokenizer, so the same tokens."""
-    llm = LLM()
+def test_offline_llm_with_no_model_gives_the_servers_greedy_tokens(server, offline: LLM) -> None:
+    """`LLM()` and `cadence serve`, with no model: the same model, quantization (the file's
+    Q4_1 blocks, its Q8_0 head as int8), kernels and tokenizer, so the same tokens."""
+    llm = offline
     assert llm.engine.args.quantization == "gguf" and isinstance(llm.engine.model.lm_head.method, Int8HeadMethod)
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -94,10 +94,10 @@ def test_the_planner_refuses_fp16_for_weights_beyond_its_range(caplog) -> None:
     assert torch.isfinite(layer(x)).all()
 
 
-@pytest.mark.parametrize("kernel", ["fp16", "bf16"])
-def test_bf16_activations_are_not_offered_half_kernels(kernel: str) -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_activations_are_not_offered_half_kernels(fmt: HalfFormat) -> None:
     layer = Int8Linear(*quantize_int8(torch.randn(64, 96)))
-    plan_cpu_kernels([layer], torch.bfloat16, kernel)
+    plan_cpu_kernels([layer], torch.bfloat16, fmt.name)
     assert layer.cpu_plan == KernelPlan.fixed("packed") and not layer.cpu_half
 
 
@@ -120,10 +120,18 @@ def test_the_tile_check_sees_an_order_change_through_a_rounded_output() -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rows_keep_their_bits_where_k_spans_several_blocks(fmt: HalfFormat) -> None:
-    """SmolLM2's down projection's shape, on the probe's inputs (bf16's GEMM sums K = 1536
-    in another order at one row on some CPUs, which random inputs rarely show)."""
-    dense, x = cancellation_probe(576, 1536, fmt.largest)
+    """SmolLM2's down projection's shape, on another probe than the tile check's own (bf16's
+    GEMM sums K = 1536 in another order at one row on some CPUs, which random inputs
+    rarely show)."""
+    dense, x = cancellation_probe(576, 1536, fmt.largest, seed=11)
     weight = pack(fmt, dense)
     alone = torch.cat([invariant_half_linear(x[i : i + 1], weight) for i in range(x.shape[0])])
     for m in (2, 3, 16, 64, 100, 131):
         assert torch.equal(invariant_half_linear(x[:m], weight), alone[:m]), m
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_no_rows_give_an_empty_product(fmt: HalfFormat) -> None:
+    weight = pack(fmt, torch.randn(40, 64))
+    out = invariant_half_linear(torch.empty(0, 64), weight)
+    assert out.shape == (0, 40) and out.dtype == torch.float32

@@ -77,9 +77,15 @@ def test_a_dead_prefill_engine_costs_no_request(server: ServerProcess, model_dir
 
 def test_a_dead_decode_engine_fails_its_requests_then_serves_again(server: ServerProcess) -> None:
     (decode_pid,) = server.engine_pids("cadence-decode")
+    generated = server.metric("cadence:generation_tokens_total")
     with ThreadPoolExecutor(1) as pool:
         long = pool.submit(complete, server, list(range(1, 30)), 200, 1)
-        time.sleep(0.5)
+        # Killed once its tokens come from the decode engine: a fixed wait lost the race to
+        # a fast machine, which generated all 200 first.
+        deadline = time.monotonic() + 60
+        while server.metric("cadence:generation_tokens_total") < generated + 2:
+            assert not long.done() and time.monotonic() < deadline, "the request never reached decode"
+            time.sleep(0.005)
         os.kill(decode_pid, signal.SIGKILL)
         assert_error(long.result(), 503, type="service_unavailable")
     wait_health(server, "decode-0", "serving")

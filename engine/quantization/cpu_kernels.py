@@ -150,5 +150,7 @@ def held_half(kernel: str, bounds: Sequence[tuple[int, int]], chunk: ChunkMaker)
 
 
 def chunked_half_matmul(x: torch.Tensor, n: int, held: HeldHalf) -> torch.Tensor:
-    """``x [M, K] @ W.T`` through a half kernel's held chunks, each at batch-invariant tiles."""
-    return _by_chunk(x, n, list(held), lambda start, stop: invariant_half_linear(x, held[(start, stop)]))
+    """``x [M, K] @ W.T`` (fp32 out) through a half kernel's held chunks, each at
+    batch-invariant tiles; the activations are cast to the format's input once, not per chunk."""
+    rows = x.to(next(iter(held.values())).fmt.input_dtype)
+    return _by_chunk(x, n, list(held), lambda start, stop: invariant_half_linear(rows, held[(start, stop)]))

@@ -63,7 +63,7 @@ DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left aft
 MIN_CORE_SHARE = 0.6  # below this share of the cores while measuring, the times are not saved
 # Part of the table's key: raise it when the kernels change what they cost, so older times
 # are measured again rather than trusted.
-KERNELS_VERSION = 3
+KERNELS_VERSION = 4
 # Each (kernel, M) cell is timed over the group's layers in turn until _CELL_SECONDS have
 # passed and _MIN_CALLS calls were made (two calls, once _CELL_CAP_SECONDS are spent), at
 # most two passes (or _MAX_CALLS_FLOOR calls). The fastest call counts: other work on the
@@ -301,15 +301,7 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
     for group, times, affordable in measured:
         # Copies already kept for earlier groups leave less for this one.
         affordable -= {k for k in HELD_KERNELS if mode != k and group.held_bytes(k, dtype) > budget}
-        plan = _runnable(group, choose(times, choice, affordable, model_best))
-        # A mixed plan (``fastest``) may read both copies: together they must fit too.
-        while not fixed and sum(group.held_bytes(k, dtype) for k in HELD_KERNELS if k in plan.kernels) > budget:
-            affordable.discard([k for k in HELD_KERNELS if k in plan.kernels][-1])  # a half copy first
-            plan = _runnable(group, choose(times, choice, affordable, model_best))
-        # Make the chosen kernels' copies; a kernel whose copy the weights refuse leaves the
-        # group's choices (``_try_hold``), and the choice is made again without it.
-        while not all(_try_hold(group, k, dtype, affordable) for k in HELD_KERNELS if k in plan.kernels):
-            plan = _runnable(group, choose(times, choice, affordable, model_best))
+        plan = _settle_plan(group, times, choice, affordable, model_best, None if fixed else budget, dtype)
         held = sum(group.held_bytes(k, dtype) for k in HELD_KERNELS if k in plan.kernels)
         budget -= held
         for layer in group.layers:
@@ -336,6 +328,37 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
     )
 
 
+def _settle_plan(
+    group: LayerGroup,
+    times: dict[str, list[float]],
+    choice: str,
+    affordable: set[str],
+    model_best: list[float] | None,
+    budget: int | None,
+    dtype: torch.dtype,
+) -> KernelPlan:
+    """The group's plan, its copies made: chosen, narrowed until the copies it reads fit
+    ``budget`` together (None: no limit), and chosen again whenever the weights refuse a
+    copy (``_try_hold``). Copies made for a plan given up are dropped."""
+    while True:
+        plan = _runnable(group, choose(times, choice, affordable, model_best))
+        # A mixed plan (``fastest``) may read several copies: together they must fit too.
+        while budget is not None and sum(group.held_bytes(k, dtype) for k in _held(plan)) > budget:
+            affordable.discard(max(_held(plan), key=lambda k: group.held_bytes(k, dtype)))
+            plan = _runnable(group, choose(times, choice, affordable, model_best))
+        if all(_try_hold(group, k, dtype, affordable) for k in _held(plan)):
+            break
+    for kernel in HELD_KERNELS:
+        if kernel not in plan.kernels:
+            group.drop(kernel)
+    return plan
+
+
+def _held(plan: KernelPlan) -> list[str]:
+    """The kernels of ``plan`` that read a kept copy."""
+    return [k for k in HELD_KERNELS if k in plan.kernels]
+
+
 def _runnable(group: LayerGroup, plan: KernelPlan) -> KernelPlan:
     if set(plan.kernels) <= set(group.kernels):
         return plan
@@ -344,8 +367,9 @@ def _runnable(group: LayerGroup, plan: KernelPlan) -> KernelPlan:
 
 
 def _try_hold(group: LayerGroup, kernel: str, dtype: torch.dtype, affordable: set[str]) -> bool:
-    """Make the group's copies for ``kernel``; where its weights cannot take it (``fp16``:
-    out of range, or no invariant tiling), the kernel leaves the group's choices."""
+    """Make the group's copies for ``kernel``; where its weights cannot take it (a half
+    kernel: values beyond fp16's range, or no invariant tiling), the kernel leaves the
+    group's choices."""
     try:
         group.hold(kernel, dtype)
     except (ValueError, RuntimeError) as exc:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cadence.kernels.half_linear import native_bf16
+
 
 @dataclass(frozen=True)
 class CpuQuantPolicy:
@@ -29,14 +31,7 @@ class CpuQuantPolicy:
 
 def has_fast_bf16() -> bool:
     """Whether this CPU has AMX or AVX512-BF16, which make bf16 matmuls faster than fp32."""
-    # Private helpers, but the same ones torch's own CPU dispatch consults; a torch
-    # without them is treated as "no fast bf16", the conservative answer.
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    for probe in probes:
-        fn = getattr(torch.cpu, probe, None)
-        if fn is not None and bool(fn()):
-            return True
-    return False
+    return native_bf16()
 
 
 def has_fast_fp16() -> bool:

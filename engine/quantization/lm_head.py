@@ -40,8 +40,8 @@ class Int8HeadMethod(Int8Method):
         self.exact_weight = exact_weight
 
     def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:
-        # Not the packed op: it returns logits in its bf16 activations, whose 8-bit mantissa
-        # ties the top candidates of a greedy argmax often enough to change answers.
+        # Not the packed op nor bf16: both return logits in bf16, whose 8-bit mantissa ties
+        # the top candidates of a greedy argmax often enough to change answers.
         return (DEQUANT, DENSE, FP16)
 
     def quantize(self, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
