@@ -33,9 +33,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def session_kernel_table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The CPU planner's timing table, for this session's in-process engines, in a
-    temporary folder rather than ~/.cache/cadence: tests neither read times an earlier run
-    left there nor leave theirs behind. Tests that fake the timings also take a table of
+    """The CPU planner's timing table, for this session's in-process engines and the
+    servers tests start (server_harness passes it as --cpu-kernels), in a temporary folder
+    rather than ~/.cache/cadence: tests neither read times an earlier run left there nor
+    leave theirs behind. Tests that fake the timings also take a table of
     their own (test_cpu_kernels.py), so theirs reach no other test."""
     from cadence.engine.quantization import cpu_planner
 

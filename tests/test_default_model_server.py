@@ -25,11 +25,11 @@ def offline(session_kernel_table: str) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def server(offline: LLM, session_kernel_table: str):
+def server(offline: LLM):
     """The server reads the kernel table `offline` saved, as two starts on one machine share
     ~/.cache/cadence's: starts that measured apart could choose differently where two
     kernels are near a tie, and then give other greedy tokens."""
-    with ServerProcess(None, "--cpu-kernels", session_kernel_table) as process:
+    with ServerProcess(None) as process:  # on the session's table (server_harness)
         yield process
 
 

@@ -101,15 +101,13 @@ def test_a_negative_long_prefill_threshold_is_refused() -> None:
         EngineArgs(model="m", long_prefill_token_threshold=-1)
 
 
-def test_llm_on_a_gguf_gives_the_servers_greedy_tokens(
-    tiny_gguf, cache_home, session_kernel_table, monkeypatch
-) -> None:
-    # One CPU kernel table for both, saved by the first however busy the machine is, as
-    # two starts on one machine share ~/.cache/cadence's: starts that measured apart could
-    # choose differently at a near tie, and then give other greedy tokens.
+def test_llm_on_a_gguf_gives_the_servers_greedy_tokens(tiny_gguf, cache_home, monkeypatch) -> None:
+    # One CPU kernel table for both (the session's, which ServerProcess hands the server),
+    # saved by the first however busy the machine is, as two starts on one machine share
+    # ~/.cache/cadence's: starts that measured apart could choose differently at a near
+    # tie, and then give other greedy tokens.
     monkeypatch.setattr(cpu_planner, "MIN_CORE_SHARE", 0.0)
     flags = ["--dtype", "float32", "--max-model-len", "64", "--num-gpu-blocks", "64"]
-    flags += ["--cpu-kernels", session_kernel_table]
     llm = LLM(tiny_gguf, **SHARED_FLAGS)
     # Served in the file's own blocks by default, as the server does: layers 1+ are Q8_0.
     assert llm.engine.args.quantization == "gguf"
