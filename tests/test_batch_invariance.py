@@ -126,7 +126,7 @@ def _needs_kernel(kernel: str) -> pytest.MarkDecorator:
         *[
             pytest.param("llama", q, k, marks=_needs_kernel(k))
             for q in ("int8", "int4")
-            for k in ("auto", "packed", "dequant", "dense", "fp16", "bf16")
+            for k in ("auto", "throughput", "packed", "dequant", "dense", "fp16", "bf16")
         ],
     ],
 )
@@ -170,14 +170,16 @@ def test_cpu_engine_measures_its_invariant_shapes_at_start(
 
 
 def _shared_table(cpu_kernels: str, tmp_path, monkeypatch) -> str:
-    """``auto`` as a table every engine of one test reads, measured by the first and saved
-    however busy the machine is: each engine here is a separate start, and starts that
-    measured apart could choose different kernels (as two server starts could, unless the
-    first saved its table)."""
-    if cpu_kernels != "auto":
+    """A measuring mode (``auto``, ``throughput``) on a table every engine of one test reads,
+    measured by the first and saved however busy the machine is: each engine here is a
+    separate start, and starts that measured apart could choose different kernels (as two
+    server starts could, unless the first saved its table)."""
+    if cpu_kernels not in ("auto", "throughput"):
         return cpu_kernels
     monkeypatch.setattr(cpu_planner, "MIN_CORE_SHARE", 0.0)
-    return str(tmp_path / "cpu_kernels.json")
+    table = str(tmp_path / "cpu_kernels.json")
+    monkeypatch.setattr(cpu_planner, "default_table_path", lambda: table)
+    return table if cpu_kernels == "auto" else cpu_kernels
 
 
 @pytest.mark.slow

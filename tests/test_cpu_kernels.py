@@ -70,6 +70,15 @@ def test_choose_keeps_one_family_under_auto_and_mixes_under_fastest() -> None:
     assert choose(TIMES, "fastest", {"dense", "fp16"}).kernels == ("packed", "fp16", "fp16", "fp16", "fp16")
 
 
+def test_throughput_ranks_on_batched_steps_only() -> None:
+    # packed wins batch 1 and 4 by far and loses from 16 up: auto keeps it (each batch
+    # size counts alike), throughput takes the kernel that wins batched steps. Each is
+    # one family, so both stay batch invariant.
+    assert choose(WITHOUT_FP16, "auto", set()) == KernelPlan.fixed("packed")
+    assert choose(WITHOUT_FP16, "throughput", set()) == KernelPlan.fixed("dequant")
+    assert choose(TIMES, "throughput", {"dense"}) == KernelPlan.fixed("dense")
+
+
 def test_auto_weighs_a_group_by_its_share_of_the_whole_model() -> None:
     times = {"packed": [10.0, 10.0, 40.0, 100.0, 400.0], "fp16": [25.0, 12.0, 30.0, 60.0, 250.0]}
     # On its own, packed's lead at M=1 outweighs fp16's at large M...
@@ -80,7 +89,8 @@ def test_auto_weighs_a_group_by_its_share_of_the_whole_model() -> None:
 
 
 def test_options_are_validated(tmp_path) -> None:
-    for mode in ("auto", "fastest", "packed", "dequant", "dense", "fp16", "bf16", str(tmp_path / "table.json")):
+    modes = ("auto", "throughput", "fastest", "packed", "dequant", "dense", "fp16", "bf16")
+    for mode in (*modes, str(tmp_path / "table.json")):
         assert validate_cpu_kernels(mode) == mode
     for bad in ("fast", str(tmp_path / "table.txt"), str(tmp_path / "missing" / "table.json")):
         with pytest.raises(ValueError, match="cpu_kernels"):

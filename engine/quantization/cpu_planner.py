@@ -13,6 +13,9 @@ keyed by CPU model, ISA flags, torch version and thread count, so later starts s
   batch sizes, each weighed against the best time of all the planned layers at that
   size, so a row's result never depends on its batch (greedy decoding is batch
   invariant); within the dense family, a kept dense copy where memory allows.
+* ``throughput``: ``auto``, ranked on batched steps only (M of ``THROUGHPUT_MIN_BATCH`` and
+  up): for a server that is rarely at batch 1. Still one kernel family per layer, so
+  still batch invariant; a batch-1 step may be slower than under ``auto``.
 * ``fastest``: the fastest kernel at each batch size, even if that mixes numerics.
 * ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``: that kernel everywhere (its copy
   regardless of memory).
@@ -58,7 +61,9 @@ from cadence.kernels.half_linear import FORMATS, available
 
 logger = logging.getLogger(__name__)
 
-CPU_KERNEL_MODES = ("auto", "fastest", *KERNELS)
+CPU_KERNEL_MODES = ("auto", "throughput", "fastest", *KERNELS)
+# ``throughput`` ranks kernels as ``auto`` does, on the batch sizes from this one up only.
+THROUGHPUT_MIN_BATCH = 16
 DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left after this
 MIN_CORE_SHARE = 0.6  # below this share of the cores while measuring, the times are not saved
 # Part of the table's key: raise it when the kernels change what they cost, so older times
@@ -197,7 +202,8 @@ def choose(
 ) -> KernelPlan:
     """The plan from measured µs per bucket. ``auto``: the one kernel with the least mean
     over batch sizes of time / ``model_best`` (the whole model's best linear time at that
-    size, so a group weighs by its share of the step; this group's own best without it)."""
+    size, so a group weighs by its share of the step; this group's own best without it).
+    ``throughput``: the same over the batch sizes from ``THROUGHPUT_MIN_BATCH`` up."""
     if mode in KERNELS:
         return KernelPlan.fixed(mode)
     names = candidates(times, affordable)
@@ -205,8 +211,10 @@ def choose(
         return KernelPlan(tuple(min(names, key=lambda k: times[k][i]) for i in range(len(BUCKETS))))
     scale = model_best or [min(times[k][i] for k in names) for i in range(len(BUCKETS))]
 
+    ranked = [i for i, m in enumerate(BUCKETS) if mode != "throughput" or m >= THROUGHPUT_MIN_BATCH]
+
     def slowdown(kernel: str) -> float:
-        return sum(t / b for t, b in zip(times[kernel], scale)) / len(BUCKETS)
+        return sum(times[kernel][i] / scale[i] for i in ranked) / len(ranked)
 
     return KernelPlan.fixed(min(names, key=slowdown))
 
@@ -297,7 +305,7 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
                 group.drop(kernel)  # made again below if chosen: two copies at once may not fit
         measured.append((group, times, affordable))
     model_best = model_best_times(measured)
-    choice = mode if mode in ("fastest", *KERNELS) else "auto"
+    choice = mode if mode in ("throughput", "fastest", *KERNELS) else "auto"
     for group, times, affordable in measured:
         # Copies already kept for earlier groups leave less for this one.
         affordable -= {k for k in HELD_KERNELS if mode != k and group.held_bytes(k, dtype) > budget}
