@@ -26,14 +26,12 @@ import torch
 from cadence import LLM, SamplingParams
 from common.engine_timing import decode_tokens_per_s
 from common.gpu_timing import replay_median_ms
-from common.random_llama import build_random_model, llama3_shaped
+from common.random_llama import add_shape_arguments, build_random_model, llama3_shaped
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--intermediate", type=int, default=8192)
+    add_shape_arguments(ap, layers=16, hidden=2048, intermediate=8192)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])

@@ -39,7 +39,7 @@ from transformers import PreTrainedTokenizerFast
 
 from common.from_tests import ServerProcess
 from common.gpu_timing import measure_ceilings
-from common.random_llama import build_random_model, llama3_shaped
+from common.random_llama import add_shape_arguments, build_random_model, llama3_shaped, runs_on_gpu
 
 CONFIGS = {
     "bf16 graphs": (),
@@ -141,18 +141,14 @@ def limits(shape: Shape, weights: str, batch: int, prompt: int, output: int, gbp
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=14336)
+    add_shape_arguments(ap)
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--smoke", action="store_true", help="a tiny model on CPU, small batches")
     args = ap.parse_args(argv)
-    on_gpu = torch.cuda.is_available() and not args.smoke
-    if not on_gpu and not args.smoke:
-        raise SystemExit("needs a CUDA GPU (or --smoke)")
+    on_gpu = runs_on_gpu(args.smoke)
     if args.smoke:
         args.layers, args.hidden, args.intermediate = 2, 128, 256
         args.batches, args.prompt_len, args.output_len = [1, 4], 16, 8

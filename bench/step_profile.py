@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from cadence import LLM, SamplingParams
 from cadence.engine.protocol import EngineCoreRequest
 from common.decode_profile import step_until_decoding
-from common.random_llama import TINY, build_random_model, llama3_shaped
+from common.random_llama import TINY, add_shape_arguments, build_random_model, llama3_shaped, runs_on_gpu
 
 QUANTIZATION = {"bf16": None, "int8": "int8", "int4": "int4"}
 PROMPT_LEN = 128
@@ -66,18 +66,14 @@ def top_rows(prof: profile, steps: int, top: int, on_device: bool) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=14336)
+    add_shape_arguments(ap)
     ap.add_argument("--weights", nargs="+", choices=list(QUANTIZATION), default=["bf16", "int4"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--smoke", action="store_true", help="a tiny model on CPU")
     args = ap.parse_args(argv)
-    on_gpu = torch.cuda.is_available() and not args.smoke
-    if not on_gpu and not args.smoke:
-        raise SystemExit("needs a CUDA GPU (or --smoke)")
+    on_gpu = runs_on_gpu(args.smoke)
     if args.smoke:
         name, config = "tiny-llama", TINY
         args.batches, args.steps = [b for b in args.batches if b <= 4] or [2], 3

@@ -54,9 +54,9 @@ def resolve_dtype(name: str | torch.dtype, config: ModelConfig, device: torch.de
     stored = (config.torch_dtype or "float32").lower().removeprefix("torch.")
     dtype = _DTYPES.get(stored, torch.float32)
     if torch.device(device).type == "cpu" and dtype in (torch.float16, torch.bfloat16):
-        from cadence.engine.quantization.cpu_policy import has_fast_bf16
+        from cadence.kernels.half_linear import native_bf16
 
-        return torch.bfloat16 if has_fast_bf16() else torch.float32
+        return torch.bfloat16 if native_bf16() else torch.float32
     return dtype
 
 

@@ -133,11 +133,13 @@ def tile_plan(weight: torch.Tensor, bias: torch.Tensor | None = None) -> TilePla
 def measure_tile_plan(
     out_features: int, in_features: int, dtype: torch.dtype, device: torch.device | str, has_bias: bool
 ) -> TilePlan:
-    """``measure_tiles`` for ``F.linear`` on a random weight (and bias) of this shape."""
+    """``measure_tiles`` for ``F.linear`` on ``cancellation_probe``'s weight and inputs (and
+    a random bias) of this shape."""
+    dense, inputs = cancellation_probe(out_features, in_features, dtype)
+    weight = dense.to(dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen).to(dtype=dtype, device=device)
     bias = torch.randn(out_features, generator=gen).to(dtype=dtype, device=device) if has_bias else None
-    return measure_tiles(lambda x: F.linear(x, weight, bias), in_features, dtype, device)
+    return measure_tiles(lambda x: F.linear(x, weight, bias), in_features, dtype, device, inputs)
 
 
 def measure_tiles(
@@ -191,16 +193,17 @@ def measure_tiles(
 
 
 def cancellation_probe(
-    out_features: int, in_features: int, big: float, seed: int = 2
+    out_features: int, in_features: int, weight_dtype: torch.dtype, seed: int = 2
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight and inputs under which a change in a GEMM's summation order shows even
-    through an output rounded to few bits (bf16's 8): every 8th input column is 1, and
-    each weight row has ``+big`` and ``-big`` at two of those columns, so the exact sum is
-    the random terms alone while a running fp32 sum holds ``big`` between the two, and
-    rounds the terms added meanwhile to ``big``'s coarse steps. Where the order differs,
-    different terms are so rounded, and the outputs differ by far more than the output's
-    own rounding. (Random inputs alone only show an order change where an exact sum
-    happens to lie near a rounding boundary.)"""
+    """An fp32 weight (exact in ``weight_dtype`` where it matters) and inputs under which a
+    change in a GEMM's summation order shows even through an output rounded to few bits
+    (bf16's 8): every 8th input column is 1, and each weight row has ``+big`` and ``-big``
+    at two of those columns, so the exact sum is the random terms alone while a running
+    fp32 sum holds ``big`` between the two, and rounds the terms added meanwhile to
+    ``big``'s coarse steps. Where the order differs, different terms are so rounded, and
+    the outputs differ by far more than the output's own rounding. (Random inputs alone
+    only show an order change where an exact sum happens to lie near a rounding boundary.)"""
+    big = 2.0**15 if weight_dtype == torch.float16 else 2.0**20  # within fp16's range
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=gen)
     inputs = torch.randn(TILE_LADDER[-1] + 3, in_features, generator=gen)

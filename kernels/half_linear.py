@@ -9,8 +9,8 @@ Two formats, each a GEMM that reads a weight packed once for it:
 * ``bf16``: oneDNN's bf16 GEMM on a weight reordered into its blocked layout
   (``torch.ops.mkldnn._linear_pointwise``, the call inductor's CPU backend makes):
   activations rounded to bf16, bf16 products summed in fp32 (AVX512-BF16 or AMX), the
-  output rounded to bf16. About twice fp32's rate where the CPU has native bf16, so
-  prefill and batched decode gain most; offered only there (AVX512-BF16 or AMX).
+  output rounded to bf16. Offered only where the CPU has bf16 instructions (AVX512-BF16
+  or AMX); how it compares with the others there is the planner's to measure.
 
 The weight's values are rounded once (a quantized model's dequantized values, whose own
 quantization error is far larger than this rounding). Like a BLAS GEMM, a kernel's sum
@@ -40,7 +40,7 @@ class HalfFormat:
     """How one half-precision format packs a ``[N, K]`` weight and multiplies by it."""
 
     name: str
-    largest: float  # the magnitude the tile check's weights reach (within the format's range)
+    weight_dtype: torch.dtype  # what the weight is rounded to
     input_dtype: torch.dtype  # what the GEMM takes activations in
     pack: Callable[[torch.Tensor], object]  # an fp32 [N, K] weight -> the GEMM's packed weight
     # [M, K] activations in input_dtype x packed -> [M, N] in the format's output dtype
@@ -92,9 +92,8 @@ def _bf16_bytes(out_features: int, in_features: int) -> int:
 
 
 def native_bf16() -> bool:
-    """Whether this CPU has bf16 dot products (AVX512-BF16) or AMX tiles, which make bf16
-    matmuls faster than fp32. oneDNN also runs bf16 on plain AVX-512, by converting, at
-    no gain over fp32."""
+    """Whether the CPU has bf16 dot products (AVX512-BF16) or AMX tiles, the instructions
+    oneDNN's bf16 kernels compute with; without them it converts to fp32 and back."""
     # Private helpers, but the same ones torch's own CPU dispatch consults; a torch
     # without them is treated as "no native bf16", the conservative answer.
     for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
@@ -108,8 +107,8 @@ def _bf16_native() -> bool:
     return bool(torch.backends.mkldnn.is_available() and native_bf16())
 
 
-FP16 = HalfFormat("fp16", 2.0**15, torch.float32, _pack_fp16, _fp16_gemm, _fp16_bytes, lambda: True)
-BF16 = HalfFormat("bf16", 2.0**20, torch.bfloat16, _pack_bf16, _bf16_gemm, _bf16_bytes, _bf16_native)
+FP16 = HalfFormat("fp16", torch.float16, torch.float32, _pack_fp16, _fp16_gemm, _fp16_bytes, lambda: True)
+BF16 = HalfFormat("bf16", torch.bfloat16, torch.bfloat16, _pack_bf16, _bf16_gemm, _bf16_bytes, _bf16_native)
 FORMATS = {fmt.name: fmt for fmt in (FP16, BF16)}
 
 _plans: dict[tuple[str, int, int, int], TilePlan] = {}
@@ -141,8 +140,7 @@ def tile_plan(fmt: HalfFormat, out_features: int, in_features: int) -> TilePlan:
     key = (fmt.name, out_features, in_features, torch.get_num_threads())
     plan = _plans.get(key)
     if plan is None:
-        # bf16's rounded output hides most changes of summation order from random inputs.
-        dense, inputs = cancellation_probe(out_features, in_features, fmt.largest)
+        dense, inputs = cancellation_probe(out_features, in_features, fmt.weight_dtype)
         weight = pack(fmt, dense)
 
         def gemm(x: torch.Tensor) -> torch.Tensor:

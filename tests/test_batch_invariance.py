@@ -110,9 +110,9 @@ def _assert_all_alike(outputs: dict[str, Generated]) -> None:
 
 
 def _needs_kernel(kernel: str) -> pytest.MarkDecorator:
-    """Skip a half kernel this CPU or build does not run (the layers would run packed)."""
+    """Skip a half kernel whose GEMM is unavailable (the layers would run packed instead)."""
     fmt = FORMATS.get(kernel)
-    return pytest.mark.skipif(fmt is not None and not available(fmt), reason=f"no {kernel} GEMM here")
+    return pytest.mark.skipif(fmt is not None and not available(fmt), reason=f"the {kernel} GEMM is unavailable")
 
 
 @pytest.mark.parametrize(

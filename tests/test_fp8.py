@@ -168,7 +168,7 @@ def test_fp8_linear_cpu_path_without_fast_fp16_and_with_long_rows(monkeypatch: p
     ref = reference_for(x, mod.qweight, mod.weight_scale)
     monkeypatch.setattr(fp8_linear_module, "_FP16_SAFE_K", 64)  # 160 = 64 + 64 + 32
     assert rel_err(mod(x), ref) < CPU_PATH_TOL[torch.float32]
-    no_fp16 = CpuQuantPolicy(fast_bf16=False, fast_fp16=False)
+    no_fp16 = CpuQuantPolicy(fast_fp16=False)
     monkeypatch.setattr(fp8_linear_module, "cpu_policy", lambda: no_fp16)
     assert rel_err(mod(x), ref) < 1e-6  # decoded codes in fp32: only the summation order differs
 

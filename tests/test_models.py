@@ -19,7 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.rotary import _inv_freq
-from cadence.engine.quantization.cpu_policy import has_fast_bf16
+from cadence.kernels.half_linear import native_bf16
 from sdpa_contexts import CachedSdpaContext, VarlenSdpaContext
 from tiny_models import KINDS, make_tiny_model
 
@@ -192,7 +192,7 @@ def test_config_parsing() -> None:
 def test_resolve_dtype() -> None:
     cfg = ModelConfig.from_dict(_raw_config())  # checkpoint stored as bfloat16
     # On CPU, half precision only where the hardware makes it fast.
-    expected_cpu = torch.bfloat16 if has_fast_bf16() else torch.float32
+    expected_cpu = torch.bfloat16 if native_bf16() else torch.float32
     assert resolve_dtype("auto", cfg, "cpu") == expected_cpu
     fp32_cfg = ModelConfig.from_dict({**_raw_config(), "torch_dtype": "float32"})
     assert resolve_dtype("auto", fp32_cfg, "cpu") == torch.float32

@@ -6,6 +6,7 @@ shape they need from a config and save it once under bench/out/models/ (git-igno
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import shutil
@@ -66,6 +67,23 @@ TINY: dict[str, Any] = {
     "vocab_size": 1024,
     "max_position_embeddings": 2048,
 }
+
+
+def add_shape_arguments(
+    ap: argparse.ArgumentParser, layers: int = 32, hidden: int = 4096, intermediate: int = 14336
+) -> None:
+    """``--layers``, ``--hidden`` and ``--intermediate`` of a Llama-3-shaped model (8B's by default)."""
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--hidden", type=int, default=hidden)
+    ap.add_argument("--intermediate", type=int, default=intermediate)
+
+
+def runs_on_gpu(smoke: bool) -> bool:
+    """True with a CUDA GPU and no ``--smoke``; False for a smoke run on CPU; exits without a GPU otherwise."""
+    on_gpu = torch.cuda.is_available() and not smoke
+    if not on_gpu and not smoke:
+        raise SystemExit("needs a CUDA GPU (or --smoke)")
+    return on_gpu
 
 
 def build_random_model(name: str, shape: dict[str, Any], fast: bool = False) -> str:

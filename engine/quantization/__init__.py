@@ -10,7 +10,7 @@ and applied by its ``QuantMethod`` (``method.py``), chosen while the model is bu
 * the LM head's method on any of them: the int8 head (``lm_head.py``).
 
 On CUDA the methods run the Triton GEMMs (or ``torch._scaled_mm`` for fp8), on CPU torch
-paths (``cpu_policy.py`` says which, and why). GPTQ calibration (``cadence quantize``)
+paths (``cpu_planner.py`` measures which). GPTQ calibration (``cadence quantize``)
 is a tool, in ``cadence.tools``, outside the serving path.
 """
 

@@ -17,9 +17,8 @@ Five ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
   Only with fp32 activations, on builds with fbgemm.
 * ``bf16``: the same chunks rounded to bf16 once and kept in oneDNN's blocked layout for
   its bf16 GEMM (``kernels/half_linear.py``), bf16 activations and output like
-  ``packed``: where the CPU has native bf16, about twice the rate of the fp32 GEMMs at
-  large M, and at small M as few bytes to read as ``fp16``. Only with fp32 activations, on
-  CPUs with native bf16.
+  ``packed``: as few bytes to read as ``fp16``, and bf16 arithmetic. Only with fp32
+  activations, on CPUs with bf16 instructions.
 
 ``dense`` and ``dequant`` run the same matmul calls on bit-identical chunks, so they give
 the same bits; ``packed`` rounds activations to bf16, ``fp16`` weights to fp16, and

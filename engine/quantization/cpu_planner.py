@@ -310,7 +310,7 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
         # Copies already kept for earlier groups leave less for this one.
         affordable -= {k for k in HELD_KERNELS if mode != k and group.held_bytes(k, dtype) > budget}
         plan = _settle_plan(group, times, choice, affordable, model_best, None if fixed else budget, dtype)
-        held = sum(group.held_bytes(k, dtype) for k in HELD_KERNELS if k in plan.kernels)
+        held = sum(group.held_bytes(k, dtype) for k in _held(plan))
         budget -= held
         for layer in group.layers:
             layer.cpu_plan = plan
