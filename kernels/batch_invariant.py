@@ -87,11 +87,15 @@ def run_tiles(
     """``gemm(rows)`` run at the plan's tile sizes, the last tile padded with zero rows, in
     ``out_dtype`` (default: the GEMM's own). Each tile is written into the output as it
     comes, converted on the way: one pass over the result, not a cast and a concatenation."""
-    if rows.shape[0] == 0:  # no rows: the GEMM's output shape, from one tile of padding
+    m = rows.shape[0]
+    if m in plan.sizes:  # one whole tile, the usual decode step: no views or copies around it
+        whole = gemm(rows)
+        return whole if out_dtype is None else whole.to(out_dtype)
+    if m == 0:  # no rows: the GEMM's output shape, from one tile of padding
         rows = rows.new_zeros(plan.sizes[0], rows.shape[1])
         empty = gemm(rows)[:0]
         return empty if out_dtype is None else empty.to(out_dtype)
-    tiles = plan.tiles(rows.shape[0])
+    tiles = plan.tiles(m)
     out: torch.Tensor | None = None
     start = 0
     for taken, size in tiles:
@@ -102,7 +106,7 @@ def run_tiles(
         if len(tiles) == 1:
             return part if out_dtype is None else part.to(out_dtype)
         if out is None:
-            out = torch.empty(rows.shape[0], part.shape[1], dtype=out_dtype or part.dtype, device=part.device)
+            out = torch.empty(m, part.shape[1], dtype=out_dtype or part.dtype, device=part.device)
         out[start : start + taken] = part
         start += taken
     assert out is not None  # two tiles or more

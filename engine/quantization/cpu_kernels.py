@@ -151,5 +151,8 @@ def held_half(kernel: str, bounds: Sequence[tuple[int, int]], chunk: ChunkMaker)
 def chunked_half_matmul(x: torch.Tensor, n: int, held: HeldHalf) -> torch.Tensor:
     """``x [M, K] @ W.T`` (fp32 out) through a half kernel's held chunks, each at
     batch-invariant tiles; the activations are cast to the format's input once, not per chunk."""
+    if len(held) == 1:
+        (weight,) = held.values()
+        return invariant_half_linear(x, weight)
     rows = x.to(next(iter(held.values())).fmt.input_dtype)
     return _by_chunk(x, n, list(held), lambda start, stop: invariant_half_linear(rows, held[(start, stop)]))

@@ -106,7 +106,8 @@ class QuantizedMethod(DenseMethod):
         if kernel in HALF_KERNELS:
             if kernel not in layer.cpu_half:
                 self.hold_half(layer, kernel)
-            return chunked_half_matmul(x2.float(), layer.out_features, layer.cpu_half[kernel]).to(x2.dtype)
+            out = chunked_half_matmul(x2, layer.out_features, layer.cpu_half[kernel])  # fp32
+            return out if x2.dtype == torch.float32 else out.to(x2.dtype)
         held = layer.cpu_dense
         maker = held if kernel == DENSE and held is not None and layer.cpu_dense_dtype == x2.dtype else None
         maker = maker or self.dense_chunk_maker(layer, x2.dtype)
