@@ -21,6 +21,7 @@ from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineReady, EngineStats
+from cadence.engine.quantization.cpu_planner import splits_prompt_rows
 from cadence.engine.step_stats import StepRecorder, mark_first_scheduled
 from cadence.scheduler.output import SchedulerOutput
 from cadence.scheduler.remote_kv import KVLoadOutcome, KVPrefilled, KVReservation, RemoteKV
@@ -106,7 +107,9 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
             ),
-            CacheConfig(num_blocks, args.block_size, args.enable_prefix_caching),
+            CacheConfig(
+                num_blocks, args.block_size, args.enable_prefix_caching, splits_prompt_rows(self.model.modules())
+            ),
         )
         self.num_kv_blocks = num_blocks
         transport = None

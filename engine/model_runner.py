@@ -30,6 +30,8 @@ from cadence.engine.kv_transfer.transport import KVTransport
 from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.models.moe import routes_on_host
 from cadence.engine.protocol import TokenLogprobs
+from cadence.engine.quantization.cpu_planner import splits_prompt_rows
+from cadence.engine.quantization.prompt_rows import row_runs, step_rows
 from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from cadence.engine.sampling_params import SamplingParams
 from cadence.kernels.kv_quant import KV_CACHE_DTYPES
@@ -127,6 +129,8 @@ class ModelRunner:
             )
             self.decode_graphs.capture()
         self.sampler = Sampler()
+        # Whether the CPU layers run prompt tokens' rows apart, and so need each step's rows stated.
+        self.splits_prompt_rows = splits_prompt_rows(model.modules())
         # Both outlive a preemption (the rows do not), and go when the request finishes: a
         # seeded request's samples continue its own stream, and a recomputed prompt must
         # not report its logprobs twice.
@@ -215,7 +219,12 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
         )
         ctx = AttentionContext(self.backend, self.kv_caches, self.backend.build_metadata(batch))
-        return self.model(torch.from_numpy(step.input_ids).to(device), positions, ctx)
+        input_ids = torch.from_numpy(step.input_ids).to(device)
+        if not self.splits_prompt_rows:
+            return self.model(input_ids, positions, ctx)
+        prompt_lens = [state.num_prompt_tokens for state in step.requests]
+        with step_rows(row_runs(step.context_lens, step.query_lens, prompt_lens)):
+            return self.model(input_ids, positions, ctx)
 
     def _sample(self, states: list[RequestState], logits: torch.Tensor, result: ModelRunnerOutput) -> None:
         batch = self.input_batch

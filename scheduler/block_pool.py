@@ -21,10 +21,16 @@ class BlockKey:
 
     parent_digest: bytes | None
     token_ids: tuple[int, ...]
+    # Where a token's K/V depends on which tokens were the prompt's (an engine that runs
+    # prompt rows on kernels of their own), a block that holds generated tokens says how
+    # many of its tokens were the prompt's; None where that does not matter.
+    prompt_tokens: int | None = None
     digest: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         payload = (self.parent_digest or b"") + array("q", self.token_ids).tobytes()
+        if self.prompt_tokens is not None:
+            payload += b"prompt" + array("q", [self.prompt_tokens]).tobytes()
         object.__setattr__(self, "digest", hashlib.sha256(payload).digest())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from cadence.scheduler.block_pool import BlockKey, BlockPool
 from cadence.scheduler.request import Request
@@ -12,6 +13,18 @@ BlockCopy = tuple[int, int]  # (source block id, destination block id)
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: how many blocks of how many tokens, and prefix reuse."""
+
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # Whether a token's K/V depends on where its request's prompt ends (an engine that runs
+    # prompt rows on kernels of their own): then the blocks' keys say (BlockKey.prompt_tokens).
+    keys_mark_prompt: bool = False
 
 
 class KVCacheManager:
@@ -27,10 +40,11 @@ class KVCacheManager:
     runner holds the request must note that too.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+    def __init__(self, config: CacheConfig) -> None:
+        self.block_size = config.block_size
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.keys_mark_prompt = config.keys_mark_prompt
+        self.pool = BlockPool(config.num_blocks)
         # Prompt tokens of first admissions looked up in the prefix cache, and found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -70,7 +84,10 @@ class KVCacheManager:
         keys, tokens, size = request.block_keys, request.token_ids, self.block_size
         while len(keys) < num_blocks:
             start = len(keys) * size
-            keys.append(BlockKey(keys[-1].digest if keys else None, tuple(tokens[start : start + size])))
+            prompt = request.num_prompt_tokens - start
+            marked = self.keys_mark_prompt and prompt < size
+            parent = keys[-1].digest if keys else None
+            keys.append(BlockKey(parent, tuple(tokens[start : start + size]), max(prompt, 0) if marked else None))
         return keys[:num_blocks]
 
     def allocate_slots(

@@ -16,7 +16,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cadence.scheduler.kv_cache_manager import BlockCopy, KVCacheManager, cdiv
+from cadence.scheduler.kv_cache_manager import BlockCopy, CacheConfig, KVCacheManager, cdiv
 from cadence.scheduler.output import NewRequestData, SchedulerOutput, describe
 from cadence.scheduler.remote_kv import (
     KVLoad,
@@ -46,15 +46,6 @@ class SchedulerConfig:
             raise ValueError(f"invalid scheduler limits: {self}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must not be negative: {self}")
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """The paged KV cache: how many blocks of how many tokens, and prefix reuse."""
-
-    num_blocks: int
-    block_size: int = 16
-    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -87,9 +78,7 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.config = scheduler_config
-        self.kv_cache = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
-        )
+        self.kv_cache = KVCacheManager(cache_config)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key
         self.running: list[Request] = []

@@ -14,6 +14,7 @@ import pickle
 import random
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -179,6 +180,28 @@ def test_prefix_hit_is_confirmed_on_tokens_not_digest() -> None:
 
     pool.cached_blocks[BlockKey(None, (9, 9, 9, 9)).digest] = block_id
     assert scheduler.kv_cache.find_cached_prefix(other) == []
+
+
+@pytest.mark.parametrize("keys_mark_prompt", [False, True])
+def test_blocks_holding_generated_tokens_serve_as_prompt_only_where_kv_ignores_the_prompt_end(
+    keys_mark_prompt: bool,
+) -> None:
+    """An engine that runs prompt tokens' rows on kernels of their own computes a token's K/V
+    differently as a prompt token than as a generated one: a later prompt holding an
+    earlier request's output must not read that request's blocks then, yet the request
+    itself (back after a preemption) still must."""
+    config = CacheConfig(64, 4, keys_mark_prompt=keys_mark_prompt)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=256), config)
+    scheduler.add_request(make_request("a", [1, 2, 3, 4, 5, 6], 0, max_tokens=8))
+    done = run_to_completion(scheduler, FakeModel(scheduler, random.Random(0)))["a"]
+    assert len(done.token_ids) == 14  # blocks 0-2 computed and cached; block 1 from position 6 on is output
+    cache = scheduler.kv_cache
+    follow_up = make_request("b", list(done.token_ids), 1, max_tokens=1)  # a's text, all of it prompt
+    assert len(cache.find_cached_prefix(follow_up)) == (1 if keys_mark_prompt else 3)
+    again = make_request("a-again", done.prompt_token_ids, 2, max_tokens=8)
+    for token in done.output_token_ids:
+        again.append_output_token(token)
+    assert len(cache.find_cached_prefix(again)) == 3  # the same prompt end: every block
 
 
 def test_preemption_recomputes_and_never_crashes() -> None:

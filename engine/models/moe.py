@@ -119,13 +119,16 @@ class SparseMoeBlock(nn.Module):
 
     def new_expert(self, expert: int) -> MLP:
         """Expert ``expert`` as this layer builds it (on the current default device)."""
-        return MLP(
+        mlp = MLP(
             self.quant,
             f"{self.prefix}.experts.{expert}",
             self.hidden_size,
             self.intermediate_size,
             shard_names=self.expert_names,
         )
+        for layer in (mlp.gate_up_proj, mlp.down_proj):
+            layer.token_rows = False  # an expert sees the tokens routed to it, not the step's rows
+        return mlp
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``topk_weights [T, top_k]`` (fp32 for Mixtral, else x's dtype) and ``topk_ids

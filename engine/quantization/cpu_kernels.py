@@ -61,17 +61,29 @@ def numerics(kernel: str) -> str:
 @dataclass(frozen=True)
 class KernelPlan:
     """The kernel for each batch size of one layer: ``kernels[i]`` serves the M nearest
-    ``BUCKETS[i]``."""
+    ``BUCKETS[i]``. With ``prompt`` set, the rows of prompt tokens in a step run that kernel
+    instead, at any M (``prompt_rows.py``), and ``kernels`` serve the generated tokens' rows."""
 
     kernels: tuple[str, ...]
+    prompt: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.kernels) != len(BUCKETS) or not set(self.kernels) <= set(KERNELS):
             raise ValueError(f"a plan names one of {KERNELS} for each of the buckets {BUCKETS}: {self.kernels}")
+        if self.prompt is not None and self.prompt not in KERNELS:
+            raise ValueError(f"a prompt kernel is one of {KERNELS}, got {self.prompt!r}")
 
     @classmethod
     def fixed(cls, kernel: str) -> KernelPlan:
         return cls((kernel,) * len(BUCKETS))
+
+    def with_prompt(self, kernel: str) -> KernelPlan:
+        return KernelPlan(self.kernels, kernel)
+
+    @property
+    def all_kernels(self) -> set[str]:
+        """Every kernel the plan runs, the prompt rows' included."""
+        return set(self.kernels) | ({self.prompt} if self.prompt else set())
 
     def kernel_for(self, m: int) -> str:
         for bound, kernel in zip(_BOUNDS, self.kernels):
@@ -86,8 +98,10 @@ class KernelPlan:
 
     def describe(self) -> str:
         if len(set(self.kernels)) == 1:
-            return self.kernels[0]
-        return ", ".join(f"M~{b}: {k}" for b, k in zip(BUCKETS, self.kernels))
+            text = self.kernels[0]
+        else:
+            text = ", ".join(f"M~{b}: {k}" for b, k in zip(BUCKETS, self.kernels))
+        return text if self.prompt is None else f"{text}; prompt tokens {self.prompt}"
 
 
 # Upper M of each bucket but the last: the geometric midpoints between neighbours.

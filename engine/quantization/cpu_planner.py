@@ -9,13 +9,16 @@ keyed by CPU model, ISA flags, torch version and thread count, so later starts s
 
 ``--cpu-kernels`` (``EngineArgs.cpu_kernels``):
 
-* ``auto`` (default): one kernel family per layer, the one that is fastest across the
-  batch sizes, each weighed against the best time of all the planned layers at that
-  size, so a row's result never depends on its batch (greedy decoding is batch
-  invariant); within the dense family, a kept dense copy where memory allows.
-* ``throughput``: ``auto``, ranked on batched steps only (M of ``THROUGHPUT_MIN_BATCH`` and
-  up): for a server that is rarely at batch 1. Still one kernel family per layer, so
-  still batch invariant; a batch-1 step may be slower than under ``auto``.
+* ``auto`` (default): one kernel family for the rows of generated tokens, the one that is
+  fastest across the batch sizes of decode steps (``GENERATED_BUCKETS``), each weighed against the
+  best time of all the planned layers at that size; and for a decoder projection, one for
+  the rows of prompt tokens, the fastest at prefill sizes (``PROMPT_BUCKETS``), where the
+  two differ (``prompt_rows.py``). A row's kernel follows from what its token is, never
+  from its batch, so greedy decoding stays batch invariant; within the dense family, a
+  kept dense copy where memory allows.
+* ``throughput``: one kernel family per layer for every row, ranked on batched steps only
+  (M of ``THROUGHPUT_MIN_BATCH`` and up): for a server that is rarely at batch 1. Batch
+  invariant too; a batch-1 step may be slower than under ``auto``.
 * ``fastest``: the fastest kernel at each batch size, even if that mixes numerics.
 * ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``: that kernel everywhere (its copy
   regardless of memory).
@@ -64,6 +67,10 @@ logger = logging.getLogger(__name__)
 CPU_KERNEL_MODES = ("auto", "throughput", "fastest", *KERNELS)
 # ``throughput`` ranks kernels as ``auto`` does, on the batch sizes from this one up only.
 THROUGHPUT_MIN_BATCH = 16
+# What ``auto`` ranks the kernel of generated tokens' rows on (decode steps, batch 1 to a
+# full server's 256) and, for decoder projections, that of prompt tokens' rows (prefill chunks).
+GENERATED_BUCKETS = BUCKETS
+PROMPT_BUCKETS = (64, 256)
 DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left after this
 MIN_CORE_SHARE = 0.6  # below this share of the cores while measuring, the times are not saved
 # Part of the table's key: raise it when the kernels change what they cost, so older times
@@ -123,6 +130,11 @@ class LayerGroup:
     layers: list[LinearLayer]
     kernels: tuple[str, ...]
 
+    @property
+    def token_rows(self) -> bool:
+        """Whether the layers take the step's token rows, so prompt rows may get their own kernel."""
+        return all(layer.token_rows for layer in self.layers)
+
     def held_bytes(self, kernel: str, dtype: torch.dtype) -> int:
         """The memory ``kernel``'s kept copies take for the whole group (packed half copies
         are padded to their GEMM's blocks)."""
@@ -150,7 +162,7 @@ class LayerGroup:
 
 def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype) -> list[LayerGroup]:
     """The model's CPU-quantized layers that have a choice of kernels, grouped by format and shape."""
-    members: dict[tuple[str, int, int, int | None], LayerGroup] = {}
+    members: dict[tuple[str, int, int, int | None, bool], LayerGroup] = {}
     for module in modules:
         if not isinstance(module, LinearLayer) or not isinstance(module.method, QuantizedMethod):
             continue
@@ -162,8 +174,10 @@ def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype) -> list[Layer
         if len(kernels) > 1:
             fmt = type(module.method).__name__.removesuffix("Method").lower()
             shape = (fmt, module.out_features, module.in_features, getattr(module, "cpu_group_size", None))
-            members.setdefault(shape, LayerGroup("", module.method, [], kernels)).layers.append(module)
-    for (fmt, n, k, group_size), entry in members.items():
+            members.setdefault((*shape, module.token_rows), LayerGroup("", module.method, [], kernels)).layers.append(
+                module
+            )
+    for (fmt, n, k, group_size, _), entry in members.items():
         group = "" if group_size is None else f" g{group_size}"
         entry.key = f"{fmt} {n}x{k}{group} {str(dtype).removeprefix('torch.')} x{len(entry.layers)}"
     return list(members.values())
@@ -198,12 +212,18 @@ def candidates(times: dict[str, list[float]], affordable: set[str]) -> list[str]
 
 
 def choose(
-    times: dict[str, list[float]], mode: str, affordable: set[str], model_best: list[float] | None = None
+    times: dict[str, list[float]],
+    mode: str,
+    affordable: set[str],
+    model_best: list[float] | None = None,
+    token_rows: bool = False,
 ) -> KernelPlan:
-    """The plan from measured µs per bucket. ``auto``: the one kernel with the least mean
-    over batch sizes of time / ``model_best`` (the whole model's best linear time at that
-    size, so a group weighs by its share of the step; this group's own best without it).
-    ``throughput``: the same over the batch sizes from ``THROUGHPUT_MIN_BATCH`` up."""
+    """The plan from measured µs per bucket. A ranking takes the one kernel with the least
+    mean over its batch sizes of time / ``model_best`` (the whole model's best linear time
+    at that size, so a group weighs by its share of the step; this group's own best
+    without it). ``auto`` ranks on ``GENERATED_BUCKETS``, and where the layers take the
+    step's ``token_rows``, gives prompt rows the winner on ``PROMPT_BUCKETS`` if it differs;
+    ``throughput`` ranks on the batch sizes from ``THROUGHPUT_MIN_BATCH`` up."""
     if mode in KERNELS:
         return KernelPlan.fixed(mode)
     names = candidates(times, affordable)
@@ -211,12 +231,15 @@ def choose(
         return KernelPlan(tuple(min(names, key=lambda k: times[k][i]) for i in range(len(BUCKETS))))
     scale = model_best or [min(times[k][i] for k in names) for i in range(len(BUCKETS))]
 
-    ranked = [i for i, m in enumerate(BUCKETS) if mode != "throughput" or m >= THROUGHPUT_MIN_BATCH]
+    def best_on(sizes: tuple[int, ...]) -> str:
+        ranked = [BUCKETS.index(m) for m in sizes]
+        return min(names, key=lambda k: sum(times[k][i] / scale[i] for i in ranked))
 
-    def slowdown(kernel: str) -> float:
-        return sum(times[kernel][i] / scale[i] for i in ranked) / len(ranked)
-
-    return KernelPlan.fixed(min(names, key=slowdown))
+    if mode == "throughput":
+        return KernelPlan.fixed(best_on(tuple(m for m in BUCKETS if m >= THROUGHPUT_MIN_BATCH)))
+    generated = best_on(GENERATED_BUCKETS)
+    prompt = best_on(PROMPT_BUCKETS) if token_rows else generated
+    return KernelPlan.fixed(generated) if prompt == generated else KernelPlan.fixed(generated).with_prompt(prompt)
 
 
 def model_best_times(measured: list[tuple[LayerGroup, dict[str, list[float]], set[str]]]) -> list[float] | None:
@@ -349,26 +372,26 @@ def _settle_plan(
     ``budget`` together (None: no limit), and chosen again whenever the weights refuse a
     copy (``_try_hold``). Copies made for a plan given up are dropped."""
     while True:
-        plan = _runnable(group, choose(times, choice, affordable, model_best))
-        # A mixed plan (``fastest``) may read several copies: together they must fit too.
+        plan = _runnable(group, choose(times, choice, affordable, model_best, group.token_rows))
+        # A mixed plan (``fastest``, or prompt rows apart) may read several copies: together they must fit too.
         while budget is not None and sum(group.held_bytes(k, dtype) for k in _held(plan)) > budget:
             affordable.discard(max(_held(plan), key=lambda k: group.held_bytes(k, dtype)))
-            plan = _runnable(group, choose(times, choice, affordable, model_best))
+            plan = _runnable(group, choose(times, choice, affordable, model_best, group.token_rows))
         if all(_try_hold(group, k, dtype, affordable) for k in _held(plan)):
             break
     for kernel in HELD_KERNELS:
-        if kernel not in plan.kernels:
+        if kernel not in plan.all_kernels:
             group.drop(kernel)
     return plan
 
 
 def _held(plan: KernelPlan) -> list[str]:
     """The kernels of ``plan`` that read a kept copy."""
-    return [k for k in HELD_KERNELS if k in plan.kernels]
+    return [k for k in HELD_KERNELS if k in plan.all_kernels]
 
 
 def _runnable(group: LayerGroup, plan: KernelPlan) -> KernelPlan:
-    if set(plan.kernels) <= set(group.kernels):
+    if plan.all_kernels <= set(group.kernels):
         return plan
     logger.warning("%s does not run %s on CPU; it runs %s", group.key, plan.describe(), group.kernels[0])
     return KernelPlan.fixed(group.kernels[0])
@@ -422,6 +445,12 @@ def _log_choice(
     )
     invariant = "batch-invariant" if plan.batch_invariant else "not batch-invariant"
     logger.info("CPU kernels for %s: %s (%s%s; %s)", group.key, plan.describe(), invariant, memory, why)
+
+
+def splits_prompt_rows(modules: Iterable[nn.Module]) -> bool:
+    """Whether some layer runs prompt tokens' rows on a kernel of its own: then a token's K/V
+    depends on which tokens before it were prompt tokens, and prefix-cache keys say so."""
+    return any(isinstance(m, LinearLayer) and m.cpu_plan is not None and m.cpu_plan.prompt for m in modules)
 
 
 def group_summary(modules: Iterable[nn.Module]) -> dict[str, int]:

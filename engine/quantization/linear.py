@@ -25,6 +25,7 @@ import logging
 import torch
 from torch import nn
 
+from cadence.engine.quantization import prompt_rows
 from cadence.engine.quantization.cpu_int4_layout import (
     dequantize_cpu_int4_transposed,
     matching_block_n,
@@ -90,8 +91,25 @@ class QuantizedMethod(DenseMethod):
 
     def cpu_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         plan = layer.cpu_plan
-        kernel = self.cpu_kernels(layer)[0] if plan is None else plan.kernel_for(x2.shape[0])
-        return self.run_cpu_kernel(layer, x2, kernel)
+        if plan is None:
+            return self.run_cpu_kernel(layer, x2, self.cpu_kernels(layer)[0])
+        rows = prompt_rows.current() if plan.prompt is not None and layer.token_rows else None
+        if rows is None or not rows.runs:  # no step stated (a warm-up): rows count as generated
+            return self.run_cpu_kernel(layer, x2, plan.kernel_for(x2.shape[0]))
+        if rows.num_rows != x2.shape[0]:
+            raise RuntimeError(f"{layer.prefix}: {x2.shape[0]} rows in a step of {rows.num_rows} tokens")
+        out: torch.Tensor | None = None
+        for start, stop, is_prompt in rows.runs:
+            kernel = plan.prompt if is_prompt else plan.kernel_for(stop - start)
+            assert kernel is not None
+            part = self.run_cpu_kernel(layer, x2[start:stop], kernel)
+            if len(rows.runs) == 1:
+                return part
+            if out is None:
+                out = torch.empty(x2.shape[0], part.shape[1], dtype=part.dtype)
+            out[start:stop] = part
+        assert out is not None  # two runs or more
+        return out
 
     # ---- the CPU kernels (cpu_kernels.py): what the planner times and the plan picks from
 

@@ -108,6 +108,7 @@ class LinearLayer(nn.Module):
     cpu_dense: Callable[[int, int], torch.Tensor] | None
     cpu_dense_dtype: torch.dtype | None
     cpu_half: dict[str, HeldHalf]  # the packed chunks of the half kernels ("fp16", "bf16") held
+    token_rows: bool
 
     def __init__(
         self,
@@ -134,6 +135,10 @@ class LinearLayer(nn.Module):
         self.loaded: set[tuple[int, str]] = set()  # (shard, tensor name) seen while loading
         self.cpu_plan, self.cpu_dense, self.cpu_dense_dtype = None, None, None
         self.cpu_half = {}
+        # Whether the input holds the step's token rows in order (the decoder's projections),
+        # so that a CPU plan may run prompt tokens' rows on a kernel of their own; not so
+        # for the LM head (sampled rows) or routed experts (their tokens only).
+        self.token_rows = True
         # Where Triton kernels serve the layer: one kernel configuration for every batch
         # size, so a row's bits do not depend on the batch (set by the engine,
         # engine/batch_invariant.py).
