@@ -186,6 +186,9 @@ class ModelRunner:
         ctx = AttentionContext(self.backend, self.kv_caches, self.backend.build_metadata(batch))
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         self.model.compute_logits(self.model(zero, zero, ctx))
+        if self.splits_prompt_rows:  # and once as a prompt token, for the prompt rows' kernels
+            with step_rows(row_runs([0], [1], [1])):
+                self.model(zero, zero, ctx)
 
     def _row_selector(self, rows: list[int]) -> slice | torch.Tensor:
         """``rows`` of the hidden states as a slice when they run consecutively, as in

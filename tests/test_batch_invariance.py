@@ -156,15 +156,22 @@ def test_greedy_request_is_the_same_in_any_batch(
     _assert_all_alike(_scenarios(make, target, others))
 
 
-@pytest.mark.parametrize("kind,quantization", [("llama", None), ("tied", None), ("llama", "int8")])
+@pytest.mark.parametrize(
+    "kind,quantization,cpu_kernels",
+    [("llama", None, "dense"), ("tied", None, "dense"), ("llama", "int8", "dense"), ("llama", "int8", "split")],
+)
 def test_cpu_engine_measures_its_invariant_shapes_at_start(
-    tiny_model_dir, monkeypatch, kind: str, quantization: str | None
+    tiny_model_dir, tmp_path, monkeypatch, kind: str, quantization: str | None, cpu_kernels: str
 ) -> None:
     """What the invariant paths measure on first use (each weight's GEMM tiles, the attention
-    padding) is measured while the engine starts, not in the first request's time."""
+    padding) is measured while the engine starts, not in the first request's time; with
+    prompt rows on a kernel of their own (here dense, whose tiles are measured on first
+    use), that kernel's too."""
     monkeypatch.setattr(batch_invariant, "_plans", {})
     monkeypatch.setattr(invariant_sdpa, "_shapes", {})
-    llm = LLM(tiny_model_dir(kind), **{**ENGINE, "quantization": quantization, "cpu_kernels": "dense"})
+    table = _shared_table(cpu_kernels, tmp_path, monkeypatch)
+    llm = LLM(tiny_model_dir(kind), **{**ENGINE, "quantization": quantization, "cpu_kernels": table})
+    assert llm.engine.runner.splits_prompt_rows == (cpu_kernels == "split")
     measured: list[str] = []
 
     def counted(name: str, measure: Callable[..., object]) -> Callable[..., object]:

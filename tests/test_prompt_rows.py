@@ -8,13 +8,14 @@ import torch
 from torch import nn
 
 from cadence import LLM
+from cadence.engine import engine_core
 from cadence.engine.quantization import cpu_planner
 from cadence.engine.quantization.cpu_kernels import DENSE, DEQUANT, PACKED, KernelPlan
 from cadence.engine.quantization.cpu_planner import choose, splits_prompt_rows
 from cadence.engine.quantization.linear import Int8Linear, Int8Method
 from cadence.engine.quantization.method import LinearLayer
 from cadence.engine.quantization.prompt_rows import RowRuns, current, row_runs, step_rows
-from helpers import SPLIT_TIMES, fake_split_times
+from helpers import SPLIT_TIMES, fake_split_times, greedy
 
 
 def test_rows_of_each_sequence_split_where_its_prompt_ends() -> None:
@@ -95,3 +96,33 @@ def test_an_engine_that_splits_marks_its_prefix_cache_keys(tiny_model_dir, tmp_p
     assert splits_prompt_rows(model.modules()) and llm.engine.runner.splits_prompt_rows
     assert llm.engine.scheduler.kv_cache.keys_mark_prompt
     assert not LLM(tiny_model_dir("llama"), num_gpu_blocks=64).engine.scheduler.kv_cache.keys_mark_prompt
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_prompt_repeating_an_answer_reads_the_same_as_on_a_fresh_engine(
+    tiny_model_dir, tmp_path, monkeypatch, marked: bool
+) -> None:
+    """Request b's prompt is request a's prompt and answer. On the engine that served a,
+    b must give what it gives on a fresh engine: a's answer was computed on the generated
+    tokens' kernel, b's prompt runs the prompt tokens', so b may not read a's blocks of
+    it. Without the marked keys (the second case, forced off) it would, and differs."""
+    monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "kernels.json"))
+    monkeypatch.setattr(cpu_planner, "MIN_CORE_SHARE", 0.0)
+    fake_split_times(monkeypatch)
+    if not marked:
+        monkeypatch.setattr(cpu_planner, "splits_prompt_rows", lambda modules: False)
+        monkeypatch.setattr(engine_core, "splits_prompt_rows", lambda modules: False)
+    options = {"quantization": "int8", "block_size": 16, "num_gpu_blocks": 64, "max_model_len": 256}
+    params = greedy(8, logprobs=3)
+    served = LLM(tiny_model_dir("llama"), **options)
+    served.engine.runner.splits_prompt_rows = True  # the rows are stated either way
+    prompt = [(7 * i) % 400 + 3 for i in range(40)]
+    (answer,) = served.generate([prompt], greedy(40))
+    follow_up = prompt + list(answer.outputs[0].token_ids)  # 80 tokens: blocks 2-4 hold answer tokens
+    (warm,) = served.generate([follow_up], params)
+    (cold,) = LLM(tiny_model_dir("llama"), **options).generate([follow_up], params)
+    same = (warm.outputs[0].token_ids, warm.outputs[0].logprobs) == (
+        cold.outputs[0].token_ids,
+        cold.outputs[0].logprobs,
+    )
+    assert same == marked

@@ -193,7 +193,8 @@ def test_blocks_holding_generated_tokens_serve_as_prompt_only_where_kv_ignores_t
     config = CacheConfig(64, 4, keys_mark_prompt=keys_mark_prompt)
     scheduler = Scheduler(SchedulerConfig(max_model_len=256), config)
     scheduler.add_request(make_request("a", [1, 2, 3, 4, 5, 6], 0, max_tokens=8))
-    done = run_to_completion(scheduler, FakeModel(scheduler, random.Random(0)))["a"]
+    model = FakeModel(scheduler, random.Random(0))
+    done = run_to_completion(scheduler, model)["a"]
     assert len(done.token_ids) == 14  # blocks 0-2 computed and cached; block 1 from position 6 on is output
     cache = scheduler.kv_cache
     follow_up = make_request("b", list(done.token_ids), 1, max_tokens=1)  # a's text, all of it prompt
@@ -202,6 +203,11 @@ def test_blocks_holding_generated_tokens_serve_as_prompt_only_where_kv_ignores_t
     for token in done.output_token_ids:
         again.append_output_token(token)
     assert len(cache.find_cached_prefix(again)) == 3  # the same prompt end: every block
+    # A prompt that ends where a block does leaves that block unmarked: any prompt sharing
+    # its tokens finds it.
+    scheduler.add_request(make_request("c", [1, 2, 3, 4, 5, 6, 7, 8], 3, max_tokens=4))
+    run_to_completion(scheduler, model)
+    assert len(cache.find_cached_prefix(make_request("d", [1, 2, 3, 4, 5, 6, 7, 8, 9], 4))) == 2
 
 
 def test_preemption_recomputes_and_never_crashes() -> None:

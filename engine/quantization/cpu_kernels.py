@@ -169,4 +169,4 @@ def chunked_half_matmul(x: torch.Tensor, n: int, held: HeldHalf) -> torch.Tensor
         (weight,) = held.values()
         return invariant_half_linear(x, weight)
     rows = x.to(next(iter(held.values())).fmt.input_dtype)
-    return _by_chunk(x, n, list(held), lambda start, stop: invariant_half_linear(rows, held[(start, stop)]))
+    return _by_chunk(x.float(), n, list(held), lambda start, stop: invariant_half_linear(rows, held[(start, stop)]))

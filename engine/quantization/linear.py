@@ -6,7 +6,8 @@ Both hold the packed layouts of ``cadence.kernels.quant_formats`` as buffers on 
 
 * CUDA: the Triton GEMMs ``w8a16_matmul`` / ``w4a16_matmul``.
 * CPU: the torch kernels of ``cpu_kernels`` (packed op, per-call or held dense copy), one
-  per batch size as the layer's ``KernelPlan`` says (``cpu_planner`` measures), never the Triton
+  per batch size as the layer's ``KernelPlan`` says (``cpu_planner`` measures), and one for
+  the step's prompt-token rows where the plan has it (``prompt_rows``), never the Triton
   interpreter, even when the test suite sets ``TRITON_INTERPRET=1``. ``Int4Method``
   converts a CPU weight once, after loading, into the layout ``_weight_int4pack_mm_for_cpu``
   reads and then drops the Cadence-layout copy, so the weight is held once, not twice.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 
@@ -46,20 +47,20 @@ def row_runs(context_lens: Sequence[int], query_lens: Sequence[int], prompt_lens
     return RowRuns(row, tuple(runs))
 
 
-_current: RowRuns | None = None
+# Per thread (and task): two engines of one process may step in two threads.
+_current: ContextVar[RowRuns | None] = ContextVar("step_rows", default=None)
 
 
 def current() -> RowRuns | None:
     """The rows of the forward pass under way, if the runner stated them."""
-    return _current
+    return _current.get()
 
 
 @contextmanager
 def step_rows(rows: RowRuns) -> Iterator[None]:
     """State ``rows`` for the forward pass run inside."""
-    global _current
-    outer, _current = _current, rows
+    token = _current.set(rows)
     try:
         yield
     finally:
-        _current = outer
+        _current.reset(token)
