@@ -13,6 +13,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -80,31 +81,47 @@ def _long_stream_body(max_tokens: int = LONG) -> dict[str, Any]:
     }
 
 
+@contextmanager
+def _seats_taken(busy: ServerProcess) -> Iterator[None]:
+    """Both seats of the busy server held by one streamed n=2 request for the block inside,
+    then the stream closed, which aborts it and frees them. The tiny model generates the
+    request's tokens in about a second, so each block holds one refusal only, and the
+    request is checked running when the block starts and still running (not finished on
+    its own) when it ends."""
+    with (
+        httpx.Client(timeout=30) as holder,
+        holder.stream("POST", f"{busy.base_url}{CMPL}", json=_long_stream_body()) as held,
+    ):
+        assert held.status_code == 200
+        events = sse_data(held.iter_lines())  # kept: a dropped line iterator closes the stream
+        assert json.loads(next(events))["choices"]
+        # The gauge follows the engine's step stats, which may trail the first event.
+        assert busy.wait_for_metric(RUNNING, 2.0) == 2.0
+        yield
+        assert busy.metric(RUNNING) == 2.0, "the held request ended too soon for this test"
+    assert_idle(busy)
+
+
 def test_overload_gives_429_with_retry_after(busy: ServerProcess) -> None:
     url = busy.base_url
     sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
-    with httpx.Client(timeout=30) as holder, httpx.Client(base_url=url, timeout=30) as client:
-        with holder.stream("POST", f"{url}{CMPL}", json=_long_stream_body()) as held:
-            assert held.status_code == 200
-            events = sse_data(held.iter_lines())
-            assert json.loads(next(events))["choices"]
-            # Both seats are taken now; every new request is refused at once.
-            for path, body in (
-                (CMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
-                (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}),
-                (CMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}),
-            ):
+    with httpx.Client(base_url=url, timeout=30) as client:
+        # While both seats are taken, every new request is refused at once.
+        for path, body in (
+            (CMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+            (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}),
+            (CMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}),
+        ):
+            with _seats_taken(busy):
                 response = client.post(path, json=body)
-                assert_error(response, 429, type="rate_limit_error", code="rate_limit_exceeded")
-                assert response.headers["retry-after"] == "1"
-            with pytest.raises(openai.RateLimitError) as caught:
-                sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-            assert caught.value.response.headers["retry-after"] == "1"
-            with pytest.raises(openai.RateLimitError):
-                sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
-            assert busy.metric(RUNNING) == 2.0, "the held request ended too soon for this test"
-        # Closing the held stream aborts it and frees both seats.
-        assert_idle(busy)
+            assert_error(response, 429, type="rate_limit_error", code="rate_limit_exceeded")
+            assert response.headers["retry-after"] == "1"
+        with _seats_taken(busy), pytest.raises(openai.RateLimitError) as caught:
+            sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert caught.value.response.headers["retry-after"] == "1"
+        with _seats_taken(busy), pytest.raises(openai.RateLimitError):
+            sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        # Each closed held stream was aborted and gave both seats back (``_seats_taken``).
         completion = sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert completion.choices[0].finish_reason in ("length", "stop")
         response = client.post(CMPL, json={"model": MODEL, "prompt": "hi", "n": 2, "max_tokens": 2})
