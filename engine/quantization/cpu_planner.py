@@ -222,23 +222,27 @@ def choose(
     mean over its batch sizes of time / ``model_best`` (the whole model's best linear time
     at that size, so a group weighs by its share of the step; this group's own best
     without it). ``auto`` ranks on ``GENERATED_BUCKETS``, and where the layers take the
-    step's ``token_rows``, gives prompt rows the winner on ``PROMPT_BUCKETS`` if it differs;
+    step's ``token_rows``, gives prompt rows the winner on ``PROMPT_BUCKETS`` (relative to
+    this group's own best) if it differs;
     ``throughput`` ranks on the batch sizes from ``THROUGHPUT_MIN_BATCH`` up."""
     if mode in KERNELS:
         return KernelPlan.fixed(mode)
     names = candidates(times, affordable)
     if mode == "fastest":
         return KernelPlan(tuple(min(names, key=lambda k: times[k][i]) for i in range(len(BUCKETS))))
-    scale = model_best or [min(times[k][i] for k in names) for i in range(len(BUCKETS))]
+    own_best = [min(times[k][i] for k in names) for i in range(len(BUCKETS))]
 
-    def best_on(sizes: tuple[int, ...]) -> str:
+    def best_on(sizes: tuple[int, ...], scale: list[float]) -> str:
         ranked = [BUCKETS.index(m) for m in sizes]
         return min(names, key=lambda k: sum(times[k][i] / scale[i] for i in ranked))
 
+    scale = model_best or own_best
     if mode == "throughput":
-        return KernelPlan.fixed(best_on(tuple(m for m in BUCKETS if m >= THROUGHPUT_MIN_BATCH)))
-    generated = best_on(GENERATED_BUCKETS)
-    prompt = best_on(PROMPT_BUCKETS) if token_rows else generated
+        return KernelPlan.fixed(best_on(tuple(m for m in BUCKETS if m >= THROUGHPUT_MIN_BATCH), scale))
+    generated = best_on(GENERATED_BUCKETS, scale)
+    # Prefill sizes only: the group's own times decide, so the choice does not move with
+    # what else the model plans (an offloaded MoE plans fewer expert layers than a resident one).
+    prompt = best_on(PROMPT_BUCKETS, own_best) if token_rows else generated
     return KernelPlan.fixed(generated) if prompt == generated else KernelPlan.fixed(generated).with_prompt(prompt)
 
 
