@@ -9,13 +9,14 @@ keyed by CPU model, ISA flags, torch version and thread count, so later starts s
 
 ``--cpu-kernels`` (``EngineArgs.cpu_kernels``):
 
-* ``auto`` (default): one kernel family for the rows of generated tokens, the one that is
-  fastest across the batch sizes of decode steps (``GENERATED_BUCKETS``), each weighed against the
-  best time of all the planned layers at that size; and for a decoder projection, one for
-  the rows of prompt tokens, the fastest at prefill sizes (``PROMPT_BUCKETS``), where the
-  two differ (``prompt_rows.py``). A row's kernel follows from what its token is, never
-  from its batch, so greedy decoding stays batch invariant; within the dense family, a
-  kept dense copy where memory allows.
+* ``auto`` (default): one kernel family for the rows of generated tokens, the one that
+  is fastest across the batch sizes of decode steps (``GENERATED_BUCKETS``), each weighed
+  against the best time of all the planned layers at that size; and for a decoder
+  projection, one for the rows of prompt tokens, the fastest at prefill sizes
+  (``PROMPT_BUCKETS``) on the group's own times, where the two differ
+  (``prompt_rows.py``). A row's kernel follows from what its token is, never from its
+  batch, so greedy decoding stays batch invariant; within the dense family, a kept dense
+  copy where memory allows.
 * ``throughput``: one kernel family per layer for every row, ranked on batched steps only
   (M of ``THROUGHPUT_MIN_BATCH`` and up): for a server that is rarely at batch 1. Batch
   invariant too; a batch-1 step may be slower than under ``auto``.
