@@ -137,7 +137,7 @@ def _needs_kernel(kernel: str) -> pytest.MarkDecorator:
             for k in ("auto", "throughput", "packed", "dequant", "dense", "fp16", "bf16")
         ],
         # Prompt tokens' rows on a kernel of their own (here the dense family, generated
-        # tokens' on packed, whatever this machine would choose), recomputation included.
+        # tokens' on packed, from faked timings rather than measured ones), recomputation included.
         *[("llama", q, "split") for q in ("int8", "int4")],
     ],
 )
@@ -190,16 +190,16 @@ def test_cpu_engine_measures_its_invariant_shapes_at_start(
 
 
 def _shared_table(cpu_kernels: str, tmp_path, monkeypatch) -> str:
-    """A measuring mode (``auto``, ``throughput``) on a table every engine of one test reads,
-    measured by the first and saved however busy the machine is: each engine here is a
-    separate start, and starts that measured apart could choose different kernels (as two
-    server starts could, unless the first saved its table)."""
+    """A measuring mode (``auto``, ``throughput``; ``split``: ``auto`` on faked timings) on
+    a table of this test's own that every engine of the test reads, measured by the first
+    and saved however busy the machine is (conftest): each engine here is a separate start,
+    and starts that measured apart could choose different kernels (as two server starts
+    could, unless the first saved its table)."""
     if cpu_kernels == "split":
         fake_split_times(monkeypatch)
         cpu_kernels = "auto"
     if cpu_kernels not in ("auto", "throughput"):
         return cpu_kernels
-    monkeypatch.setattr(cpu_planner, "MIN_CORE_SHARE", 0.0)
     table = str(tmp_path / "cpu_kernels.json")
     monkeypatch.setattr(cpu_planner, "default_table_path", lambda: table)
     return table if cpu_kernels == "auto" else cpu_kernels

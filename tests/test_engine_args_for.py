@@ -12,7 +12,6 @@ import pytest
 from cadence import LLM, SamplingParams
 from cadence.engine import default_model
 from cadence.engine.engine_args import EngineArgs, engine_args_for
-from cadence.engine.quantization import cpu_planner
 from cadence.engine.quantization.linear import Int8Method
 from cadence.server.cli import build_parser, engine_args_from
 from gguf_writer import write_tiny_gguf_in
@@ -106,7 +105,6 @@ def test_llm_on_a_gguf_gives_the_servers_greedy_tokens(tiny_gguf, cache_home, mo
     # saved by the first however busy the machine is, as two starts on one machine share
     # ~/.cache/cadence's: starts that measured apart could choose differently at a near
     # tie, and then give other greedy tokens.
-    monkeypatch.setattr(cpu_planner, "MIN_CORE_SHARE", 0.0)
     flags = ["--dtype", "float32", "--max-model-len", "64", "--num-gpu-blocks", "64"]
     llm = LLM(tiny_gguf, **SHARED_FLAGS)
     # Served in the file's own blocks by default, as the server does: layers 1+ are Q8_0.

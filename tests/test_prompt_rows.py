@@ -107,7 +107,6 @@ def test_a_prompt_repeating_an_answer_reads_the_same_as_on_a_fresh_engine(
     tokens' kernel, b's prompt runs the prompt tokens', so b may not read a's blocks of
     it. Without the marked keys (the second case, forced off) it would, and differs."""
     monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "kernels.json"))
-    monkeypatch.setattr(cpu_planner, "MIN_CORE_SHARE", 0.0)
     fake_split_times(monkeypatch)
     if not marked:
         monkeypatch.setattr(cpu_planner, "splits_prompt_rows", lambda modules: False)

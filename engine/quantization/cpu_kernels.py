@@ -124,12 +124,17 @@ def chunked_matmul(x: torch.Tensor, n: int, bounds: Sequence[tuple[int, int]], c
 
 
 def _by_chunk(
-    x: torch.Tensor, n: int, bounds: Sequence[tuple[int, int]], product: Callable[[int, int], torch.Tensor]
+    x: torch.Tensor,
+    n: int,
+    bounds: Sequence[tuple[int, int]],
+    product: Callable[[int, int], torch.Tensor],
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The ``[M, n]`` output from ``product(start, stop)``, the output columns of each chunk."""
+    """The ``[M, n]`` output (in ``dtype``, default ``x``'s) from ``product(start, stop)``,
+    the output columns of each chunk."""
     if len(bounds) == 1:
         return product(*bounds[0])
-    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    out = torch.empty(x.shape[0], n, dtype=dtype or x.dtype)
     for start, stop in bounds:
         out[:, start:stop] = product(start, stop)
     return out
@@ -169,4 +174,6 @@ def chunked_half_matmul(x: torch.Tensor, n: int, held: HeldHalf) -> torch.Tensor
         (weight,) = held.values()
         return invariant_half_linear(x, weight)
     rows = x.to(next(iter(held.values())).fmt.input_dtype)
-    return _by_chunk(x.float(), n, list(held), lambda start, stop: invariant_half_linear(rows, held[(start, stop)]))
+    return _by_chunk(
+        x, n, list(held), lambda start, stop: invariant_half_linear(rows, held[(start, stop)]), torch.float32
+    )

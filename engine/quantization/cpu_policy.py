@@ -1,6 +1,6 @@
-"""Whether oneDNN has native fp16 matmuls on this CPU, which decides the dtype fp8 codes
-are decoded to: fp16 where it has (AVX512-FP16 / AMX-FP16), else fp32, which holds them
-exactly (``fp8_linear.py``).
+"""Whether oneDNN runs fp16 matmuls natively on the CPU the process runs on, which decides
+the dtype fp8 codes are decoded to: fp16 where it does (AVX512-FP16 / AMX-FP16), else
+fp32, which holds them exactly (``fp8_linear.py``).
 
 Which kernel a quantized linear layer runs is not decided here but measured on the machine
 (``cpu_planner.py``); whether the CPU has bf16 instructions, which decides the model's
@@ -27,7 +27,7 @@ class CpuQuantPolicy:
 
 
 def has_fast_fp16() -> bool:
-    """Whether oneDNN runs fp16 matmuls natively on this CPU (private probe; False without it)."""
+    """Whether oneDNN runs fp16 matmuls natively on the running CPU (private probe; False without it)."""
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
     return probe is not None and bool(probe())
 

@@ -94,22 +94,21 @@ class QuantizedMethod(DenseMethod):
         plan = layer.cpu_plan
         if plan is None:
             return self.run_cpu_kernel(layer, x2, self.cpu_kernels(layer)[0])
-        rows = prompt_rows.current() if plan.prompt is not None and layer.token_rows else None
-        if rows is None or not rows.runs:  # no step stated (a warm-up): rows count as generated
+        prompt = plan.prompt if layer.token_rows else None
+        rows = prompt_rows.current() if prompt is not None else None
+        if prompt is None or rows is None:  # one kernel family, or no step stated (a warm-up)
             return self.run_cpu_kernel(layer, x2, plan.kernel_for(x2.shape[0]))
         if rows.num_rows != x2.shape[0]:
             raise RuntimeError(f"{layer.prefix}: {x2.shape[0]} rows in a step of {rows.num_rows} tokens")
-        out: torch.Tensor | None = None
-        for start, stop, is_prompt in rows.runs:
-            kernel = plan.prompt if is_prompt else plan.kernel_for(stop - start)
-            assert kernel is not None
-            part = self.run_cpu_kernel(layer, x2[start:stop], kernel)
-            if len(rows.runs) == 1:
-                return part
-            if out is None:
-                out = torch.empty(x2.shape[0], part.shape[1], dtype=part.dtype)
-            out[start:stop] = part
-        assert out is not None  # two runs or more
+        kernels = [
+            (start, stop, prompt if is_prompt else plan.kernel_for(stop - start))
+            for start, stop, is_prompt in rows.runs
+        ]
+        if len(kernels) == 1:  # a step of one kind of row: no output to assemble
+            return self.run_cpu_kernel(layer, x2, kernels[0][2])
+        out = torch.empty(x2.shape[0], layer.out_features, dtype=x2.dtype)
+        for start, stop, kernel in kernels:
+            out[start:stop] = self.run_cpu_kernel(layer, x2[start:stop], kernel)
         return out
 
     # ---- the CPU kernels (cpu_kernels.py): what the planner times and the plan picks from
