@@ -14,6 +14,7 @@ import torch
 
 from cadence.engine.engine_args import EngineArgs, kv_cache_bytes_per_block, resolve_num_blocks
 from cadence.engine.experts.offloaded import offloaded_stats
+from cadence.engine.host_malloc import keep_freed_heap
 from cadence.engine.kv_transfer.factory import create_kv_transport
 from cadence.engine.kv_transfer.layout import KVLayout, weights_digest
 from cadence.engine.kv_transfer.transport import KVSource
@@ -81,6 +82,8 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.device = args.resolve_device()
+        if self.device.type == "cpu":
+            keep_freed_heap()
         torch.manual_seed(args.seed)
         config = ModelConfig.from_pretrained(args.model)
         self.dtype = resolve_dtype(args.dtype, config, self.device)
