@@ -160,6 +160,31 @@ def test_decode_reads_the_same_alone_and_beside_a_longer_row(dtype: torch.dtype,
     assert torch.equal(alone, together[:-1])
 
 
+@pytest.mark.parametrize("part_rows", [1, 2])
+def test_decode_group_read_in_parts_gives_the_whole_groups_bits(
+    monkeypatch: pytest.MonkeyPatch, part_rows: int
+) -> None:
+    """A big decode group is gathered and attended a few rows at a time; every row keeps
+    the bits one call over the whole group gives it."""
+    context_lens = [5, 9, 9, 12, 6]
+    backend = _backend()
+    cache, query, key, value = _decode_inputs(len(context_lens), torch.float32)
+    metadata = backend.build_metadata(_decode_batch(context_lens))
+    (group,) = metadata.decode_groups
+    whole = backend.forward(query, key, value, cache.clone(), metadata)
+    assert group.gather_blocks is not None
+    row_bytes = 2 * group.gather_blocks.length * KV_HEADS * HEAD_DIM * 4
+    monkeypatch.setattr(torch_sdpa, "_DECODE_PART_BYTES", part_rows * row_bytes)
+    calls: list[int] = []
+    attend = torch_sdpa.decode_attention
+    monkeypatch.setattr(torch_sdpa, "decode_attention", lambda q, *rest: calls.append(q.shape[0]) or attend(q, *rest))
+    parts = backend.forward(query, key, value, cache.clone(), metadata)
+    assert calls == [part_rows] * (len(context_lens) // part_rows) + [len(context_lens) % part_rows] * (
+        len(context_lens) % part_rows > 0
+    )
+    assert torch.equal(parts, whole)
+
+
 def test_cpu_attention_skips_the_cuda_backend_context(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("CPU attention entered the sdpa_kernel context, which only CUDA needs")

@@ -2,7 +2,8 @@
 
 It serves the CPU, and any device until a faster kernel backend is chosen. Decodes are
 answered a group at a time with one padded SDPA call (a validity mask hides the padding),
-so the number of attention calls per layer does not grow with the batch size. Grouping
+so the number of attention calls per layer does not grow with the batch size (on CPU, a
+big group takes one call per few MiB of gathered K/V, at the group's shape). Grouping
 decodes of similar length keeps the padded gather, the dominant cost of CPU decode, near
 the real context size when lengths are mixed.
 """
@@ -75,6 +76,11 @@ class TorchSDPAMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
+
+# The gathered K/V one decode call reads: a group is attended a part of its rows at a
+# time, so each part's copy is still in the CPU's cache when SDPA reads it back, rather
+# than written out to memory whole and read in again.
+_DECODE_PART_BYTES = 4 << 20
 
 # A decode group ends where a row's context is this many times the group's first one.
 # Rows arrive sorted by length, so padding waste stays under half of each group.
@@ -353,17 +359,25 @@ class TorchSDPABackend(AttentionBackend):
         cache as stored (so a prompt reads the same fresh, chunked or cached)."""
         num_kv_heads, head_dim = key_cache.rows.shape[1], key_cache.rows.shape[2]
         for group in metadata.decode_groups:
-            rows = group.end - group.start
             assert group.gather_blocks is not None
-            decoded = decode_attention(
-                query[group.start : group.end].view(rows, num_kv_heads, -1, head_dim),
-                key_cache.gather_blocks(group.gather_blocks, self.block_size).transpose(1, 2),
-                value_cache.gather_blocks(group.gather_blocks, self.block_size).transpose(1, 2),
-                group.attn_mask,
-                self.spec.scale,
-                self.invariant.decode_rows,
-            )
-            out[group.start : group.end].view(rows, num_kv_heads, -1, head_dim).copy_(decoded)
+            blocks = group.gather_blocks
+            # Each part keeps the group's call shape (its padded key length), so its rows
+            # get the bits one call over the whole group would give them.
+            step = max(1, _DECODE_PART_BYTES // (2 * blocks.length * key_cache.rows[0].nbytes))
+            for start in range(group.start, group.end, step):
+                end = min(start + step, group.end)
+                part = slice(start - group.start, end - group.start)
+                part_blocks = BlockGather(blocks.block_ids[part], blocks.length)
+                queries = query[start:end].view(end - start, num_kv_heads, -1, head_dim)
+                decoded = decode_attention(
+                    queries,
+                    key_cache.gather_blocks(part_blocks, self.block_size).transpose(1, 2),
+                    value_cache.gather_blocks(part_blocks, self.block_size).transpose(1, 2),
+                    group.attn_mask[part],
+                    self.spec.scale,
+                    self.invariant.decode_rows,
+                )
+                out[start:end].view(queries.shape).copy_(decoded)
         for chunk in metadata.prefills:
             assert chunk.gather_blocks is not None and chunk.attn_mask is not None
             chunk_rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
