@@ -177,11 +177,15 @@ def test_decode_group_read_in_parts_gives_the_whole_groups_bits(
     monkeypatch.setattr(torch_sdpa, "_DECODE_PART_BYTES", part_rows * row_bytes)
     calls: list[int] = []
     attend = torch_sdpa.decode_attention
-    monkeypatch.setattr(torch_sdpa, "decode_attention", lambda q, *rest: calls.append(q.shape[0]) or attend(q, *rest))
+
+    def counted(query: torch.Tensor, *rest: Any) -> torch.Tensor:
+        calls.append(query.shape[0])
+        return attend(query, *rest)
+
+    monkeypatch.setattr(torch_sdpa, "decode_attention", counted)
     parts = backend.forward(query, key, value, cache.clone(), metadata)
-    assert calls == [part_rows] * (len(context_lens) // part_rows) + [len(context_lens) % part_rows] * (
-        len(context_lens) % part_rows > 0
-    )
+    whole_parts, rest_rows = divmod(len(context_lens), part_rows)
+    assert calls == [part_rows] * whole_parts + [rest_rows] * (rest_rows > 0)
     assert torch.equal(parts, whole)
 
 
