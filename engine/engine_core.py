@@ -14,7 +14,7 @@ import torch
 
 from cadence.engine.engine_args import EngineArgs, kv_cache_bytes_per_block, resolve_num_blocks
 from cadence.engine.experts.offloaded import offloaded_stats
-from cadence.engine.host_malloc import keep_freed_heap
+from cadence.engine.host_memory import keep_freed_heap
 from cadence.engine.kv_transfer.factory import create_kv_transport
 from cadence.engine.kv_transfer.layout import KVLayout, weights_digest
 from cadence.engine.kv_transfer.transport import KVSource

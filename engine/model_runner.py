@@ -25,6 +25,7 @@ from cadence.engine.attention.backend import (
 from cadence.engine.attention.selector import create_attention_backend
 from cadence.engine.batch_invariant import make_batch_invariant
 from cadence.engine.cuda_graphs import DecodeGraphs
+from cadence.engine.host_memory import zeroed_pages
 from cadence.engine.input_batch import InputBatch, RequestState, StepInputs
 from cadence.engine.kv_transfer.transport import KVTransport
 from cadence.engine.models.causal_lm import CausalLM
@@ -78,6 +79,18 @@ def allocate_kv_cache(
     )
 
 
+def _cache_memory(kv_transport: KVTransport | None) -> TensorFactory:
+    """Where the cache's zeroed tensors come from: the transport's memory when it has one
+    (it may need memory of its own); on CPU, pages the OS zeroes when first written
+    (``host_memory.zeroed_pages``), since ``torch.zeros`` would write the whole cache now."""
+    if kv_transport is not None:
+        zeros = kv_transport.zeros
+        return lambda shape, dtype, device: zeros(shape, dtype=dtype, device=device)
+    return lambda shape, dtype, device: (
+        zeroed_pages(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+    )
+
+
 class ModelRunner:
     """Runs the model on the paged KV cache for whatever the scheduler chose."""
 
@@ -110,9 +123,8 @@ class ModelRunner:
         if batch_invariant and (device.type == "cuda" or attention_backend == "triton"):
             make_batch_invariant(model)
         cache_shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        zeros = kv_transport.zeros if kv_transport is not None else torch.zeros
         self.kv_caches: list[KVCache] = [
-            allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device, lambda s, t, d: zeros(s, dtype=t, device=d))
+            allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device, _cache_memory(kv_transport))
             for _ in range(model.config.num_hidden_layers)
         ]
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size)
