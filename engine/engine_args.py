@@ -206,7 +206,9 @@ def kv_cache_budget_bytes(args: EngineArgs, device: torch.device, max_useful_byt
     On CUDA: the free memory left after loading weights, less the share that
     gpu_memory_utilization keeps back. On CPU: a quarter of available RAM. Either way no
     more than the cache could ever use (every sequence at max_model_len): memory nobody
-    can use would only starve the next engine in the same process.
+    can use would only starve the next engine in the same process. A CPU cache becomes
+    resident only as it is written (``host_memory.zeroed_pages``), so engines started
+    side by side each see the memory the others' caches have yet to fill.
     """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

@@ -24,6 +24,7 @@ import ctypes
 import logging
 import math
 import mmap
+import os
 import platform
 
 import torch
@@ -42,13 +43,35 @@ _TRIM_THRESHOLD = (1 << 31) - 1
 _applied = False
 
 
+def _allocator_chosen_by_user() -> str | None:
+    """What in the environment already sets the process's allocator policy, if anything:
+    a preloaded allocator (whose heap mallopt would not reach) or glibc's own malloc
+    settings. The user's choice stands."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    for allocator in ("tcmalloc", "jemalloc", "mimalloc"):
+        if allocator in preload:
+            return f"LD_PRELOAD has {allocator}"
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return "GLIBC_TUNABLES sets malloc"
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
+        if name in os.environ:
+            return f"{name} is set"
+    return None
+
+
 def keep_freed_heap() -> bool:
     """Raise glibc's mmap and trim thresholds for this process, once; whether they are
-    raised (False off glibc, where the C library's own policy stays)."""
+    raised. They are not off glibc, nor where the environment already chose the
+    allocator's policy. They stay for the life of the process, which includes the
+    caller's own code when the engine runs in it (the offline ``LLM``)."""
     global _applied
     if _applied:
         return True
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    chosen = _allocator_chosen_by_user()
+    if chosen is not None:
+        logger.info("CPU engine: malloc thresholds left as they are (%s)", chosen)
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -56,8 +79,11 @@ def keep_freed_heap() -> bool:
         return False
     # Both or neither: setting one turns off glibc's self-raising threshold, and that
     # alone, with the other threshold at its default, made CPU steps about twice as slow.
-    if not (libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)):
-        logger.warning("could not raise glibc's malloc thresholds; CPU steps may fault freed memory back in")
+    if not libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD):
+        logger.warning("could not raise glibc's mmap threshold; CPU steps may fault freed memory back in")
+        return False
+    if not libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD):  # glibc takes any int: not seen to fail
+        logger.error("glibc took the mmap threshold but not the trim threshold; CPU steps may run slower")
         return False
     _applied = True
     logger.info("CPU engine: freed heap memory stays in the process (glibc mmap threshold 32 MiB, no trimming)")
@@ -67,9 +93,11 @@ def keep_freed_heap() -> bool:
 def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor on anonymous pages the OS backs when first written (see the
     module doc); the tensor keeps its mapping alive."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, nbytes)
+    # Private, as malloc's memory is: unwritten pages read as the shared zero page and
+    # take no memory, huge pages follow the system's setting, and a fork copies on write.
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE) if hasattr(mmap, "MAP_PRIVATE") else mmap.mmap(-1, nbytes)
     # As bytes first: frombuffer has no fp8 dtypes, and a byte view takes any dtype.
     return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)

@@ -39,6 +39,10 @@ class LLM:
     block_size, enable_prefix_caching, num_gpu_blocks, kv_cache_memory, max_model_len, ...),
     with the server's defaults; an unknown one raises TypeError. The tokenizer comes from
     the loaded folder unless `tokenizer` names another.
+
+    On CPU the engine raises glibc's malloc thresholds for the whole process, so freed
+    memory stays in it (``engine/host_memory.py``), unless the environment already sets
+    the allocator (``LD_PRELOAD``, ``GLIBC_TUNABLES`` or ``MALLOC_*_``).
     """
 
     def __init__(

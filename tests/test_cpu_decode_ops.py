@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from cadence.engine.attention import torch_sdpa
-from cadence.engine.attention.backend import AttentionSpec, StepBatch
+from cadence.engine.attention.backend import AttentionSpec, KVCache, QuantizedKVCache, StepBatch
 from cadence.engine.attention.torch_sdpa import TorchSDPABackend
 from cadence.engine.models.rotary import RotaryEmbedding
 from cadence.kernels import layer_ops_reference as reference
+from cadence.kernels.kv_quant import KV_CACHE_DTYPES, quantize_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention
@@ -160,20 +161,44 @@ def test_decode_reads_the_same_alone_and_beside_a_longer_row(dtype: torch.dtype,
     assert torch.equal(alone, together[:-1])
 
 
+def _cache_as(cache: torch.Tensor, kv_cache_dtype: str) -> KVCache:
+    """The random cache as stored: plain, or quantized rows with their scales."""
+    if kv_cache_dtype == "auto":
+        return cache
+    stored, scales = quantize_rows(cache, KV_CACHE_DTYPES[kv_cache_dtype])
+    return QuantizedKVCache(stored, scales)
+
+
+def _copy(cache: KVCache) -> KVCache:
+    if isinstance(cache, QuantizedKVCache):
+        return QuantizedKVCache(cache.values.clone(), cache.scales.clone())
+    return cache.clone()
+
+
 @pytest.mark.parametrize("part_rows", [1, 2])
+@pytest.mark.parametrize(
+    "dtype,kv_cache_dtype,window",
+    [
+        (torch.float32, "auto", None),
+        (torch.bfloat16, "auto", None),
+        (torch.float32, "int8", None),
+        (torch.float32, "auto", 7),
+    ],
+)
 def test_decode_group_read_in_parts_gives_the_whole_groups_bits(
-    monkeypatch: pytest.MonkeyPatch, part_rows: int
+    monkeypatch: pytest.MonkeyPatch, part_rows: int, dtype: torch.dtype, kv_cache_dtype: str, window: int | None
 ) -> None:
     """A big decode group is gathered and attended a few rows at a time; every row keeps
     the bits one call over the whole group gives it."""
-    context_lens = [5, 9, 9, 12, 6]
-    backend = _backend()
-    cache, query, key, value = _decode_inputs(len(context_lens), torch.float32)
+    context_lens = [5, 9, 9, 12, 6, 7, 8, 5, 10, 11]
+    backend = TorchSDPABackend(AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, window), BLOCK_SIZE, dtype)
+    plain, query, key, value = _decode_inputs(len(context_lens), dtype)
+    cache = _cache_as(plain, kv_cache_dtype)
     metadata = backend.build_metadata(_decode_batch(context_lens))
     (group,) = metadata.decode_groups
-    whole = backend.forward(query, key, value, cache.clone(), metadata)
+    whole = backend.forward(query, key, value, _copy(cache), metadata)
     assert group.gather_blocks is not None
-    row_bytes = 2 * group.gather_blocks.length * KV_HEADS * HEAD_DIM * 4
+    row_bytes = 2 * group.gather_blocks.length * KV_HEADS * HEAD_DIM * query.element_size()
     monkeypatch.setattr(torch_sdpa, "_DECODE_PART_BYTES", part_rows * row_bytes)
     calls: list[int] = []
     attend = torch_sdpa.decode_attention
@@ -183,9 +208,12 @@ def test_decode_group_read_in_parts_gives_the_whole_groups_bits(
         return attend(query, *rest)
 
     monkeypatch.setattr(torch_sdpa, "decode_attention", counted)
-    parts = backend.forward(query, key, value, cache.clone(), metadata)
-    whole_parts, rest_rows = divmod(len(context_lens), part_rows)
-    assert calls == [part_rows] * whole_parts + [rest_rows] * (rest_rows > 0)
+    parts = backend.forward(query, key, value, _copy(cache), metadata)
+    # At least enough rows that every thread has a (row, KV head) to work on.
+    step = max(part_rows, -(-torch.get_num_threads() // KV_HEADS))
+    whole_parts, rest_rows = divmod(len(context_lens), step)
+    assert calls == [step] * whole_parts + [rest_rows] * (rest_rows > 0)
+    assert len(calls) > 1  # parts, not the whole group
     assert torch.equal(parts, whole)
 
 

@@ -363,7 +363,11 @@ class TorchSDPABackend(AttentionBackend):
             blocks = group.gather_blocks
             # Each part keeps the group's call shape (its padded key length), so its rows
             # get the bits one call over the whole group would give them.
-            step = max(1, _DECODE_PART_BYTES // (2 * blocks.length * key_cache.rows[0].nbytes))
+            # Sized by what the gather returns (a quantized cache's rows come back widened),
+            # but never so few rows that the flash kernel's (row, KV head) work items leave
+            # threads idle.
+            row_bytes = 2 * blocks.length * num_kv_heads * head_dim * query.element_size()
+            step = max(_DECODE_PART_BYTES // row_bytes, -(-torch.get_num_threads() // num_kv_heads), 1)
             for start in range(group.start, group.end, step):
                 end = min(start + step, group.end)
                 part = slice(start - group.start, end - group.start)
