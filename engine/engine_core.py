@@ -22,7 +22,6 @@ from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineReady, EngineStats
-from cadence.engine.quantization.cpu_planner import splits_prompt_rows
 from cadence.engine.step_stats import StepRecorder, mark_first_scheduled
 from cadence.scheduler.output import SchedulerOutput
 from cadence.scheduler.remote_kv import KVLoadOutcome, KVPrefilled, KVReservation, RemoteKV
@@ -102,18 +101,6 @@ class EngineCore:
             kv_cache_bytes_per_block(args, spec.num_kv_heads, spec.head_dim, self.dtype) * config.num_hidden_layers
         )
         num_blocks = resolve_num_blocks(args, self.device, bytes_per_block, self.max_model_len, args.max_num_seqs)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens
-                or max(default_token_budget(self.device), args.max_num_seqs),
-                max_model_len=self.max_model_len,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
-            ),
-            CacheConfig(
-                num_blocks, args.block_size, args.enable_prefix_caching, splits_prompt_rows(self.model.modules())
-            ),
-        )
         self.num_kv_blocks = num_blocks
         transport = None
         if args.kv_role != "colocated":
@@ -131,6 +118,17 @@ class EngineCore:
             max_model_len=self.max_model_len,
             batch_invariant=args.batch_invariant,
             kv_transport=transport,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens
+                or max(default_token_budget(self.device), args.max_num_seqs),
+                max_model_len=self.max_model_len,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+            ),
+            # The runner knows whether a token's K/V depends on where its prompt ended.
+            CacheConfig(num_blocks, args.block_size, args.enable_prefix_caching, self.runner.splits_prompt_rows),
         )
         # What a reader checks before loading our blocks, and where a prefill engine's are.
         self.kv_layout: KVLayout | None = None

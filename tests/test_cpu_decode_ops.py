@@ -208,7 +208,7 @@ def test_decode_group_read_in_parts_gives_the_whole_groups_bits(
         return attend(query, *rest)
 
     monkeypatch.setattr(torch_sdpa, "decode_attention", counted)
-    parts = backend.forward(query, key, value, _copy(cache), metadata)
+    parts = backend.forward(query, key, value, _copy(cache), backend.build_metadata(_decode_batch(context_lens)))
     # At least enough rows that every thread has a (row, KV head) to work on.
     step = max(part_rows, -(-torch.get_num_threads() // KV_HEADS))
     whole_parts, rest_rows = divmod(len(context_lens), step)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from cadence import LLM
-from cadence.engine import engine_core
+from cadence.engine import model_runner
 from cadence.engine.quantization import cpu_planner
 from cadence.engine.quantization.cpu_kernels import DENSE, DEQUANT, PACKED, KernelPlan
 from cadence.engine.quantization.cpu_planner import choose, splits_prompt_rows
@@ -109,8 +109,7 @@ def test_a_prompt_repeating_an_answer_reads_the_same_as_on_a_fresh_engine(
     monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "kernels.json"))
     fake_split_times(monkeypatch)
     if not marked:
-        monkeypatch.setattr(cpu_planner, "splits_prompt_rows", lambda modules: False)
-        monkeypatch.setattr(engine_core, "splits_prompt_rows", lambda modules: False)
+        monkeypatch.setattr(model_runner, "splits_prompt_rows", lambda modules: False)
     options = {"quantization": "int8", "block_size": 16, "num_gpu_blocks": 64, "max_model_len": 256}
     params = greedy(8, logprobs=3)
     served = LLM(tiny_model_dir("llama"), **options)

@@ -237,7 +237,13 @@ class TorchSDPABackend(AttentionBackend):
             lens = decode_lens[start:end]
             mask = decode_mask(lens, shape, window, self.dtype, device)
             blocks = self._padded_blocks(tables[start:end], lens, mask.shape[-1])
-            decode_groups.append(DecodeGroup(start, end, None, mask, blocks))
+            # A big group is attended in parts, each at the group's padded key length: the
+            # same call shape, so every row gets the bits one call over the group gives it.
+            step = self._decode_part_rows(mask.shape[-1])
+            for first in range(0, end - start, step):
+                part = slice(first, min(first + step, end - start))
+                part_blocks = BlockGather(blocks.block_ids[part], blocks.length)
+                decode_groups.append(DecodeGroup(start + part.start, start + part.stop, None, mask[part], part_blocks))
         prefills = []
         for i in range(num_decodes, batch.num_seqs):
             context_len, query_len = batch.context_lens[i], batch.query_lens[i]
@@ -247,6 +253,14 @@ class TorchSDPABackend(AttentionBackend):
                 blocks = self._padded_blocks(tables[i], [end], mask.shape[-1])
                 prefills.append(PrefillChunk(batch.query_starts[i] + offset, end - start, None, mask, blocks))
         return TorchSDPAMetadata(batch.slot_mapping, decode_groups, prefills)
+
+    def _decode_part_rows(self, kv_len: int) -> int:
+        """Rows per decode call at a padded key length: about ``_DECODE_PART_BYTES`` of
+        gathered K/V (as the gather returns it, in the attention's dtype), but never so few
+        that the flash kernel's (row, KV head) work items leave threads idle."""
+        kv_heads = self.spec.num_kv_heads
+        row_bytes = 2 * kv_len * kv_heads * self.spec.head_dim * self.dtype.itemsize
+        return max(_DECODE_PART_BYTES // row_bytes, -(-torch.get_num_threads() // kv_heads), 1)
 
     def _padded_blocks(self, tables: torch.Tensor, lengths: list[int], padded: int) -> BlockGather:
         """The blocks holding each row's ``lengths`` positions (``tables`` ``[rows, blocks]``,
@@ -359,29 +373,17 @@ class TorchSDPABackend(AttentionBackend):
         cache as stored (so a prompt reads the same fresh, chunked or cached)."""
         num_kv_heads, head_dim = key_cache.rows.shape[1], key_cache.rows.shape[2]
         for group in metadata.decode_groups:
+            rows = group.end - group.start
             assert group.gather_blocks is not None
-            blocks = group.gather_blocks
-            # Each part keeps the group's call shape (its padded key length), so its rows
-            # get the bits one call over the whole group would give them.
-            # Sized by what the gather returns (a quantized cache's rows come back widened),
-            # but never so few rows that the flash kernel's (row, KV head) work items leave
-            # threads idle.
-            row_bytes = 2 * blocks.length * num_kv_heads * head_dim * query.element_size()
-            step = max(_DECODE_PART_BYTES // row_bytes, -(-torch.get_num_threads() // num_kv_heads), 1)
-            for start in range(group.start, group.end, step):
-                end = min(start + step, group.end)
-                part = slice(start - group.start, end - group.start)
-                part_blocks = BlockGather(blocks.block_ids[part], blocks.length)
-                queries = query[start:end].view(end - start, num_kv_heads, -1, head_dim)
-                decoded = decode_attention(
-                    queries,
-                    key_cache.gather_blocks(part_blocks, self.block_size).transpose(1, 2),
-                    value_cache.gather_blocks(part_blocks, self.block_size).transpose(1, 2),
-                    group.attn_mask[part],
-                    self.spec.scale,
-                    self.invariant.decode_rows,
-                )
-                out[start:end].view(queries.shape).copy_(decoded)
+            decoded = decode_attention(
+                query[group.start : group.end].view(rows, num_kv_heads, -1, head_dim),
+                key_cache.gather_blocks(group.gather_blocks, self.block_size).transpose(1, 2),
+                value_cache.gather_blocks(group.gather_blocks, self.block_size).transpose(1, 2),
+                group.attn_mask,
+                self.spec.scale,
+                self.invariant.decode_rows,
+            )
+            out[group.start : group.end].view(rows, num_kv_heads, -1, head_dim).copy_(decoded)
         for chunk in metadata.prefills:
             assert chunk.gather_blocks is not None and chunk.attn_mask is not None
             chunk_rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
