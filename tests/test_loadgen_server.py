@@ -107,7 +107,13 @@ def test_faults_are_answered_and_leave_the_server_idle(server: ServerProcess, tm
     for name, case in faults["malformed"].items():
         assert case["refused_with_4xx"] == case["sent"] == case["with_error_body"], name
     assert faults["malformed"]["unknown model"]["statuses"] == {"404": 1}
-    assert faults["aborted"]["sent"] == 6 and faults["aborted"]["disconnected_mid_stream"] == 6
+    # The harness cuts a stream after a number of chunks, and a busy front end may fold
+    # several tokens into one chunk, so a stream can end before its cut comes: it then
+    # finished, and nothing else may have happened to it.
+    aborted = faults["aborted"]
+    assert aborted["sent"] == 6 and aborted["failed_otherwise"] == 0
+    assert aborted["disconnected_mid_stream"] + aborted["finished_before_the_cut"] == 6
+    assert aborted["disconnected_mid_stream"] >= 1
     # Only the normal requests count, and all of them finished.
     assert out["completed"] == 12 and out["failed"] == 0
 
