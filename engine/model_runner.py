@@ -23,6 +23,7 @@ from cadence.engine.attention.backend import (
     split_kv_cache,
 )
 from cadence.engine.attention.selector import create_attention_backend
+from cadence.engine.attention.torch_sdpa import TorchSDPABackend
 from cadence.engine.batch_invariant import make_batch_invariant
 from cadence.engine.cuda_graphs import DecodeGraphs
 from cadence.engine.host_memory import zeroed_pages
@@ -127,6 +128,8 @@ class ModelRunner:
             allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device, _cache_memory(kv_transport))
             for _ in range(model.config.num_hidden_layers)
         ]
+        if isinstance(self.backend, TorchSDPABackend):  # generated tokens read the paged cache directly
+            self.backend.use_paged_decode(device, dtype if kv_cache_dtype == "auto" else None)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.decode_graphs: DecodeGraphs | None = None
         if not enforce_eager and self._graphs_supported(kv_cache_dtype):
@@ -141,8 +144,9 @@ class ModelRunner:
             )
             self.decode_graphs.capture()
         self.sampler = Sampler()
-        # Whether the CPU layers run prompt tokens' rows apart, and so need each step's rows stated.
-        self.splits_prompt_rows = splits_prompt_rows(model.modules())
+        # Whether the CPU layers or attention run prompt tokens' rows apart, and so need each
+        # step's rows stated (and the prefix cache to keep generated tokens' blocks apart).
+        self.splits_prompt_rows = splits_prompt_rows(model.modules()) or self.backend.splits_generated_rows
         # Both outlive a preemption (the rows do not), and go when the request finishes: a
         # seeded request's samples continue its own stream, and a recomputed prompt must
         # not report its logprobs twice.
@@ -187,20 +191,24 @@ class ModelRunner:
         token's K/V lands in slot 0, which is only read under a -inf mask or after a
         request's own token has replaced it."""
         device = self.device
-        batch = StepBatch(
-            query_starts=[0],
-            query_lens=[1],
-            context_lens=[0],
-            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=device),
-            num_decodes=1,
-            slot_mapping=torch.zeros(1, dtype=torch.int64, device=device),
-        )
-        ctx = AttentionContext(self.backend, self.kv_caches, self.backend.build_metadata(batch))
+
+        def context(prompt_len: int) -> AttentionContext:
+            batch = StepBatch(
+                query_starts=[0],
+                query_lens=[1],
+                context_lens=[0],
+                block_tables=torch.zeros((1, 1), dtype=torch.int32, device=device),
+                num_decodes=1,
+                slot_mapping=torch.zeros(1, dtype=torch.int64, device=device),
+                prompt_lens=[prompt_len],
+            )
+            return AttentionContext(self.backend, self.kv_caches, self.backend.build_metadata(batch))
+
         zero = torch.zeros(1, dtype=torch.int64, device=device)
-        self.model.compute_logits(self.model(zero, zero, ctx))
+        self.model.compute_logits(self.model(zero, zero, context(0)))  # as a generated token
         if self.splits_prompt_rows:  # and once as a prompt token, for the prompt rows' kernels
             with step_rows(row_runs([0], [1], [1])):
-                self.model(zero, zero, ctx)
+                self.model(zero, zero, context(1))
 
     def _row_selector(self, rows: list[int]) -> slice | torch.Tensor:
         """``rows`` of the hidden states as a slice when they run consecutively, as in
@@ -225,6 +233,7 @@ class ModelRunner:
         """Any step, launched op by op: the hidden states of every flat row."""
         device = self.device
         positions = torch.from_numpy(step.positions).to(device)
+        prompt_lens = [state.num_prompt_tokens for state in step.requests] if self.splits_prompt_rows else None
         batch = StepBatch(
             query_starts=step.query_starts,
             query_lens=step.query_lens,
@@ -232,12 +241,12 @@ class ModelRunner:
             block_tables=torch.from_numpy(self.input_batch.step_block_table(step)).to(device),
             num_decodes=step.num_decodes,
             slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+            prompt_lens=prompt_lens,
         )
         ctx = AttentionContext(self.backend, self.kv_caches, self.backend.build_metadata(batch))
         input_ids = torch.from_numpy(step.input_ids).to(device)
-        if not self.splits_prompt_rows:
+        if prompt_lens is None:
             return self.model(input_ids, positions, ctx)
-        prompt_lens = [state.num_prompt_tokens for state in step.requests]
         with step_rows(row_runs(step.context_lens, step.query_lens, prompt_lens)):
             return self.model(input_ids, positions, ctx)
 

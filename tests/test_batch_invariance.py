@@ -22,6 +22,7 @@ from cadence import LLM
 from cadence.engine.attention import invariant_sdpa
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.quantization import cpu_planner
+from cadence.engine.quantization.cpu_planner import splits_prompt_rows
 from cadence.kernels import batch_invariant
 from cadence.kernels.half_linear import FORMATS, available
 from helpers import fake_split_times, greedy, needs_smollm2, smollm2_path
@@ -171,7 +172,10 @@ def test_cpu_engine_measures_its_invariant_shapes_at_start(
     monkeypatch.setattr(invariant_sdpa, "_shapes", {})
     table = _shared_table(cpu_kernels, tmp_path, monkeypatch)
     llm = LLM(tiny_model_dir(kind), **{**ENGINE, "quantization": quantization, "cpu_kernels": table})
-    assert llm.engine.runner.splits_prompt_rows == (cpu_kernels == "split")
+    runner = llm.engine.runner
+    # The rows are stated where the linears split, or the attention's paged kernel serves.
+    assert runner.backend.splits_generated_rows
+    assert runner.splits_prompt_rows and splits_prompt_rows(llm.engine.model.modules()) == (cpu_kernels == "split")
     measured: list[str] = []
 
     def counted(name: str, measure: Callable[..., object]) -> Callable[..., object]:

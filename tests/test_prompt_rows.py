@@ -9,6 +9,7 @@ from torch import nn
 
 from cadence import LLM
 from cadence.engine import model_runner
+from cadence.engine.attention import cpu_paged_decode
 from cadence.engine.quantization import cpu_planner
 from cadence.engine.quantization.cpu_kernels import DENSE, DEQUANT, PACKED, KernelPlan
 from cadence.engine.quantization.cpu_planner import choose, splits_prompt_rows
@@ -95,22 +96,28 @@ def test_an_engine_that_splits_marks_its_prefix_cache_keys(tiny_model_dir, tmp_p
     assert [m.cpu_plan and m.cpu_plan.prompt for m in layers if m is not head] == [DENSE] * (len(layers) - 1)
     assert splits_prompt_rows(model.modules()) and llm.engine.runner.splits_prompt_rows
     assert llm.engine.scheduler.kv_cache.keys_mark_prompt
-    assert not LLM(tiny_model_dir("llama"), num_gpu_blocks=64).engine.scheduler.kv_cache.keys_mark_prompt
+    # Dense layers split nothing, but attention splits where the paged decode kernel serves
+    # generated tokens; over a quantized cache it does not, and nothing is marked.
+    assert LLM(tiny_model_dir("llama"), num_gpu_blocks=64).engine.scheduler.kv_cache.keys_mark_prompt
+    unsplit = LLM(tiny_model_dir("llama"), num_gpu_blocks=64, kv_cache_dtype="int8").engine
+    assert not unsplit.runner.splits_prompt_rows and not unsplit.scheduler.kv_cache.keys_mark_prompt
 
 
-@pytest.mark.parametrize("marked", [True, False])
+@pytest.mark.parametrize("quantization,marked", [("int8", True), ("int8", False), (None, True)])
 def test_a_prompt_repeating_an_answer_reads_the_same_as_on_a_fresh_engine(
-    tiny_model_dir, tmp_path, monkeypatch, marked: bool
+    tiny_model_dir, tmp_path, monkeypatch, quantization: str | None, marked: bool
 ) -> None:
     """Request b's prompt is request a's prompt and answer. On the engine that served a,
     b must give what it gives on a fresh engine: a's answer was computed on the generated
-    tokens' kernel, b's prompt runs the prompt tokens', so b may not read a's blocks of
-    it. Without the marked keys (the second case, forced off) it would, and differs."""
+    tokens' kernels, b's prompt runs the prompt tokens', so b may not read a's blocks of
+    it. Without the marked keys (the second case, forced off, the paged decode kernel
+    too) it would, and differs. A dense model (the third) splits only its attention."""
     monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "kernels.json"))
     fake_split_times(monkeypatch)
     if not marked:
         monkeypatch.setattr(model_runner, "splits_prompt_rows", lambda modules: False)
-    options = {"quantization": "int8", "block_size": 16, "num_gpu_blocks": 64, "max_model_len": 256}
+        monkeypatch.setattr(cpu_paged_decode, "_compiled", lambda: None)
+    options = {"quantization": quantization, "block_size": 16, "num_gpu_blocks": 64, "max_model_len": 256}
     params = greedy(8, logprobs=3)
     served = LLM(tiny_model_dir("llama"), **options)
     served.engine.runner.splits_prompt_rows = True  # the rows are stated either way

@@ -25,7 +25,9 @@ class StepBatch:
     `query_lens[i]` new tokens of sequence i start at flat index `query_starts[i]`;
     `context_lens[i]` tokens of it are already in the cache; row i of `block_tables`
     holds its block ids, padded with 0. The first `num_decodes` sequences have query
-    length 1.
+    length 1. `prompt_lens[i]`, where the runner states it (a backend that
+    `splits_generated_rows`), is sequence i's prompt length: its positions from there on
+    hold generated tokens.
     """
 
     query_starts: list[int]
@@ -34,6 +36,7 @@ class StepBatch:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     num_decodes: int
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per new token
+    prompt_lens: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -99,6 +102,13 @@ class AttentionBackend(ABC):
     def __init__(self, spec: AttentionSpec, block_size: int) -> None:
         self.spec = spec
         self.block_size = block_size
+
+    @property
+    def splits_generated_rows(self) -> bool:
+        """Whether rows of generated tokens attend through another kernel than prompt
+        tokens' rows: the runner then states each step's `prompt_lens`, and the prefix
+        cache keeps blocks of generated tokens apart from prompts' (as for the CPU linears)."""
+        return False
 
     @abstractmethod
     def build_metadata(self, batch: StepBatch) -> Any:

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cadence.engine.attention import cpu_paged_decode
 from cadence.engine.attention.backend import AttentionBackend, AttentionSpec, KVCache, StepBatch, split_kv_cache
+from cadence.engine.attention.cpu_paged_decode import GeneratedRows
 from cadence.engine.attention.invariant_sdpa import (
     PREFILL_SEGMENT,
     InvariantShape,
@@ -75,6 +77,9 @@ class TorchSDPAMetadata:
     slot_mapping: torch.Tensor
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    # CPU, with the paged decode kernel: the rows of generated tokens, which it answers
+    # (decode groups and prefill chunks then hold prompt tokens' rows only).
+    generated: GeneratedRows | None = None
 
 
 # The gathered K/V one decode call reads: a group is attended a part of its rows at a
@@ -175,6 +180,19 @@ class TorchSDPABackend(AttentionBackend):
         super().__init__(spec, block_size)
         self.dtype = dtype
         self._invariant: InvariantShape | None = None
+        self._generated_kernel = False
+
+    def use_paged_decode(self, device: torch.device, cache_dtype: torch.dtype | None) -> bool:
+        """Answer generated tokens' rows with ``cpu_paged_decode`` from now on, where it
+        serves: on CPU, float32 attention over a float32 cache (``cache_dtype`` None: a
+        quantized one), with numba there. Whether it does."""
+        plain = self.dtype == torch.float32 and cache_dtype == torch.float32
+        self._generated_kernel = device.type == "cpu" and plain and cpu_paged_decode.available()
+        return self._generated_kernel
+
+    @property
+    def splits_generated_rows(self) -> bool:
+        return self._generated_kernel
 
     @property
     def invariant(self) -> InvariantShape:
@@ -233,7 +251,21 @@ class TorchSDPABackend(AttentionBackend):
         decode_lens = [n + 1 for n in batch.context_lens[:num_decodes]]
         decode_groups = []
         shape = self.invariant
-        for start, end in group_by_length([shape.kv_len(n) for n in decode_lens]):
+        # With the paged kernel, generated tokens' rows go to it, and only prompt tokens'
+        # stay here: the first `prompt_lens[i]` positions of sequence i (None: all of them).
+        generated = _GeneratedRowsBuilder(tables, window)
+        prompt_lens = self._prompt_lens(batch)
+        if self._generated_kernel:  # a prompt's one-token chunk is a decode call of its own
+            runs = []
+            for i, length in enumerate(decode_lens):
+                prompt_len = prompt_lens[i]
+                if prompt_len is None or length <= prompt_len:
+                    runs.append((i, i + 1))
+                else:
+                    generated.add(batch.query_starts[i], i, length - 1)
+        else:
+            runs = group_by_length([shape.kv_len(n) for n in decode_lens])
+        for start, end in runs:
             lens = decode_lens[start:end]
             mask = decode_mask(lens, shape, window, self.dtype, device)
             blocks = self._padded_blocks(tables[start:end], lens, mask.shape[-1])
@@ -247,12 +279,26 @@ class TorchSDPABackend(AttentionBackend):
         prefills = []
         for i in range(num_decodes, batch.num_seqs):
             context_len, query_len = batch.context_lens[i], batch.query_lens[i]
-            for offset in range(0, query_len, PREFILL_SEGMENT):
-                start, end = context_len + offset, context_len + min(offset + PREFILL_SEGMENT, query_len)
+            prompt_len = prompt_lens[i]
+            prompt_rows = query_len if prompt_len is None else min(max(prompt_len - context_len, 0), query_len)
+            for row in range(prompt_rows, query_len):  # a recomputed request's generated tokens
+                generated.add(batch.query_starts[i] + row, i, context_len + row)
+            for offset in range(0, prompt_rows, PREFILL_SEGMENT):
+                start, end = context_len + offset, context_len + min(offset + PREFILL_SEGMENT, prompt_rows)
                 mask = prefill_mask(start, end, shape, window, self.dtype, device)
                 blocks = self._padded_blocks(tables[i], [end], mask.shape[-1])
                 prefills.append(PrefillChunk(batch.query_starts[i] + offset, end - start, None, mask, blocks))
-        return TorchSDPAMetadata(batch.slot_mapping, decode_groups, prefills)
+        return TorchSDPAMetadata(batch.slot_mapping, decode_groups, prefills, generated.build())
+
+    def _prompt_lens(self, batch: StepBatch) -> list[int | None]:
+        """How many leading positions of each sequence are prompt tokens' rows, answered by
+        SDPA (None: all). Every one without the paged kernel; without stated prompt lengths,
+        a decode's row is a generated token's and a chunk's rows are a prompt's."""
+        if not self._generated_kernel:
+            return [None] * batch.num_seqs
+        if batch.prompt_lens is not None:
+            return list(batch.prompt_lens)
+        return [0] * batch.num_decodes + [None] * (batch.num_seqs - batch.num_decodes)
 
     def _decode_part_rows(self, kv_len: int) -> int:
         """Rows per decode call at a padded key length: about ``_DECODE_PART_BYTES`` of
@@ -372,6 +418,10 @@ class TorchSDPABackend(AttentionBackend):
         """The CPU path: every call shaped by ``invariant_sdpa``, every K/V read from the
         cache as stored (so a prompt reads the same fresh, chunked or cached)."""
         num_kv_heads, head_dim = key_cache.rows.shape[1], key_cache.rows.shape[2]
+        if metadata.generated is not None:
+            cpu_paged_decode.attend_generated(
+                query, out, key_cache.rows, value_cache.rows, metadata.generated, self.block_size, self.spec.scale
+            )
         for group in metadata.decode_groups:
             rows = group.end - group.start
             assert group.gather_blocks is not None
@@ -394,3 +444,25 @@ class TorchSDPABackend(AttentionBackend):
                 chunk.attn_mask,
                 self.spec.scale,
             )
+
+
+class _GeneratedRowsBuilder:
+    """Collects a step's generated tokens' rows for ``GeneratedRows``."""
+
+    def __init__(self, tables: torch.Tensor, window: int | None) -> None:
+        self.tables, self.window = tables, window
+        self.rows: list[int] = []
+        self.sequences: list[int] = []
+        self.positions: list[int] = []
+
+    def add(self, row: int, sequence: int, position: int) -> None:
+        """Flat ``row`` holds the generated token at ``position`` of ``sequence``."""
+        self.rows.append(row)
+        self.sequences.append(sequence)
+        self.positions.append(position)
+
+    def build(self) -> GeneratedRows | None:
+        if not self.rows:
+            return None
+        tables = self.tables.index_select(0, torch.tensor(self.sequences, device=self.tables.device))
+        return GeneratedRows.build(self.rows, tables, self.positions, self.window)

@@ -1,0 +1,183 @@
+"""Generated tokens' attention on CPU, read straight from the paged cache.
+
+torch has no paged attention on CPU, so the SDPA path (``torch_sdpa``) first copies each
+decode's blocks into one padded tensor, per layer, and SDPA then reads that copy back:
+every key and value crosses memory three times, and the small per-row GEMMs inside the
+flash kernel cost more than their arithmetic. At batch 64 that was over a third of a
+decode step. This kernel walks each row's block table itself, one task per (row, KV
+head): the scores of that head's query heads against every key, a softmax, and the
+weighted sum of the values, each key and value read once.
+
+It is compiled by numba (LLVM), once per machine (numba caches the machine code on
+disk), and runs on numba's OpenMP threads, as many as torch uses.
+
+Batch invariance: a row's arithmetic depends only on its own query, keys and length (the
+loops' trip counts), never on the other rows, and every call runs the same compiled code
+(the arguments always have the same types and layouts, so numba never specialises
+again). Its bits differ from SDPA's, so a token's attention must not switch between the
+two with its batch: the backend runs this kernel for the rows of generated tokens
+(positions from the prompt's length on), in decode steps and in a recomputed prefill
+alike, and SDPA for prompt tokens' rows, as the CPU linears split their kernels
+(``quantization/prompt_rows.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_kernel: Callable[..., None] | None = None
+_unavailable: str | None = None
+
+
+@dataclass(frozen=True)
+class GeneratedRows:
+    """The step's rows that hold generated tokens, and what each attends to (int32 arrays,
+    built once per step for every layer)."""
+
+    rows: np.ndarray  # [n] row of the flat batch
+    tables: np.ndarray  # [n, max_blocks] the row's sequence's block ids
+    lengths: np.ndarray  # [n] keys up to and including the row's own position
+    starts: np.ndarray  # [n] the first key it sees (a sliding window's start, else 0)
+
+    @staticmethod
+    def build(rows: list[int], tables: torch.Tensor, positions: list[int], window: int | None) -> GeneratedRows:
+        """Rows at ``positions`` of sequences whose block tables are ``tables`` (int32,
+        one row per entry of ``rows``)."""
+        lengths = np.asarray(positions, dtype=np.int32) + 1
+        starts = np.maximum(lengths - window, 0).astype(np.int32) if window is not None else np.zeros_like(lengths)
+        table = np.ascontiguousarray(tables.numpy(), dtype=np.int32)
+        return GeneratedRows(np.asarray(rows, dtype=np.int32), table, lengths, starts)
+
+
+def available() -> bool:
+    """Whether the kernel can run here (numba imports and compiles it), compiling it on
+    the first call; the reason it cannot is logged once."""
+    return _compiled() is not None
+
+
+def attend_generated(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    key_rows: torch.Tensor,
+    value_rows: torch.Tensor,
+    generated: GeneratedRows,
+    block_size: int,
+    scale: float,
+) -> None:
+    """Write the attention of ``generated.rows`` of ``query [T, heads, D]`` into the same
+    rows of ``out``; ``key_rows`` / ``value_rows`` are a layer's cache as ``[slots, KV
+    heads, D]``, all float32 and contiguous."""
+    kernel = _compiled()
+    if kernel is None:
+        raise RuntimeError(f"the CPU paged decode kernel is unavailable: {_unavailable}")
+    import numba
+
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    # C-contiguous arrays of fixed types only, so that every call runs the one compiled
+    # specialization (another layout would compile, and might round, differently).
+    target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+    kernel(
+        query.contiguous().numpy(),
+        key_rows.numpy(),  # a layer's cache: contiguous by construction
+        value_rows.numpy(),
+        generated.rows,
+        generated.tables,
+        generated.lengths,
+        generated.starts,
+        block_size,
+        np.float32(scale),
+        target.numpy(),
+    )
+    if target is not out:
+        rows = torch.from_numpy(generated.rows).long()
+        out[rows] = target[rows]
+
+
+def _compiled() -> Callable[..., None] | None:
+    global _kernel, _unavailable
+    if _kernel is None and _unavailable is None:
+        try:
+            _kernel = _compile()
+        except Exception as exc:  # noqa: BLE001 - numba missing or failing to build: SDPA serves every row
+            _unavailable = f"{type(exc).__name__}: {exc}"
+            logger.warning("CPU paged decode kernel unavailable (%s); generated tokens use SDPA", _unavailable)
+    return _kernel
+
+
+def _compile() -> Callable[..., None]:
+    from numba import njit, prange
+
+    # fastmath lets LLVM vectorize the sums over the head dimension (in one fixed order per
+    # compiled function); error_model numpy keeps divisions free of Python's checks.
+    @njit(parallel=True, fastmath=True, nogil=True, error_model="numpy", cache=True)
+    def paged_decode(
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        rows: Any,
+        tables: Any,
+        lengths: Any,
+        starts: Any,
+        block_size: int,
+        scale: Any,
+        out: Any,
+    ) -> None:  # pragma: no cover - compiled by numba; its tests call it
+        heads, dim = q.shape[1], q.shape[2]
+        kv_heads = k_cache.shape[1]
+        group = heads // kv_heads
+        for task in prange(rows.shape[0] * kv_heads):
+            i = task // kv_heads
+            kv = task - i * kv_heads
+            row, first, end = rows[i], starts[i], lengths[i]
+            scaled = np.empty((group, dim), np.float32)
+            for g in range(group):
+                for d in range(dim):
+                    scaled[g, d] = q[row, kv * group + g, d] * scale
+            scores = np.empty((group, end - first), np.float32)
+            for t in range(first, end):
+                slot = tables[i, t // block_size] * block_size + t % block_size
+                for g in range(group):
+                    s = np.float32(0.0)
+                    for d in range(dim):
+                        s += scaled[g, d] * k_cache[slot, kv, d]
+                    scores[g, t - first] = s
+            for g in range(group):
+                top = scores[g, 0]
+                for t in range(1, end - first):
+                    top = max(top, scores[g, t])
+                total = np.float32(0.0)
+                for t in range(end - first):
+                    e = np.exp(scores[g, t] - top)
+                    scores[g, t] = e
+                    total += e
+                inverse = np.float32(1.0) / total
+                for t in range(end - first):
+                    scores[g, t] *= inverse
+            acc = np.zeros((group, dim), np.float32)
+            for t in range(first, end):
+                slot = tables[i, t // block_size] * block_size + t % block_size
+                for g in range(group):
+                    p = scores[g, t - first]
+                    for d in range(dim):
+                        acc[g, d] += p * v_cache[slot, kv, d]
+            for g in range(group):
+                for d in range(dim):
+                    out[row, kv * group + g, d] = acc[g, d]
+
+    # Compile now, on arrays of the types every call passes, so that the first step does
+    # not pay for it and a failure shows here.
+    q = np.zeros((1, 1, 8), np.float32)
+    cache = np.zeros((4, 1, 8), np.float32)
+    one = np.ones(1, np.int32)
+    paged_decode(q, cache, cache, one * 0, np.zeros((1, 1), np.int32), one, one * 0, 4, np.float32(1.0), q.copy())
+    return paged_decode
