@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 
 from cadence import LLM
-from cadence.engine.attention import invariant_sdpa
+from cadence.engine.attention import cpu_paged_decode, invariant_sdpa
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.quantization import cpu_planner
 from cadence.engine.quantization.cpu_planner import splits_prompt_rows
@@ -174,8 +174,10 @@ def test_cpu_engine_measures_its_invariant_shapes_at_start(
     llm = LLM(tiny_model_dir(kind), **{**ENGINE, "quantization": quantization, "cpu_kernels": table})
     runner = llm.engine.runner
     # The rows are stated where the linears split, or the attention's paged kernel serves.
-    assert runner.backend.splits_generated_rows
-    assert runner.splits_prompt_rows and splits_prompt_rows(llm.engine.model.modules()) == (cpu_kernels == "split")
+    assert runner.backend.splits_generated_rows == cpu_paged_decode.available()
+    linears_split = splits_prompt_rows(llm.engine.model.modules())
+    assert linears_split == (cpu_kernels == "split")
+    assert runner.splits_prompt_rows == (linears_split or cpu_paged_decode.available())
     measured: list[str] = []
 
     def counted(name: str, measure: Callable[..., object]) -> Callable[..., object]:

@@ -10,6 +10,10 @@ engine turns the kernel on only where it serves.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -83,7 +87,8 @@ def test_kernel_matches_float64_attention(heads: int, kv_heads: int, dim: int, b
 
 
 def test_a_rows_bits_do_not_depend_on_the_others():
-    """Alone, among other rows of other lengths, and in another order: the same bits."""
+    """Alone, among other rows of other lengths, in another order, at another row of the
+    batch and on one thread: the same bits."""
     lengths = [150, 7, 300, 33, 150, 1]
     k_cache, v_cache, tables, _, _ = _cache_with_sequences(lengths, 3, 64, 16, seed=3)
     query = torch.randn(len(lengths), 9, 64, generator=_gen(4))
@@ -97,9 +102,35 @@ def test_a_rows_bits_do_not_depend_on_the_others():
 
     together = attend(list(range(len(lengths))))
     backwards = attend(list(reversed(range(len(lengths)))))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_thread = attend(list(range(len(lengths))))
+    finally:
+        torch.set_num_threads(threads)
     for row in range(len(lengths)):
         alone = attend([row])
         assert torch.equal(alone[row], together[row]) and torch.equal(alone[row], backwards[row])
+        assert torch.equal(alone[row], one_thread[row])
+    # Row 0's query and sequence moved to the batch's last row, the others' tables widened.
+    moved = torch.cat([query[1:], query[:1]])
+    wide = torch.nn.functional.pad(tables, (0, 5))
+    out = torch.zeros_like(query)
+    order = [*range(1, len(lengths)), 0]
+    generated = GeneratedRows.build(list(range(len(lengths))), wide[order], [positions[r] for r in order], None)
+    attend_generated(moved, out, k_cache, v_cache, generated, 16, 0.125)
+    assert torch.equal(out[-1], together[0])
+
+
+def test_a_strided_output_gets_the_same_values():
+    k_cache, v_cache, tables, _, _ = _cache_with_sequences([20, 40], 2, 16, 4, seed=6)
+    query = torch.randn(3, 4, 16, generator=_gen(7))
+    generated = GeneratedRows.build([0, 2], tables, [19, 39], None)
+    plain = torch.zeros_like(query)
+    attend_generated(query, plain, k_cache, v_cache, generated, 4, 0.25)
+    strided = torch.zeros(4, 3, 16).transpose(0, 1)
+    attend_generated(query, strided, k_cache, v_cache, generated, 4, 0.25)
+    assert torch.equal(strided, plain)
 
 
 SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
@@ -170,6 +201,60 @@ def test_backend_routes_rows_by_token_kind_and_a_recompute_keeps_the_decode_bits
     assert metadata.generated is None and len(metadata.decode_groups) == 1
 
 
+def test_a_mixed_step_gives_each_row_what_it_gets_alone():
+    """Generated decodes, a prompt's one-token chunk and a recomputed request's chunk (prompt
+    rows, then generated ones) in one step: each row's output is the one its sequence's own
+    step gives it, and the rows land where they belong."""
+    gen = _gen(8)
+    # (block table, prompt length, context, new positions) per sequence
+    sequences = [
+        (torch.tensor([5, 2, 7], dtype=torch.int32), 4, 9, range(9, 10)),  # a generated decode
+        (torch.tensor([1, 0, 0], dtype=torch.int32), 6, 5, range(5, 6)),  # the prompt's last token
+        (torch.tensor([3, 6, 4], dtype=torch.int32), 5, 2, range(2, 10)),  # recomputed: 3 prompt, 5 generated
+    ]
+    qkv = [tuple(torch.randn(10, n, 16, generator=gen) for n in (4, 2, 2)) for _ in sequences]
+
+    def cache_with_contexts() -> torch.Tensor:
+        cache = torch.zeros(2, 8, BLOCK, 2, 16)
+        backend = _backend()
+        for (table, prompt_len, context, _), seq_qkv in zip(sequences, qkv):
+            if context:
+                _step(backend, cache, table, 0, seq_qkv, range(context), min(prompt_len, context))
+        return cache
+
+    alone = []
+    for (table, prompt_len, context, positions), seq_qkv in zip(sequences, qkv):
+        _, out = _step(_backend(), cache_with_contexts(), table, context, seq_qkv, positions, prompt_len)
+        alone.append(out)
+
+    cache = cache_with_contexts()
+    q: list[torch.Tensor] = []
+    k: list[torch.Tensor] = []
+    v: list[torch.Tensor] = []
+    slots = []
+    for (table, _, _, positions), seq_qkv in zip(sequences, qkv):
+        idx = torch.tensor(list(positions))
+        for part, rows in zip(seq_qkv, (q, k, v)):
+            rows.append(part[idx])
+        slots.append(table[idx // BLOCK].long() * BLOCK + idx % BLOCK)
+    batch = StepBatch(
+        query_starts=[0, 1, 2],
+        query_lens=[len(p) for *_, p in sequences],
+        context_lens=[c for _, _, c, _ in sequences],
+        block_tables=torch.stack([t for t, *_ in sequences]),
+        num_decodes=2,
+        slot_mapping=torch.cat(slots),
+        prompt_lens=[p for _, p, _, _ in sequences],
+    )
+    backend = _backend()
+    metadata = backend.build_metadata(batch)
+    assert metadata.generated is not None and metadata.generated.rows.tolist() == [0, 5, 6, 7, 8, 9]
+    assert [(g.start, g.end) for g in metadata.decode_groups] == [(1, 2)]
+    assert [(c.query_start, c.query_len) for c in metadata.prefills] == [(2, 3)]
+    out = backend.forward(torch.cat(q), torch.cat(k), torch.cat(v), cache, metadata)
+    assert torch.equal(out[0:1], alone[0]) and torch.equal(out[1:2], alone[1]) and torch.equal(out[2:], alone[2])
+
+
 def test_the_kernel_serves_only_float32_attention_over_a_plain_cache(monkeypatch, tiny_model_dir):
     cpu = torch.device("cpu")
     assert not TorchSDPABackend(SPEC, BLOCK).splits_generated_rows  # off until asked for
@@ -186,3 +271,36 @@ def test_the_kernel_serves_only_float32_attention_over_a_plain_cache(monkeypatch
     # Without numba, every row goes through SDPA as before.
     monkeypatch.setattr(cpu_paged_decode, "_compiled", lambda: None)
     assert not TorchSDPABackend(SPEC, BLOCK).use_paged_decode(cpu, torch.float32)
+
+
+def _python(code: str, **env: str) -> str:
+    run = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def test_starting_the_kernel_keeps_torchs_thread_count():
+    """numba's OpenMP threads set the OpenMP thread count as they start; torch's is put back."""
+    code = (
+        "import torch\n"
+        "from cadence.engine.attention import cpu_paged_decode\n"
+        "before = torch.get_num_threads()\n"
+        "assert cpu_paged_decode.available()\n"
+        "print(before, torch.get_num_threads())"
+    )
+    assert _python(code, OMP_NUM_THREADS="1") == "1 1"
+
+
+def test_a_process_forked_after_the_kernel_ran_answers_every_row_with_sdpa():
+    code = (
+        "import os\n"
+        "from cadence.engine.attention import cpu_paged_decode\n"
+        "assert cpu_paged_decode.available()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(3 if cpu_paged_decode.available() else 0)\n"
+        "print(os.waitpid(pid, 0)[1] >> 8, cpu_paged_decode.available())"
+    )
+    assert _python(code) == "0 True"

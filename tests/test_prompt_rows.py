@@ -98,12 +98,20 @@ def test_an_engine_that_splits_marks_its_prefix_cache_keys(tiny_model_dir, tmp_p
     assert llm.engine.scheduler.kv_cache.keys_mark_prompt
     # Dense layers split nothing, but attention splits where the paged decode kernel serves
     # generated tokens; over a quantized cache it does not, and nothing is marked.
-    assert LLM(tiny_model_dir("llama"), num_gpu_blocks=64).engine.scheduler.kv_cache.keys_mark_prompt
+    dense = LLM(tiny_model_dir("llama"), num_gpu_blocks=64).engine.scheduler.kv_cache
+    assert dense.keys_mark_prompt == cpu_paged_decode.available()
     unsplit = LLM(tiny_model_dir("llama"), num_gpu_blocks=64, kv_cache_dtype="int8").engine
     assert not unsplit.runner.splits_prompt_rows and not unsplit.scheduler.kv_cache.keys_mark_prompt
 
 
-@pytest.mark.parametrize("quantization,marked", [("int8", True), ("int8", False), (None, True)])
+@pytest.mark.parametrize(
+    "quantization,marked",
+    [
+        ("int8", True),
+        ("int8", False),
+        pytest.param(None, True, marks=pytest.mark.skipif(not cpu_paged_decode.available(), reason="no numba")),
+    ],
+)
 def test_a_prompt_repeating_an_answer_reads_the_same_as_on_a_fresh_engine(
     tiny_model_dir, tmp_path, monkeypatch, quantization: str | None, marked: bool
 ) -> None:

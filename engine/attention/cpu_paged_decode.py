@@ -8,8 +8,12 @@ decode step. This kernel walks each row's block table itself, one task per (row,
 head): the scores of that head's query heads against every key, a softmax, and the
 weighted sum of the values, each key and value read once.
 
-It is compiled by numba (LLVM), once per machine (numba caches the machine code on
-disk), and runs on numba's OpenMP threads, as many as torch uses.
+It is compiled by numba (LLVM) on first use and cached on disk (in the package's
+``__pycache__``, or numba's cache folder where that is read-only; compiled at every start
+where neither is writable). It runs on numba's OpenMP threading layer, as many threads as
+torch uses; where that layer cannot load (no system ``libgomp``), or in a process forked
+after the kernel ran (GNU OpenMP's threads do not survive a fork), ``available`` is false
+and every row stays on SDPA.
 
 Batch invariance: a row's arithmetic depends only on its own query, keys and length (the
 loops' trip counts), never on the other rows, and every call runs the same compiled code
@@ -24,6 +28,7 @@ alike, and SDPA for prompt tokens' rows, as the CPU linears split their kernels
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -106,20 +111,51 @@ def attend_generated(
 def _compiled() -> Callable[..., None] | None:
     global _kernel, _unavailable
     if _kernel is None and _unavailable is None:
+        # Starting numba's OpenMP threads sets the OpenMP thread count, which torch's
+        # runtime may share: torch's own count is put back.
+        threads = torch.get_num_threads()
         try:
             _kernel = _compile()
         except Exception as exc:  # noqa: BLE001 - numba missing or failing to build: SDPA serves every row
             _unavailable = f"{type(exc).__name__}: {exc}"
             logger.warning("CPU paged decode kernel unavailable (%s); generated tokens use SDPA", _unavailable)
+        finally:
+            torch.set_num_threads(threads)
     return _kernel
 
 
+def _forked() -> None:
+    """In a forked child: numba's OpenMP threads stayed with the parent."""
+    global _kernel, _unavailable
+    if _kernel is not None:
+        _kernel, _unavailable = None, "forked after the kernel ran"
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _compile() -> Callable[..., None]:
+    import numba
+
+    if numba.config.DISABLE_JIT:  # type: ignore[attr-defined]
+        raise RuntimeError("NUMBA_DISABLE_JIT is set: the kernel would run interpreted")
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        # Its workqueue layer is not safe for two engines' threads at once, and spins
+        # against torch's pool; OpenMP or nothing.
+        numba.config.THREADING_LAYER = "omp"  # type: ignore[attr-defined]
+    try:
+        return _build(cache=True)
+    except RuntimeError as exc:  # no writable cache folder: compile at every start instead
+        logger.info("numba cannot cache the CPU paged decode kernel (%s); compiling it without a cache", exc)
+        return _build(cache=False)
+
+
+def _build(cache: bool) -> Callable[..., None]:
     from numba import njit, prange
 
     # fastmath lets LLVM vectorize the sums over the head dimension (in one fixed order per
     # compiled function); error_model numpy keeps divisions free of Python's checks.
-    @njit(parallel=True, fastmath=True, nogil=True, error_model="numpy", cache=True)
+    @njit(parallel=True, fastmath=True, nogil=True, error_model="numpy", cache=cache)
     def paged_decode(
         q: Any,
         k_cache: Any,
@@ -176,8 +212,9 @@ def _compile() -> Callable[..., None]:
 
     # Compile now, on arrays of the types every call passes, so that the first step does
     # not pay for it and a failure shows here.
-    q = np.zeros((1, 1, 8), np.float32)
-    cache = np.zeros((4, 1, 8), np.float32)
+    query = np.zeros((1, 1, 8), np.float32)
+    rows = np.zeros((4, 1, 8), np.float32)
     one = np.ones(1, np.int32)
-    paged_decode(q, cache, cache, one * 0, np.zeros((1, 1), np.int32), one, one * 0, 4, np.float32(1.0), q.copy())
+    table = np.zeros((1, 1), np.int32)
+    paged_decode(query, rows, rows, one * 0, table, one, one * 0, 4, np.float32(1.0), query.copy())
     return paged_decode

@@ -5,7 +5,10 @@ answered a group at a time with one padded SDPA call (a validity mask hides the 
 so the number of attention calls per layer does not grow with the batch size (on CPU, a
 big group takes one call per few MiB of gathered K/V, at the group's shape). Grouping
 decodes of similar length keeps the padded gather, the dominant cost of CPU decode, near
-the real context size when lengths are mixed.
+the real context size when lengths are mixed. On CPU, once the runner calls
+``use_paged_decode``, generated tokens' rows skip all of this for ``cpu_paged_decode``,
+and only prompt tokens' rows come here (a prompt's one-token chunk as a decode call of
+its own).
 """
 
 from __future__ import annotations
@@ -252,19 +255,18 @@ class TorchSDPABackend(AttentionBackend):
         decode_groups = []
         shape = self.invariant
         # With the paged kernel, generated tokens' rows go to it, and only prompt tokens'
-        # stay here: the first `prompt_lens[i]` positions of sequence i (None: all of them).
+        # stay here: the first `prompt_lens[i]` positions of sequence i.
         generated = _GeneratedRowsBuilder(tables, window)
         prompt_lens = self._prompt_lens(batch)
-        if self._generated_kernel:  # a prompt's one-token chunk is a decode call of its own
+        if prompt_lens is None:
+            runs = group_by_length([shape.kv_len(n) for n in decode_lens])
+        else:  # a prompt's one-token chunk is a decode call of its own
             runs = []
             for i, length in enumerate(decode_lens):
-                prompt_len = prompt_lens[i]
-                if prompt_len is None or length <= prompt_len:
+                if length <= prompt_lens[i]:
                     runs.append((i, i + 1))
                 else:
                     generated.add(batch.query_starts[i], i, length - 1)
-        else:
-            runs = group_by_length([shape.kv_len(n) for n in decode_lens])
         for start, end in runs:
             lens = decode_lens[start:end]
             mask = decode_mask(lens, shape, window, self.dtype, device)
@@ -279,8 +281,7 @@ class TorchSDPABackend(AttentionBackend):
         prefills = []
         for i in range(num_decodes, batch.num_seqs):
             context_len, query_len = batch.context_lens[i], batch.query_lens[i]
-            prompt_len = prompt_lens[i]
-            prompt_rows = query_len if prompt_len is None else min(max(prompt_len - context_len, 0), query_len)
+            prompt_rows = query_len if prompt_lens is None else min(max(prompt_lens[i] - context_len, 0), query_len)
             for row in range(prompt_rows, query_len):  # a recomputed request's generated tokens
                 generated.add(batch.query_starts[i] + row, i, context_len + row)
             for offset in range(0, prompt_rows, PREFILL_SEGMENT):
@@ -290,15 +291,15 @@ class TorchSDPABackend(AttentionBackend):
                 prefills.append(PrefillChunk(batch.query_starts[i] + offset, end - start, None, mask, blocks))
         return TorchSDPAMetadata(batch.slot_mapping, decode_groups, prefills, generated.build())
 
-    def _prompt_lens(self, batch: StepBatch) -> list[int | None]:
+    def _prompt_lens(self, batch: StepBatch) -> list[int] | None:
         """How many leading positions of each sequence are prompt tokens' rows, answered by
-        SDPA (None: all). Every one without the paged kernel; without stated prompt lengths,
-        a decode's row is a generated token's and a chunk's rows are a prompt's."""
-        if not self._generated_kernel:
-            return [None] * batch.num_seqs
-        if batch.prompt_lens is not None:
-            return list(batch.prompt_lens)
-        return [0] * batch.num_decodes + [None] * (batch.num_seqs - batch.num_decodes)
+        SDPA; None where SDPA answers every row (without the paged kernel, or in a process
+        forked after it ran, where it cannot)."""
+        if not (self._generated_kernel and cpu_paged_decode.available()):
+            return None
+        if batch.prompt_lens is None:
+            raise ValueError("a step for the CPU paged decode kernel must state its prompt_lens")
+        return list(batch.prompt_lens)
 
     def _decode_part_rows(self, kv_len: int) -> int:
         """Rows per decode call at a padded key length: about ``_DECODE_PART_BYTES`` of
