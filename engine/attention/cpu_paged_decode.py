@@ -4,9 +4,10 @@ torch has no paged attention on CPU, so the SDPA path (``torch_sdpa``) first cop
 decode's blocks into one padded tensor, per layer, and SDPA then reads that copy back:
 every key and value crosses memory three times, and the small per-row GEMMs inside the
 flash kernel cost more than their arithmetic. At batch 64 that was over a third of a
-decode step. This kernel walks each row's block table itself, one task per (row, KV
-head): the scores of that head's query heads against every key, a softmax, and the
-weighted sum of the values, each key and value read once.
+decode step. This kernel walks each row's block table itself, one task per row, block
+by block: the scores of every query head against its KV head's keys, a softmax, and the
+weighted sum of the values, each key and value read once (a slot's KV heads lie side by
+side, so each block is one contiguous read).
 
 It is compiled by numba (LLVM) on first use and cached on disk (in the package's
 ``__pycache__``, or numba's cache folder where that is read-only; compiled at every start
@@ -169,46 +170,47 @@ def _build(cache: bool) -> Callable[..., None]:
         out: Any,
     ) -> None:  # pragma: no cover - compiled by numba; its tests call it
         heads, dim = q.shape[1], q.shape[2]
-        kv_heads = k_cache.shape[1]
-        group = heads // kv_heads
-        for task in prange(rows.shape[0] * kv_heads):
-            i = task // kv_heads
-            kv = task - i * kv_heads
+        group = heads // k_cache.shape[1]
+        for i in prange(rows.shape[0]):
             row, first, end = rows[i], starts[i], lengths[i]
-            scaled = np.empty((group, dim), np.float32)
-            for g in range(group):
+            scaled = np.empty((heads, dim), np.float32)
+            for h in range(heads):
                 for d in range(dim):
-                    scaled[g, d] = q[row, kv * group + g, d] * scale
-            scores = np.empty((group, end - first), np.float32)
-            for t in range(first, end):
-                slot = tables[i, t // block_size] * block_size + t % block_size
-                for g in range(group):
-                    s = np.float32(0.0)
-                    for d in range(dim):
-                        s += scaled[g, d] * k_cache[slot, kv, d]
-                    scores[g, t - first] = s
-            for g in range(group):
-                top = scores[g, 0]
+                    scaled[h, d] = q[row, h, d] * scale
+            # Block by block (no division per key), each slot's KV heads together: they lie
+            # side by side, so a block is one contiguous read.
+            scores = np.empty((heads, end - first), np.float32)
+            for b in range(first // block_size, (end - 1) // block_size + 1):
+                offset = tables[i, b] * block_size - b * block_size  # slot = offset + position
+                for t in range(max(first, b * block_size), min(end, (b + 1) * block_size)):
+                    for h in range(heads):
+                        s = np.float32(0.0)
+                        for d in range(dim):
+                            s += scaled[h, d] * k_cache[offset + t, h // group, d]
+                        scores[h, t - first] = s
+            for h in range(heads):
+                top = scores[h, 0]
                 for t in range(1, end - first):
-                    top = max(top, scores[g, t])
+                    top = max(top, scores[h, t])
                 total = np.float32(0.0)
                 for t in range(end - first):
-                    e = np.exp(scores[g, t] - top)
-                    scores[g, t] = e
+                    e = np.exp(scores[h, t] - top)
+                    scores[h, t] = e
                     total += e
                 inverse = np.float32(1.0) / total
                 for t in range(end - first):
-                    scores[g, t] *= inverse
-            acc = np.zeros((group, dim), np.float32)
-            for t in range(first, end):
-                slot = tables[i, t // block_size] * block_size + t % block_size
-                for g in range(group):
-                    p = scores[g, t - first]
-                    for d in range(dim):
-                        acc[g, d] += p * v_cache[slot, kv, d]
-            for g in range(group):
+                    scores[h, t] *= inverse
+            acc = np.zeros((heads, dim), np.float32)
+            for b in range(first // block_size, (end - 1) // block_size + 1):
+                offset = tables[i, b] * block_size - b * block_size
+                for t in range(max(first, b * block_size), min(end, (b + 1) * block_size)):
+                    for h in range(heads):
+                        p = scores[h, t - first]
+                        for d in range(dim):
+                            acc[h, d] += p * v_cache[offset + t, h // group, d]
+            for h in range(heads):
                 for d in range(dim):
-                    out[row, kv * group + g, d] = acc[g, d]
+                    out[row, h, d] = acc[h, d]
 
     # Compile now, on arrays of the types every call passes, so that the first step does
     # not pay for it and a failure shows here.
