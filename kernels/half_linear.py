@@ -1,6 +1,6 @@
 """CPU linears with half-precision weights kept prepacked, every row batch-invariant.
 
-Two formats, each a GEMM that reads a weight packed once for it:
+Three formats, each a GEMM that reads a weight packed once for it:
 
 * ``fp16``: fbgemm's fp16 GEMM (``torch.ops.quantized.linear_dynamic_fp16``) converts the
   fp16 weight to fp32 in registers (F16C) and multiplies and sums in fp32, the scheme
@@ -11,13 +11,16 @@ Two formats, each a GEMM that reads a weight packed once for it:
   activations rounded to bf16, bf16 products summed in fp32 (AVX512-BF16 or AMX), the
   output rounded to bf16. Offered only where the CPU has bf16 instructions (AVX512-BF16
   or AMX); how it compares with the others there is the planner's to measure.
+* ``bf16dot``: Cadence's own bf16 GEMM (``bf16_dot.py``), the same rounding of
+  activations and weight and the same bf16 dot products, summed in one fixed order per
+  row at any M, with an fp32 output. Offered on CPUs with AVX512-BF16.
 
 The weight's values are rounded once (a quantized model's dequantized values, whose own
 quantization error is far larger than this rounding). Like a BLAS GEMM, a kernel's sum
 order may follow the number of rows, so calls run at tile sizes measured to give every
 row the same bits (``batch_invariant.measure_tiles``), per format, weight shape and
-thread count. Where a format's GEMM is missing or no tile size verifies, it is not
-offered.
+thread count (``bf16dot`` needs none). Where a format's GEMM is missing or no tile size
+verifies, it is not offered.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.kernels.batch_invariant import TilePlan, cancellation_probe, measure_tiles, run_tiles
+from cadence.kernels import bf16_dot
+from cadence.kernels.batch_invariant import TILE_LADDER, TilePlan, cancellation_probe, measure_tiles, run_tiles
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,9 @@ class HalfFormat:
     gemm: Callable[[torch.Tensor, object], torch.Tensor]
     packed_bytes: Callable[[int, int], int]  # an upper bound on a packed [N, K] weight's bytes
     hardware_ready: Callable[[], bool]  # whether the CPU runs this format natively
+    # Whether the GEMM sums every row in one fixed order at any M by construction, so it
+    # runs whole batches without tiles.
+    row_independent: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,18 @@ def _bf16_native() -> bool:
 
 FP16 = HalfFormat("fp16", torch.float16, torch.float32, _pack_fp16, _fp16_gemm, _fp16_bytes, lambda: True)
 BF16 = HalfFormat("bf16", torch.bfloat16, torch.bfloat16, _pack_bf16, _bf16_gemm, _bf16_bytes, _bf16_native)
-FORMATS = {fmt.name: fmt for fmt in (FP16, BF16)}
+# Cadence's own bf16 GEMM (``bf16_dot.py``): oneDNN's arithmetic in a fixed order per row.
+BF16DOT = HalfFormat(
+    "bf16dot",
+    torch.bfloat16,
+    torch.bfloat16,
+    bf16_dot.pack,
+    bf16_dot.gemm,  # type: ignore[arg-type]
+    bf16_dot.packed_bytes,
+    bf16_dot.hardware_ready,
+    row_independent=True,
+)
+FORMATS = {fmt.name: fmt for fmt in (FP16, BF16, BF16DOT)}
 
 _plans: dict[tuple[str, int, int, int], TilePlan] = {}
 _available: dict[str, bool] = {}
@@ -136,7 +154,10 @@ def pack(fmt: HalfFormat, weight: torch.Tensor) -> HalfWeight:
 
 
 def tile_plan(fmt: HalfFormat, out_features: int, in_features: int) -> TilePlan:
-    """The verified tile sizes for this format and shape at this thread count, measured on first use."""
+    """The verified tile sizes for this format and shape at this thread count, measured on
+    first use; every size of the ladder for a row-independent format."""
+    if fmt.row_independent:
+        return TilePlan(TILE_LADDER)
     key = (fmt.name, out_features, in_features, torch.get_num_threads())
     plan = _plans.get(key)
     if plan is None:
@@ -157,6 +178,8 @@ def tile_plan(fmt: HalfFormat, out_features: int, in_features: int) -> TilePlan:
 def invariant_half_linear(x: torch.Tensor, weight: HalfWeight) -> torch.Tensor:
     """``x [M, K] @ weight.T`` as fp32 (for bf16, bf16-rounded values widened), each row
     with the bits it would have alone; ``x`` is cast to the format's input dtype."""
+    if weight.fmt.row_independent:
+        return weight.fmt.gemm(x.to(weight.fmt.input_dtype).contiguous(), weight.packed)
     plan = tile_plan(weight.fmt, weight.out_features, weight.in_features)
     if not plan.sizes:
         raise RuntimeError(

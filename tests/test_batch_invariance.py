@@ -135,7 +135,7 @@ def _needs_kernel(kernel: str) -> pytest.MarkDecorator:
         *[
             pytest.param("llama", q, k, marks=_needs_kernel(k))
             for q in ("int8", "int4")
-            for k in ("auto", "throughput", "packed", "dequant", "dense", "fp16", "bf16")
+            for k in ("auto", "throughput", "packed", "dequant", "dense", "fp16", "bf16", "bf16dot")
         ],
         # Prompt tokens' rows on a kernel of their own (here the dense family, generated
         # tokens' on packed, from faked timings rather than measured ones), recomputation included.

@@ -17,7 +17,7 @@ from cadence.engine.quantization.cpu_planner import choose, group_summary, plan_
 from cadence.engine.quantization.linear import Int8Linear
 from cadence.engine.quantization.lm_head import Int8HeadMethod
 from cadence.engine.quantization.method import LinearLayer
-from cadence.kernels.half_linear import BF16, FP16, available
+from cadence.kernels.half_linear import BF16, BF16DOT, FP16, available
 from cadence.kernels.quant_formats import quantize_int8
 from cadence.server.cli import build_parser, engine_args_from
 from helpers import load_llama
@@ -52,7 +52,7 @@ TIMES = {  # µs at M = 1, 4, 16, 64, 256: packed wins small batches, the dense 
 }
 WITHOUT_FP16 = {k: v for k, v in TIMES.items() if k != "fp16"}
 # The half kernels this build and CPU run: fp16 needs fbgemm, bf16 native bf16.
-HALF = [fmt.name for fmt in (FP16, BF16) if available(fmt)]
+HALF = [fmt.name for fmt in (FP16, BF16, BF16DOT) if available(fmt)]
 # The kernels a quantized layer offers with fp32 activations here.
 BUILD_KERNELS = sorted(["dense", "dequant", "packed", *HALF])
 
@@ -171,7 +171,7 @@ def test_fastest_keeps_both_copies_only_where_both_fit(tiny_model_dir, tmp_path,
     if not available(FP16):
         pytest.skip("this torch build has no fbgemm")
     times = {"packed": [9.0] * 5, "dequant": [9.0] * 5, "dense": [5.0] * 4 + [1.0], "fp16": [1.0] * 4 + [5.0]}
-    times["bf16"] = [9.0] * 5
+    times["bf16"] = times["bf16dot"] = [9.0] * 5
     monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: times[kernel][BUCKETS.index(m)])
     monkeypatch.setattr(cpu_planner, "available_host_memory", lambda: 1 << 40)
 
@@ -207,6 +207,7 @@ def test_a_copy_the_weights_refuse_leaves_no_other_copy_behind(monkeypatch, capl
     layer = Int8Linear(*quantize_int8(weight))
     times = {"packed": [9.0] * 5, "dequant": [9.0] * 5, "dense": [5.0] * 4 + [1.0], "fp16": [1.0] * 4 + [5.0]}
     times["bf16"] = [2.0] * 5
+    times["bf16dot"] = [3.0] * 5
     monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: times[kernel][BUCKETS.index(m)])
     monkeypatch.setattr(cpu_planner, "available_host_memory", lambda: 1 << 40)
     with caplog.at_level(logging.INFO, logger="cadence.engine.quantization.cpu_planner"):
@@ -214,7 +215,7 @@ def test_a_copy_the_weights_refuse_leaves_no_other_copy_behind(monkeypatch, capl
     assert "no fp16" in caplog.text
     assert layer.cpu_plan is not None and "fp16" not in layer.cpu_plan.kernels
     held = {*layer.cpu_half, *(["dense"] if layer.cpu_dense is not None else [])}
-    assert held == set(layer.cpu_plan.kernels) & {"dense", "fp16", "bf16"}
+    assert held == set(layer.cpu_plan.kernels) & {"dense", "fp16", "bf16", "bf16dot"}
     expected = ("bf16",) * 4 + ("dense",) if "bf16" in HALF else ("dense",) * 5
     assert layer.cpu_plan.kernels == expected
 
@@ -240,6 +241,9 @@ def test_every_kernel_gives_the_layer_its_values() -> None:
         rounded = x.bfloat16().double() @ dense.bfloat16().double().t()
         assert torch.allclose(outputs["bf16"].double(), rounded, rtol=2**-8, atol=1e-6)
         assert torch.equal(outputs["bf16"], outputs["bf16"].bfloat16().float())
+    if "bf16dot" in HALF:  # the same rounding of both, summed in fp32, the output not rounded again
+        rounded = x.bfloat16().double() @ dense.bfloat16().double().t()
+        assert torch.allclose(outputs["bf16dot"].double(), rounded, rtol=1e-5, atol=1e-6)
 
 
 def test_a_malformed_or_stale_table_is_measured_again(tiny_model_dir, tmp_path, monkeypatch) -> None:
@@ -266,17 +270,18 @@ def test_a_malformed_or_stale_table_is_measured_again(tiny_model_dir, tmp_path, 
     assert sorted(json.loads(table.read_text())[cpu_planner.machine_key()][group]) == BUILD_KERNELS
 
 
-@pytest.mark.parametrize("rounding", ["packed", *(["bf16"] if "bf16" in HALF else [])])
+@pytest.mark.parametrize("rounding", ["packed", *[k for k in ("bf16", "bf16dot") if k in HALF]])
 def test_the_int8_head_never_rounds_logits_to_bf16(tiny_model_dir, tmp_path, monkeypatch, rounding: str) -> None:
-    """``packed`` and ``bf16`` give bf16 logits, which would tie greedy candidates: neither
-    serves the head, however fast, and a table naming one for it is ignored."""
+    """``packed`` and ``bf16`` give bf16 logits, which would tie greedy candidates, and
+    ``bf16dot`` rounds the final hidden state to bf16: none serves the head, however fast,
+    and a table naming one for it is ignored."""
     monkeypatch.setattr(cpu_planner, "time_cell", lambda g, k, m, d: 1.0 if k == rounding else 50.0)
     for mode in ("auto", "fastest", rounding, str(tmp_path / "kernels.json")):
         model = load_llama(tiny_model_dir("tied"), torch.float32, "cpu", "int8", True, cpu_kernels=mode)
         layers = [m for m in model.modules() if isinstance(m, LinearLayer)]
         heads = [m.cpu_plan for m in layers if isinstance(m.method, Int8HeadMethod)]
         assert len(heads) == 1 and heads[0] is not None, mode
-        assert not {"packed", "bf16"} & set(heads[0].kernels), mode
+        assert not {"packed", "bf16", "bf16dot"} & set(heads[0].kernels), mode
         body = [m.cpu_plan for m in layers if not isinstance(m.method, Int8HeadMethod)]
         assert body and all(plan == KernelPlan.fixed(rounding) for plan in body), mode
 

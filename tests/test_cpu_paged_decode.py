@@ -269,7 +269,7 @@ def test_the_kernel_serves_only_float32_attention_over_a_plain_cache(monkeypatch
     assert not quantized_cache.backend.splits_generated_rows and not quantized_cache.splits_prompt_rows
 
     # Without numba, every row goes through SDPA as before.
-    monkeypatch.setattr(cpu_paged_decode, "_compiled", lambda: None)
+    monkeypatch.setattr(cpu_paged_decode._kernel, "function", lambda: None)
     assert not TorchSDPABackend(SPEC, BLOCK).use_paged_decode(cpu, torch.float32)
 
 
@@ -293,14 +293,26 @@ def test_starting_the_kernel_keeps_torchs_thread_count():
     assert _python(code, OMP_NUM_THREADS="1") == "1 1"
 
 
-def test_a_process_forked_after_the_kernel_ran_answers_every_row_with_sdpa():
+def test_a_process_forked_after_the_kernel_ran_runs_it_serially_with_the_same_bits():
+    """GNU OpenMP's threads do not survive a fork: the child runs the serial form, whose
+    rows must have the parallel form's bits (the backend keeps routing rows to it)."""
     code = (
-        "import os\n"
+        "import os, torch\n"
         "from cadence.engine.attention import cpu_paged_decode\n"
-        "assert cpu_paged_decode.available()\n"
+        "from cadence.engine.attention.cpu_paged_decode import GeneratedRows, attend_generated\n"
+        "gen = torch.Generator().manual_seed(0)\n"
+        "cache = [torch.randn(64 * 16, 3, 64, generator=gen) for _ in range(2)]\n"
+        "query = torch.randn(8, 9, 64, generator=gen)\n"
+        "tables = torch.randperm(64, generator=gen).to(torch.int32).view(8, 8)\n"
+        "rows = GeneratedRows.build(list(range(8)), tables, [10 * i + 50 for i in range(8)], None)\n"
+        "def run():\n"
+        "    out = torch.zeros_like(query)\n"
+        "    attend_generated(query, out, *cache, rows, 16, 0.125)\n"
+        "    return out\n"
+        "parent = run()\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    os._exit(3 if cpu_paged_decode.available() else 0)\n"
-        "print(os.waitpid(pid, 0)[1] >> 8, cpu_paged_decode.available())"
+        "    os._exit(0 if cpu_paged_decode.available() and torch.equal(run(), parent) else 3)\n"
+        "print(os.waitpid(pid, 0)[1] >> 8, torch.equal(run(), parent))"
     )
     assert _python(code) == "0 True"

@@ -1,4 +1,4 @@
-"""The half-precision CPU kernels (fbgemm's fp16 GEMM, oneDNN's bf16 GEMM): their values
+"""The half-precision CPU kernels (fbgemm's fp16 GEMM, oneDNN's bf16 GEMM, Cadence's bf16 dot GEMM): their values
 against a float64 product with the rounded weight, every row's bits the same at any batch
 size, and the planner refusing fp16 for weights it cannot hold."""
 
@@ -15,7 +15,16 @@ from cadence.engine.quantization.cpu_kernels import KernelPlan
 from cadence.engine.quantization.cpu_planner import plan_cpu_kernels
 from cadence.engine.quantization.linear import Int8Linear
 from cadence.kernels.batch_invariant import cancellation_probe, measure_tiles
-from cadence.kernels.half_linear import BF16, FP16, HalfFormat, available, invariant_half_linear, pack, tile_plan
+from cadence.kernels.half_linear import (
+    BF16,
+    BF16DOT,
+    FP16,
+    HalfFormat,
+    available,
+    invariant_half_linear,
+    pack,
+    tile_plan,
+)
 from cadence.kernels.quant_formats import quantize_int8
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -35,6 +44,7 @@ needs_fp16 = pytest.mark.skipif(not available(FP16), reason="this torch build ha
 FORMATS = [
     pytest.param(FP16, marks=needs_fp16, id="fp16"),
     pytest.param(BF16, marks=pytest.mark.skipif(not available(BF16), reason="needs AVX512-BF16 or AMX"), id="bf16"),
+    pytest.param(BF16DOT, marks=pytest.mark.skipif(not available(BF16DOT), reason="needs AVX512-BF16"), id="bf16dot"),
 ]
 
 
@@ -59,6 +69,10 @@ def test_values_are_the_rounded_weights_product(fmt: HalfFormat, n: int, k: int)
     err = (out.double() - reference).abs()
     if fmt is FP16:
         # fp32 arithmetic: far nearer the rounded weight's product than the unrounded one's.
+        assert err.max() < 1e-5 < (unrounded - reference).abs().max() / 10
+    elif fmt is BF16DOT:
+        # bf16 operands summed in fp32, the output not rounded again: within fp32's sum
+        # error of the rounded operands' product, far nearer it than the unrounded one's.
         assert err.max() < 1e-5 < (unrounded - reference).abs().max() / 10
     else:
         # The output is rounded to bf16 (8 bits of mantissa), and is nearer the rounded

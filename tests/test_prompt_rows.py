@@ -124,7 +124,7 @@ def test_a_prompt_repeating_an_answer_reads_the_same_as_on_a_fresh_engine(
     fake_split_times(monkeypatch)
     if not marked:
         monkeypatch.setattr(model_runner, "splits_prompt_rows", lambda modules: False)
-        monkeypatch.setattr(cpu_paged_decode, "_compiled", lambda: None)
+        monkeypatch.setattr(cpu_paged_decode._kernel, "function", lambda: None)
     options = {"quantization": quantization, "block_size": 16, "num_gpu_blocks": 64, "max_model_len": 256}
     params = greedy(8, logprobs=3)
     served = LLM(tiny_model_dir("llama"), **options)

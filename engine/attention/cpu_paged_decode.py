@@ -9,12 +9,11 @@ by block: the scores of every query head against its KV head's keys, a softmax, 
 weighted sum of the values, each key and value read once (a slot's KV heads lie side by
 side, so each block is one contiguous read).
 
-It is compiled by numba (LLVM) on first use and cached on disk (in the package's
-``__pycache__``, or numba's cache folder where that is read-only; compiled at every start
-where neither is writable). It runs on numba's OpenMP threading layer, as many threads as
-torch uses; where that layer cannot load (no system ``libgomp``), or in a process forked
-after the kernel ran (GNU OpenMP's threads do not survive a fork), ``available`` is false
-and every row stays on SDPA.
+It is compiled by numba (LLVM) on first use and cached on disk, and runs on as many
+threads as torch uses, serially in a process forked after it ran
+(``kernels/numba_runtime.py``); where numba cannot build it (or its OpenMP threading
+layer cannot load: no system ``libgomp``), ``available`` is false and every row stays on
+SDPA.
 
 Batch invariance: a row's arithmetic depends only on its own query, keys and length (the
 loops' trip counts), never on the other rows, and every call runs the same compiled code
@@ -28,8 +27,6 @@ alike, and SDPA for prompt tokens' rows, as the CPU linears split their kernels
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,10 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
-
-_kernel: Callable[..., None] | None = None
-_unavailable: str | None = None
+from cadence.kernels.numba_runtime import NumbaKernel
 
 
 @dataclass(frozen=True)
@@ -66,7 +60,7 @@ class GeneratedRows:
 def available() -> bool:
     """Whether the kernel can run here (numba imports and compiles it), compiling it on
     the first call; the reason it cannot is logged once."""
-    return _compiled() is not None
+    return _kernel.function() is not None
 
 
 def attend_generated(
@@ -81,18 +75,10 @@ def attend_generated(
     """Write the attention of ``generated.rows`` of ``query [T, heads, D]`` into the same
     rows of ``out``; ``key_rows`` / ``value_rows`` are a layer's cache as ``[slots, KV
     heads, D]``, all float32 and contiguous."""
-    kernel = _compiled()
-    if kernel is None:
-        raise RuntimeError(f"the CPU paged decode kernel is unavailable: {_unavailable}")
-    import numba
-
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
     # C-contiguous arrays of fixed types only, so that every call runs the one compiled
     # specialization (another layout would compile, and might round, differently).
     target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
-    kernel(
+    _kernel(
         query.contiguous().numpy(),
         key_rows.numpy(),  # a layer's cache: contiguous by construction
         value_rows.numpy(),
@@ -109,54 +95,12 @@ def attend_generated(
         out[rows] = target[rows]
 
 
-def _compiled() -> Callable[..., None] | None:
-    global _kernel, _unavailable
-    if _kernel is None and _unavailable is None:
-        # Starting numba's OpenMP threads sets the OpenMP thread count, which torch's
-        # runtime may share: torch's own count is put back.
-        threads = torch.get_num_threads()
-        try:
-            _kernel = _compile()
-        except Exception as exc:  # noqa: BLE001 - numba missing or failing to build: SDPA serves every row
-            _unavailable = f"{type(exc).__name__}: {exc}"
-            logger.warning("CPU paged decode kernel unavailable (%s); generated tokens use SDPA", _unavailable)
-        finally:
-            torch.set_num_threads(threads)
-    return _kernel
-
-
-def _forked() -> None:
-    """In a forked child: numba's OpenMP threads stayed with the parent."""
-    global _kernel, _unavailable
-    if _kernel is not None:
-        _kernel, _unavailable = None, "forked after the kernel ran"
-
-
-os.register_at_fork(after_in_child=_forked)
-
-
-def _compile() -> Callable[..., None]:
-    import numba
-
-    if numba.config.DISABLE_JIT:  # type: ignore[attr-defined]
-        raise RuntimeError("NUMBA_DISABLE_JIT is set: the kernel would run interpreted")
-    if "NUMBA_THREADING_LAYER" not in os.environ:
-        # Its workqueue layer is not safe for two engines' threads at once, and spins
-        # against torch's pool; OpenMP or nothing.
-        numba.config.THREADING_LAYER = "omp"  # type: ignore[attr-defined]
-    try:
-        return _build(cache=True)
-    except RuntimeError as exc:  # no writable cache folder: compile at every start instead
-        logger.info("numba cannot cache the CPU paged decode kernel (%s); compiling it without a cache", exc)
-        return _build(cache=False)
-
-
-def _build(cache: bool) -> Callable[..., None]:
+def _build(parallel: bool, cache: bool) -> Callable[..., None]:
     from numba import njit, prange
 
     # fastmath lets LLVM vectorize the sums over the head dimension (in one fixed order per
     # compiled function); error_model numpy keeps divisions free of Python's checks.
-    @njit(parallel=True, fastmath=True, nogil=True, error_model="numpy", cache=cache)
+    @njit(parallel=parallel, fastmath=True, nogil=True, error_model="numpy", cache=cache)
     def paged_decode(
         q: Any,
         k_cache: Any,
@@ -220,3 +164,6 @@ def _build(cache: bool) -> Callable[..., None]:
     table = np.zeros((1, 1), np.int32)
     paged_decode(query, rows, rows, one * 0, table, one, one * 0, 4, np.float32(1.0), query.copy())
     return paged_decode
+
+
+_kernel = NumbaKernel("CPU paged decode", _build)

@@ -1,6 +1,6 @@
 """The kernels a quantized linear layer can run on CPU, and the plan that picks one per batch size.
 
-Five ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
+Six ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
 
 * ``packed``: torch's packed op (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
   with bf16 activations. It reads the quantized bytes directly, so it wins where a step is
@@ -19,10 +19,14 @@ Five ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
   its bf16 GEMM (``kernels/half_linear.py``), bf16 activations and output like
   ``packed``: as few bytes to read as ``fp16``, and bf16 arithmetic. Only with fp32
   activations, on CPUs with bf16 instructions.
+* ``bf16dot``: the same bf16 rounding and dot products in Cadence's own GEMM
+  (``kernels/bf16_dot.py``), each row summed in one fixed order at any M and an fp32
+  output: no tiles, no padding of a batch-1 call. Only with fp32 activations, on CPUs with
+  AVX512-BF16.
 
 ``dense`` and ``dequant`` run the same matmul calls on bit-identical chunks, so they give
 the same bits; ``packed`` rounds activations to bf16, ``fp16`` weights to fp16, and
-``bf16`` both; each gives bits of its own. Which kernel
+``bf16`` and ``bf16dot`` both; each gives bits of its own. Which kernel
 serves which M is measured on the machine (``cpu_planner.py``) and held per layer as a
 ``KernelPlan``. A layer with no plan runs its format's first kernel at every M (``packed``;
 the int8 LM head, whose logits must not be rounded to bf16, has no ``packed``).
@@ -38,10 +42,10 @@ import torch
 from cadence.kernels.batch_invariant import invariant_linear
 from cadence.kernels.half_linear import FORMATS, HalfWeight, invariant_half_linear, pack, tile_plan
 
-PACKED, DEQUANT, DENSE, FP16, BF16 = "packed", "dequant", "dense", "fp16", "bf16"
-KERNELS = (PACKED, DEQUANT, DENSE, FP16, BF16)
+PACKED, DEQUANT, DENSE, FP16, BF16, BF16DOT = "packed", "dequant", "dense", "fp16", "bf16", "bf16dot"
+KERNELS = (PACKED, DEQUANT, DENSE, FP16, BF16, BF16DOT)
 # The kernels that read a half-precision copy made once and kept, by their format's name.
-HALF_KERNELS = (FP16, BF16)
+HALF_KERNELS = (FP16, BF16, BF16DOT)
 # The kernels that read a copy made once and kept (memory the planner budgets).
 HELD_KERNELS = (DENSE, *HALF_KERNELS)
 # The batch sizes the planner measures; a step's M takes the choice of the nearest one
@@ -55,7 +59,7 @@ DEQUANT_CHUNK_ELEMENTS = 1 << 21
 
 def numerics(kernel: str) -> str:
     """Kernels with the same numerics give the same bits for the same row."""
-    return {PACKED: "bf16-packed", FP16: "fp16", BF16: "bf16"}.get(kernel, "dense")
+    return {PACKED: "bf16-packed", FP16: "fp16", BF16: "bf16", BF16DOT: "bf16dot"}.get(kernel, "dense")
 
 
 @dataclass(frozen=True)

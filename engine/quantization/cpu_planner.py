@@ -1,11 +1,12 @@
 """Choosing each quantized layer's CPU kernels by measuring them on the machine that serves.
 
-Which of ``packed``, ``dequant``, ``dense``, ``fp16`` and ``bf16`` (``cpu_kernels.py``) is fastest depends on
-the CPU (AMX, AVX512-BF16, plain AVX2), the layer's shape and the batch size, in ways no
-rule of thumb captured. After loading, layers are grouped by format and shape; each group's
-kernels are timed at the batch sizes of ``BUCKETS`` on the group's own layers, in turn, so
-the weights stream from memory as they do in a real step. The times are cached on disk,
-keyed by CPU model, ISA flags, torch version and thread count, so later starts skip them.
+Which of ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16`` and ``bf16dot``
+(``cpu_kernels.py``) is fastest depends on the CPU (AMX, AVX512-BF16, plain AVX2), the
+layer's shape and the batch size, in ways no rule of thumb captured. After loading, layers
+are grouped by format and shape; each group's kernels are timed at the batch sizes of
+``BUCKETS`` on the group's own layers, in turn, so the weights stream from memory as they
+do in a real step. The times are cached on disk, keyed by CPU model, ISA flags, torch
+version and thread count, so later starts skip them.
 
 ``--cpu-kernels`` (``EngineArgs.cpu_kernels``):
 
@@ -21,7 +22,7 @@ keyed by CPU model, ISA flags, torch version and thread count, so later starts s
   (M of ``THROUGHPUT_MIN_BATCH`` and up): for a server that is rarely at batch 1. Batch
   invariant too; a batch-1 step may be slower than under ``auto``.
 * ``fastest``: the fastest kernel at each batch size, even if that mixes numerics.
-* ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``: that kernel everywhere (its copy
+* ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``, ``bf16dot``: that kernel everywhere (its copy
   regardless of memory).
 * a path to a ``.json`` file: ``auto``, with the times read from and saved to that file.
 
@@ -76,7 +77,7 @@ DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left aft
 MIN_CORE_SHARE = 0.6  # below this share of the cores while measuring, the times are not saved
 # Part of the table's key: raise it when the kernels change what they cost, so older times
 # are measured again rather than trusted.
-KERNELS_VERSION = 4
+KERNELS_VERSION = 5
 # Each (kernel, M) cell is timed over the group's layers in turn until _CELL_SECONDS have
 # passed and _MIN_CALLS calls were made (two calls, once _CELL_CAP_SECONDS are spent), at
 # most two passes (or _MAX_CALLS_FLOOR calls). The fastest call counts: other work on the

@@ -41,7 +41,8 @@ class Int8HeadMethod(Int8Method):
 
     def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:
         # Not the packed op nor bf16: both return logits in bf16, whose 8-bit mantissa ties
-        # the top candidates of a greedy argmax often enough to change answers.
+        # the top candidates of a greedy argmax often enough to change answers; nor bf16dot,
+        # which rounds the hidden state the logits come from to bf16.
         return (DEQUANT, DENSE, FP16)
 
     def quantize(self, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
