@@ -123,10 +123,10 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
     )
     flag(
         "--cpu-kernels",
-        metavar="auto|throughput|fastest|packed|dequant|dense|fp16|bf16|TABLE.json",
+        metavar="auto|throughput|fastest|packed|dequant|dense|fp16|bf16|bf16dot|TABLE.json",
         help="CPU: how quantized layers pick kernels. auto (default) times them on this machine and keeps "
         "greedy output batch invariant; throughput ranks them on batched steps only (still invariant); "
-        "fastest picks per batch size; packed/dequant/dense/fp16/bf16 fix one; "
+        "fastest picks per batch size; packed/dequant/dense/fp16/bf16/bf16dot fix one; "
         "a .json path keeps the measured table there",
     )
 

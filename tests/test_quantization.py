@@ -134,7 +134,7 @@ def test_int4_linear_cpu_dense_kernels_unpack_the_packed_bytes(
     method = mod.method
     assert isinstance(method, Int4Method)
     # The half kernels where their GEMM runs (the planner decides that).
-    assert method.cpu_kernels(mod) == ("packed", "dequant", "dense", "fp16", "bf16")
+    assert method.cpu_kernels(mod) == ("packed", "dequant", "dense", "fp16", "bf16", "bf16dot")
     x = torch.randn(40, 256).to(dtype)
     packed = method.packed_matmul(mod, x) + lin.bias.to(dtype)
     mod.cpu_plan = KernelPlan.fixed("dequant")
