@@ -112,3 +112,31 @@ def _forked_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forked_child)
+
+
+def prefetch_intrinsic() -> Any:
+    """A numba intrinsic ``prefetch(array, at)``: ask for the cache line holding
+    ``array``'s element ``at`` (flat, in elements), for reading, into every cache level.
+    It changes no value, only when memory arrives (``llvm.prefetch``)."""
+    from llvmlite import ir  # type: ignore[import-untyped]
+    from numba import types as nt
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        array, at = args
+        data = context.make_array(signature.args[0])(context, builder, array).data
+        address = builder.bitcast(builder.gep(data, [at]), i8.as_pointer())
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0"
+        )
+        read, keep_everywhere, data_cache = (ir.Constant(i32, v) for v in (0, 3, 1))
+        builder.call(prefetch, [address, read, keep_everywhere, data_cache])
+        return context.get_dummy_value()
+
+    def prefetch(typingctx, array, at):
+        return nt.void(array, at), codegen
+
+    return intrinsic(prefetch)

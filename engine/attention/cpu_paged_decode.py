@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cadence.kernels.numba_runtime import NumbaKernel
+from cadence.kernels.numba_runtime import NumbaKernel, prefetch_intrinsic
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,8 @@ def attend_generated(
 def _build(parallel: bool, cache: bool) -> Callable[..., None]:
     from numba import njit, prange
 
+    prefetch = prefetch_intrinsic()
+
     # fastmath lets LLVM vectorize the sums over the head dimension (in one fixed order per
     # compiled function); error_model numpy keeps divisions free of Python's checks.
     @njit(parallel=parallel, fastmath=True, nogil=True, error_model="numpy", cache=cache)
@@ -124,9 +126,22 @@ def _build(parallel: bool, cache: bool) -> Callable[..., None]:
             # Block by block (no division per key), each slot's KV heads together: they lie
             # side by side, so a block is one contiguous read.
             scores = np.empty((heads, end - first), np.float32)
-            for b in range(first // block_size, (end - 1) // block_size + 1):
+            slot_floats = k_cache.shape[1] * k_cache.shape[2]
+            last = (end - 1) // block_size
+            for b in range(first // block_size, last + 1):
                 offset = tables[i, b] * block_size - b * block_size  # slot = offset + position
+                # The blocks lie anywhere in memory, so the hardware cannot guess the next:
+                # a slot a token, the next block's keys and this block's values are asked
+                # for ahead of their use (the values for the second pass below).
+                following = tables[i, b + 1] * block_size - (b + 1) * block_size if b < last else -1
                 for t in range(max(first, b * block_size), min(end, (b + 1) * block_size)):
+                    if following >= 0:
+                        ahead = np.int64(following + t + block_size) * slot_floats
+                        for line in range(0, slot_floats, 16):
+                            prefetch(k_cache, ahead + line)
+                    here = np.int64(offset + t) * slot_floats
+                    for line in range(0, slot_floats, 16):
+                        prefetch(v_cache, here + line)
                     for h in range(heads):
                         s = np.float32(0.0)
                         for d in range(dim):
