@@ -59,8 +59,8 @@ def packed_bytes(out_features: int, in_features: int) -> int:
 def gemm(x: torch.Tensor, weight: DotWeight) -> torch.Tensor:
     """``x [M, K]`` (bf16) times the packed weight: ``[M, N]`` fp32."""
     m, k = x.shape
-    if k != weight.in_features:
-        raise ValueError(f"x has {k} columns, the weight {weight.in_features}")
+    if k != weight.in_features or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 with {weight.in_features} columns, got {x.dtype} with {k}")
     if k % 2:
         x = torch.nn.functional.pad(x, (0, 1))
     pairs = x.contiguous().view(torch.int32)
@@ -74,19 +74,29 @@ def gemm(x: torch.Tensor, weight: DotWeight) -> torch.Tensor:
 def hardware_ready() -> bool:
     """Whether the CPU has AVX512-BF16 and numba can build the kernel for it."""
     try:
-        from llvmlite import binding  # type: ignore[import-untyped]
-    except ImportError:
+        _target_has_bf16()
+    except (ImportError, RuntimeError):
         return False
-    features = binding.get_host_cpu_features()
-    return bool(features.get("avx512bf16", False)) and _kernel.function() is not None
+    return _kernel.function() is not None
+
+
+# The register tiles of 6, 5, ... 1 rows (intrinsics), set by ``_build``. Module globals,
+# not closure cells, so that numba's disk cache recognises the kernel in the next process.
+_tile6: Any = None
+_tile5: Any = None
+_tile4: Any = None
+_tile3: Any = None
+_tile2: Any = None
+_tile1: Any = None
 
 
 def _build(parallel: bool, cache: bool) -> Any:
+    global _tile6, _tile5, _tile4, _tile3, _tile2, _tile1
     from numba import njit, prange
     from numba import types as nt
 
-    tiles = {rows: _microkernel(rows) for rows in range(1, TILE_ROWS + 1)}
-    full, rest5, rest4, rest3, rest2, rest1 = (tiles[r] for r in range(TILE_ROWS, 0, -1))
+    _target_has_bf16()
+    _tile6, _tile5, _tile4, _tile3, _tile2, _tile1 = (_microkernel(rows) for rows in range(TILE_ROWS, 0, -1))
     signature = nt.void(nt.int32[:, ::1], nt.int32[:, :, ::1], nt.float32[:, ::1])
 
     # An explicit signature: the one specialization every call runs.
@@ -95,23 +105,23 @@ def _build(parallel: bool, cache: bool) -> Any:
         m, pairs = x.shape[0], np.int64(x.shape[1])
         stride = np.int64(out.shape[1])
         for block in prange(blocks.shape[0]):
-            w = np.int64(block) * pairs * 32
+            w = np.int64(block) * pairs * BLOCK_COLUMNS
             row = 0
-            while row + 6 <= m:
-                full(x, row * pairs, pairs, blocks, w, out, row * stride + block * 32, stride, pairs)
-                row += 6
+            while row + TILE_ROWS <= m:
+                _tile6(x, row * pairs, pairs, blocks, w, out, row * stride + block * BLOCK_COLUMNS, stride, pairs)
+                row += TILE_ROWS
             left = m - row
-            o = row * stride + block * 32
+            o = row * stride + block * BLOCK_COLUMNS
             if left == 5:
-                rest5(x, row * pairs, pairs, blocks, w, out, o, stride, pairs)
+                _tile5(x, row * pairs, pairs, blocks, w, out, o, stride, pairs)
             elif left == 4:
-                rest4(x, row * pairs, pairs, blocks, w, out, o, stride, pairs)
+                _tile4(x, row * pairs, pairs, blocks, w, out, o, stride, pairs)
             elif left == 3:
-                rest3(x, row * pairs, pairs, blocks, w, out, o, stride, pairs)
+                _tile3(x, row * pairs, pairs, blocks, w, out, o, stride, pairs)
             elif left == 2:
-                rest2(x, row * pairs, pairs, blocks, w, out, o, stride, pairs)
+                _tile2(x, row * pairs, pairs, blocks, w, out, o, stride, pairs)
             elif left == 1:
-                rest1(x, row * pairs, pairs, blocks, w, out, o, stride, pairs)
+                _tile1(x, row * pairs, pairs, blocks, w, out, o, stride, pairs)
 
     ones = torch.ones(16, 16)
     probe = pack(ones)
@@ -120,6 +130,19 @@ def _build(parallel: bool, cache: bool) -> Any:
     if not np.array_equal(out[0, :16], np.full(16, 16.0, np.float32)):
         raise RuntimeError("the bf16 dot kernel computed a wrong product")
     return dot_gemm
+
+
+def _target_has_bf16() -> None:
+    """RuntimeError unless numba compiles for this CPU and it has AVX512-BF16: LLVM aborts
+    the process, uncatchably, on an instruction its target lacks."""
+    from llvmlite import binding  # type: ignore[import-untyped]
+    from numba.core import config
+
+    other_cpu = config.CPU_NAME not in (None, "host") or config.CPU_FEATURES is not None  # type: ignore[attr-defined]
+    if other_cpu or not config.ENABLE_AVX:  # type: ignore[attr-defined]
+        raise RuntimeError("numba is told to compile for another CPU (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES or AVX off)")
+    if not binding.get_host_cpu_features().get("avx512bf16", False):
+        raise RuntimeError("this CPU has no AVX512-BF16")
 
 
 def _microkernel(rows: int) -> Any:

@@ -137,10 +137,12 @@ def available(fmt: HalfFormat) -> bool:
     """Whether this torch build and CPU run ``fmt``'s GEMM natively, with the right values."""
     if fmt.name not in _available:
         try:
+            # The hardware first: a GEMM whose instructions the CPU lacks must not even compile.
+            ready = fmt.hardware_ready()
             ones = pack(fmt, torch.ones(16, 16))
             x = torch.ones(1, 16, dtype=fmt.input_dtype)
-            right = torch.equal(fmt.gemm(x, ones.packed).float(), torch.full((1, 16), 16.0))
-            _available[fmt.name] = bool(right and fmt.hardware_ready())
+            right = ready and torch.equal(fmt.gemm(x, ones.packed).float(), torch.full((1, 16), 16.0))
+            _available[fmt.name] = bool(right)
         except (RuntimeError, AttributeError, NotImplementedError):
             _available[fmt.name] = False
     return _available[fmt.name]

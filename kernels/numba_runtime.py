@@ -2,24 +2,30 @@
 
 A ``NumbaKernel`` is built by a function of ``(parallel, cache)`` that returns the
 compiled function (having run it once, so that compiling happens at build time and a
-failure shows there). It is built on first use, and:
+failure shows there). It is built on first use (once, under a lock), and:
 
 * cached on disk beside its module (or in numba's cache folder where that is
-  read-only), and compiled without a cache where neither is writable;
+  read-only), and compiled without a cache where neither is writable. The kernels refer
+  to their intrinsics as module globals, not closure cells: numba hashes a closure's
+  cells into the cache key, and an intrinsic's hash is new in every process;
 * unavailable, with the reason logged once, where numba is missing, fails to build it or
   is told not to compile (``NUMBA_DISABLE_JIT``, which would run it interpreted);
 * run on numba's OpenMP threading layer (its workqueue layer is unsafe for two engines'
   threads at once and spins against torch's pool), as many threads as torch uses; starting
   those threads resets the OpenMP thread count torch may share, so torch's is put back;
-* serial in a process forked after its parallel form was built: GNU OpenMP's threads do
-  not survive a fork. A kernel's per-row arithmetic does not depend on which thread runs
-  a row, so the serial form gives the same bits.
+* serial in a process forked from one that had started numba's threads: GNU OpenMP's
+  threads do not survive a fork, and numba ends such a child that enters a parallel
+  region, whichever kernel it is. The serial form is compiled afresh (not from the
+  cache, whose key does not tell the two forms apart). Whether it gives the parallel
+  form's bits depends on the kernel; each kernel's tests check it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -39,54 +45,56 @@ class NumbaKernel:
         self._build = build
         self._parallel: Callable[..., Any] | None = None
         self._serial: Callable[..., Any] | None = None
-        self._forked = False
+        self._lock = threading.Lock()
         self.unavailable: str | None = None
         _kernels.add(self)
 
     def function(self) -> Callable[..., Any] | None:
         """The compiled kernel (parallel, or serial after a fork), or None where it cannot be built."""
-        if self.unavailable is not None:
-            return None
-        if self._forked:
-            if self._serial is None:
+        kernel = self._serial if _forked else self._parallel
+        if kernel is not None or self.unavailable is not None:
+            return kernel
+        with self._lock:  # two engines starting at once build it once
+            if self.unavailable is None and _forked and self._serial is None:
                 self._serial = self._compile(parallel=False)
-            return self._serial
-        if self._parallel is None:
-            threads = torch.get_num_threads()
-            try:
-                self._parallel = self._compile(parallel=True)
-            finally:
-                torch.set_num_threads(threads)
-        return self._parallel
+            elif self.unavailable is None and not _forked and self._parallel is None:
+                threads = torch.get_num_threads()
+                try:
+                    self._parallel = self._compile(parallel=True)
+                finally:
+                    torch.set_num_threads(threads)
+        return self._serial if _forked else self._parallel
 
     def __call__(self, *args: Any) -> None:
         """Run the kernel on as many threads as torch uses; RuntimeError where it is unavailable."""
         kernel = self.function()
         if kernel is None:
             raise RuntimeError(f"the {self.name} kernel is unavailable: {self.unavailable}")
-        if not self._forked:
+        if not _forked:
             _match_torch_threads()
         kernel(*args)
 
     def _compile(self, parallel: bool) -> Callable[..., Any] | None:
         try:
             _prepare_numba()
+            if not parallel:  # the cache would hand back the parallel form's code
+                return self._build(False, False)
             try:
-                return self._build(parallel, True)
-            except RuntimeError as exc:  # no writable cache folder: compile at every start instead
+                return self._build(True, True)
+            except RuntimeError as exc:
+                if "cannot cache" not in str(exc):
+                    raise
+                # No writable cache folder: compile at every start instead.
                 logger.info("numba cannot cache the %s kernel (%s); compiling it without a cache", self.name, exc)
-                return self._build(parallel, False)
+                return self._build(True, False)
         except Exception as exc:  # noqa: BLE001 - numba missing or failing to build: the caller's fallback serves
             self.unavailable = f"{type(exc).__name__}: {exc}"
             logger.warning("the %s kernel is unavailable (%s)", self.name, self.unavailable)
             return None
 
-    def _after_fork(self) -> None:
-        if self._parallel is not None:
-            self._forked = True
-
 
 _kernels: weakref.WeakSet[NumbaKernel] = weakref.WeakSet()
+_forked = False  # this process was forked from one whose numba threads had started
 
 
 def _prepare_numba() -> None:
@@ -107,8 +115,13 @@ def _match_torch_threads() -> None:
 
 
 def _forked_child() -> None:
-    for kernel in list(_kernels):
-        kernel._after_fork()
+    global _forked
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    started = parallel is not None and bool(getattr(parallel, "_is_initialized", False))
+    if started or any(kernel._parallel is not None for kernel in list(_kernels)):
+        _forked = True
+    for kernel in list(_kernels):  # a lock held by another thread at the fork stays held
+        kernel._lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forked_child)

@@ -293,26 +293,34 @@ def test_starting_the_kernel_keeps_torchs_thread_count():
     assert _python(code, OMP_NUM_THREADS="1") == "1 1"
 
 
-def test_a_process_forked_after_the_kernel_ran_runs_it_serially_with_the_same_bits():
-    """GNU OpenMP's threads do not survive a fork: the child runs the serial form, whose
-    rows must have the parallel form's bits (the backend keeps routing rows to it)."""
+@pytest.mark.parametrize("dim,window", [(64, None), (80, 37), (128, None)])
+def test_a_process_forked_after_the_kernel_ran_runs_it_serially(dim: int, window: int | None):
+    """GNU OpenMP's threads do not survive a fork: the child runs the serial form. It is
+    compiled apart from the parallel form, and LLVM may vectorize its sums otherwise, so
+    the child's bits may differ from the parent's; within the child a row still has the
+    bits it has alone, and the values are right."""
     code = (
         "import os, torch\n"
         "from cadence.engine.attention import cpu_paged_decode\n"
         "from cadence.engine.attention.cpu_paged_decode import GeneratedRows, attend_generated\n"
         "gen = torch.Generator().manual_seed(0)\n"
-        "cache = [torch.randn(64 * 16, 3, 64, generator=gen) for _ in range(2)]\n"
-        "query = torch.randn(8, 9, 64, generator=gen)\n"
+        f"cache = [torch.randn(64 * 16, 3, {dim}, generator=gen) for _ in range(2)]\n"
+        f"query = torch.randn(8, 9, {dim}, generator=gen)\n"
         "tables = torch.randperm(64, generator=gen).to(torch.int32).view(8, 8)\n"
-        "rows = GeneratedRows.build(list(range(8)), tables, [10 * i + 50 for i in range(8)], None)\n"
-        "def run():\n"
+        "positions = [13 * i + 30 for i in range(8)]\n"
+        "def run(rows):\n"
         "    out = torch.zeros_like(query)\n"
-        "    attend_generated(query, out, *cache, rows, 16, 0.125)\n"
-        "    return out\n"
-        "parent = run()\n"
+        f"    generated = GeneratedRows.build(rows, tables[rows], [positions[r] for r in rows], {window})\n"
+        f"    attend_generated(query, out, *cache, generated, 16, {dim} ** -0.5)\n"
+        "    return out.numpy()[rows]\n"
+        "parent = run(list(range(8)))\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    os._exit(0 if cpu_paged_decode.available() and torch.equal(run(), parent) else 3)\n"
-        "print(os.waitpid(pid, 0)[1] >> 8, torch.equal(run(), parent))"
+        "    # numpy only: torch's own parallel ops would hang in a forked child.\n"
+        "    child = run(list(range(8)))\n"
+        "    alone = all((run([r])[0] == child[r]).all() for r in range(8))\n"
+        "    close = abs(child - parent).max() < 1e-5\n"
+        "    os._exit(0 if cpu_paged_decode.available() and alone and close else 3)\n"
+        "print(os.waitpid(pid, 0)[1] >> 8)"
     )
-    assert _python(code) == "0 True"
+    assert _python(code) == "0"

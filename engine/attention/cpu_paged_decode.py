@@ -18,7 +18,11 @@ SDPA.
 Batch invariance: a row's arithmetic depends only on its own query, keys and length (the
 loops' trip counts), never on the other rows, and every call runs the same compiled code
 (the arguments always have the same types and layouts, so numba never specialises
-again). Its bits differ from SDPA's, so a token's attention must not switch between the
+again). A process forked from one running numba's threads runs the serial form, compiled
+apart from the parallel one: LLVM may vectorize its sums otherwise, so such a child's bits
+may differ from its parent's, but every row in it is still computed alone.
+
+The kernel's bits differ from SDPA's, so a token's attention must not switch between the
 two with its batch: the backend runs this kernel for the rows of generated tokens
 (positions from the prompt's length on), in decode steps and in a recomputed prefill
 alike, and SDPA for prompt tokens' rows, as the CPU linears split their kernels
@@ -95,10 +99,16 @@ def attend_generated(
         out[rows] = target[rows]
 
 
+# The prefetch intrinsic, set by ``_build``: a module global, not a closure cell, so that
+# numba's disk cache recognises the kernel in the next process.
+_prefetch: Any = None
+
+
 def _build(parallel: bool, cache: bool) -> Callable[..., None]:
+    global _prefetch
     from numba import njit, prange
 
-    prefetch = prefetch_intrinsic()
+    _prefetch = prefetch_intrinsic()
 
     # fastmath lets LLVM vectorize the sums over the head dimension (in one fixed order per
     # compiled function); error_model numpy keeps divisions free of Python's checks.
@@ -133,15 +143,16 @@ def _build(parallel: bool, cache: bool) -> Callable[..., None]:
                 # The blocks lie anywhere in memory, so the hardware cannot guess the next:
                 # a slot a token, the next block's keys and this block's values are asked
                 # for ahead of their use (the values for the second pass below).
-                following = tables[i, b + 1] * block_size - (b + 1) * block_size if b < last else -1
+                has_next = b < last
+                following = tables[i, b + 1] * block_size - (b + 1) * block_size if has_next else 0
                 for t in range(max(first, b * block_size), min(end, (b + 1) * block_size)):
-                    if following >= 0:
+                    if has_next:
                         ahead = np.int64(following + t + block_size) * slot_floats
                         for line in range(0, slot_floats, 16):
-                            prefetch(k_cache, ahead + line)
+                            _prefetch(k_cache, ahead + line)
                     here = np.int64(offset + t) * slot_floats
                     for line in range(0, slot_floats, 16):
-                        prefetch(v_cache, here + line)
+                        _prefetch(v_cache, here + line)
                     for h in range(heads):
                         s = np.float32(0.0)
                         for d in range(dim):

@@ -293,8 +293,8 @@ class TorchSDPABackend(AttentionBackend):
 
     def _prompt_lens(self, batch: StepBatch) -> list[int] | None:
         """How many leading positions of each sequence are prompt tokens' rows, answered by
-        SDPA; None where SDPA answers every row (without the paged kernel, or in a process
-        forked after it ran, where it cannot)."""
+        SDPA; None where SDPA answers every row (without the paged kernel, or where numba
+        cannot build it)."""
         if not (self._generated_kernel and cpu_paged_decode.available()):
             return None
         if batch.prompt_lens is None:

@@ -155,9 +155,15 @@ HeldHalf = dict[tuple[int, int], HalfWeight]  # a half kernel's packed chunks, b
 
 def held_half(kernel: str, bounds: Sequence[tuple[int, int]], chunk: ChunkMaker) -> HeldHalf:
     """The copy of ``kernel`` (one of ``HALF_KERNELS``): each chunk of ``bounds`` made once,
-    rounded and packed. ValueError where a value does not fit the format or no tile size
-    keeps a chunk's rows invariant."""
+    rounded and packed (for a row-independent format, all of them as one weight). ValueError
+    where a value does not fit the format or no tile size keeps a chunk's rows invariant."""
     fmt = FORMATS[kernel]
+    if fmt.row_independent:
+        # One packed weight for the whole layer, built chunk by chunk: one call runs every
+        # column block in parallel, where chunks would each be a call of few blocks.
+        n = bounds[-1][1]
+        whole = torch.cat([chunk(start, stop).to(fmt.weight_dtype) for start, stop in bounds])
+        return {(0, n): pack(fmt, whole)}
     held = {}
     for start, stop in bounds:
         dense = chunk(start, stop)

@@ -305,7 +305,7 @@ class KernelTable:
 
 def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str = "auto") -> None:
     """Give every CPU-quantized layer among ``modules`` (activations in ``dtype``) its ``KernelPlan``,
-    keeping the copies its kernels read (dense, fp16, bf16), and log what was chosen and why."""
+    keeping the copies its kernels read (dense, fp16, bf16, bf16dot), and log what was chosen and why."""
     mode = validate_cpu_kernels(mode)
     groups = layer_groups(modules, dtype)
     if not groups:
