@@ -23,7 +23,6 @@ from cadence.engine.attention.backend import (
     split_kv_cache,
 )
 from cadence.engine.attention.selector import create_attention_backend
-from cadence.engine.attention.torch_sdpa import TorchSDPABackend
 from cadence.engine.batch_invariant import make_batch_invariant
 from cadence.engine.cuda_graphs import DecodeGraphs
 from cadence.engine.host_memory import zeroed_pages
@@ -128,8 +127,7 @@ class ModelRunner:
             allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device, _cache_memory(kv_transport))
             for _ in range(model.config.num_hidden_layers)
         ]
-        if isinstance(self.backend, TorchSDPABackend):  # generated tokens read the paged cache directly
-            self.backend.use_paged_decode(device, dtype if kv_cache_dtype == "auto" else None)
+        self.backend.use_paged_decode(device, dtype if kv_cache_dtype == "auto" else None)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.decode_graphs: DecodeGraphs | None = None
         if not enforce_eager and self._graphs_supported(kv_cache_dtype):

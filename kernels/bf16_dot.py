@@ -133,8 +133,8 @@ def _build(parallel: bool, cache: bool) -> Any:
 
 
 def _target_has_bf16() -> None:
-    """RuntimeError unless numba compiles for this CPU and it has AVX512-BF16: LLVM aborts
-    the process, uncatchably, on an instruction its target lacks."""
+    """RuntimeError unless numba compiles for the host CPU and the host reports AVX512-BF16:
+    LLVM aborts the process, uncatchably, on an instruction its target lacks."""
     from llvmlite import binding  # type: ignore[import-untyped]
     from numba.core import config
 
@@ -142,7 +142,7 @@ def _target_has_bf16() -> None:
     if other_cpu or not config.ENABLE_AVX:  # type: ignore[attr-defined]
         raise RuntimeError("numba is told to compile for another CPU (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES or AVX off)")
     if not binding.get_host_cpu_features().get("avx512bf16", False):
-        raise RuntimeError("this CPU has no AVX512-BF16")
+        raise RuntimeError("the host CPU does not report AVX512-BF16")
 
 
 def _microkernel(rows: int) -> Any:

@@ -138,11 +138,12 @@ def available(fmt: HalfFormat) -> bool:
     if fmt.name not in _available:
         try:
             # The hardware first: a GEMM whose instructions the CPU lacks must not even compile.
-            ready = fmt.hardware_ready()
+            if not fmt.hardware_ready():
+                _available[fmt.name] = False
+                return False
             ones = pack(fmt, torch.ones(16, 16))
             x = torch.ones(1, 16, dtype=fmt.input_dtype)
-            right = ready and torch.equal(fmt.gemm(x, ones.packed).float(), torch.full((1, 16), 16.0))
-            _available[fmt.name] = bool(right)
+            _available[fmt.name] = torch.equal(fmt.gemm(x, ones.packed).float(), torch.full((1, 16), 16.0))
         except (RuntimeError, AttributeError, NotImplementedError):
             _available[fmt.name] = False
     return _available[fmt.name]

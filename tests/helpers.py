@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -141,3 +143,13 @@ SPLIT_TIMES = {
 def fake_split_times(monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's timings replaced by ``SPLIT_TIMES``, so ``auto`` splits on any machine."""
     monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: SPLIT_TIMES[kernel][BUCKETS.index(m)])
+
+
+def run_python(code: str, **env: str) -> str:
+    """Run ``code`` in a fresh interpreter with ``env`` added; its stripped stdout, after
+    asserting it exited cleanly (fork and thread-count checks need a process of their own)."""
+    run = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()

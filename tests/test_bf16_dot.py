@@ -4,10 +4,7 @@ the same whatever the thread count and in a process forked after the kernel ran.
 
 from __future__ import annotations
 
-import os
 import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ import torch
 
 from cadence.kernels import bf16_dot
 from cadence.kernels.half_linear import BF16DOT, available
+from helpers import run_python
 
 FLAGS = Path("/proc/cpuinfo").read_text().split() if platform.system() == "Linux" else []
 
@@ -24,14 +22,6 @@ def test_offered_exactly_where_the_cpu_has_avx512_bf16() -> None:
 
 
 needs_bf16dot = pytest.mark.skipif(not available(BF16DOT), reason="needs AVX512-BF16")
-
-
-def _python(code: str, **env: str) -> str:
-    run = subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 0, run.stderr
-    return run.stdout.strip()
 
 
 @needs_bf16dot
@@ -75,8 +65,8 @@ _BITS = (
 
 @needs_bf16dot
 def test_bits_do_not_depend_on_the_thread_count() -> None:
-    one = _python(_BITS + "print(bits())", OMP_NUM_THREADS="1")
-    two = _python(_BITS + "torch.set_num_threads(2)\nprint(bits())", OMP_NUM_THREADS="2")
+    one = run_python(_BITS + "print(bits())", OMP_NUM_THREADS="1")
+    two = run_python(_BITS + "torch.set_num_threads(2)\nprint(bits())", OMP_NUM_THREADS="2")
     assert one == two
 
 
@@ -90,7 +80,7 @@ def test_a_process_forked_after_the_kernel_ran_runs_it_serially_with_the_same_bi
         "    os._exit(0 if bits() == parent else 3)\n"
         "print(os.waitpid(pid, 0)[1] >> 8, bits() == parent)"
     )
-    assert _python(code) == "0 True"
+    assert run_python(code) == "0 True"
 
 
 @needs_bf16dot
@@ -111,10 +101,10 @@ def test_a_child_forked_after_one_kernel_ran_runs_the_other_serially() -> None:
         "    os._exit(0 if cpu_paged_decode.available() and bits() == parent else 3)\n"
         "print(os.waitpid(pid, 0)[1] >> 8)"
     )
-    assert _python(code) == "0"
+    assert run_python(code) == "0"
 
 
 @needs_bf16dot
 def test_starting_the_kernel_keeps_torchs_thread_count() -> None:
     code = "import torch\nbefore = torch.get_num_threads()\n" + _BITS + "bits()\nprint(before, torch.get_num_threads())"
-    assert _python(code, OMP_NUM_THREADS="1") == "1 1"
+    assert run_python(code, OMP_NUM_THREADS="1") == "1 1"

@@ -10,10 +10,6 @@ engine turns the kernel on only where it serves.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -22,6 +18,7 @@ from cadence.engine.attention import cpu_paged_decode
 from cadence.engine.attention.backend import AttentionSpec, StepBatch
 from cadence.engine.attention.cpu_paged_decode import GeneratedRows, attend_generated
 from cadence.engine.attention.torch_sdpa import TorchSDPABackend
+from helpers import run_python
 
 pytestmark = pytest.mark.skipif(not cpu_paged_decode.available(), reason="numba cannot build the kernel here")
 
@@ -273,14 +270,6 @@ def test_the_kernel_serves_only_float32_attention_over_a_plain_cache(monkeypatch
     assert not TorchSDPABackend(SPEC, BLOCK).use_paged_decode(cpu, torch.float32)
 
 
-def _python(code: str, **env: str) -> str:
-    run = subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 0, run.stderr
-    return run.stdout.strip()
-
-
 def test_starting_the_kernel_keeps_torchs_thread_count():
     """numba's OpenMP threads set the OpenMP thread count as they start; torch's is put back."""
     code = (
@@ -290,7 +279,7 @@ def test_starting_the_kernel_keeps_torchs_thread_count():
         "assert cpu_paged_decode.available()\n"
         "print(before, torch.get_num_threads())"
     )
-    assert _python(code, OMP_NUM_THREADS="1") == "1 1"
+    assert run_python(code, OMP_NUM_THREADS="1") == "1 1"
 
 
 @pytest.mark.parametrize("dim,window", [(64, None), (80, 37), (128, None)])
@@ -323,4 +312,4 @@ def test_a_process_forked_after_the_kernel_ran_runs_it_serially(dim: int, window
         "    os._exit(0 if cpu_paged_decode.available() and alone and close else 3)\n"
         "print(os.waitpid(pid, 0)[1] >> 8)"
     )
-    assert _python(code) == "0"
+    assert run_python(code) == "0"

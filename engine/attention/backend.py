@@ -103,6 +103,13 @@ class AttentionBackend(ABC):
         self.spec = spec
         self.block_size = block_size
 
+    def use_paged_decode(self, device: torch.device, cache_dtype: torch.dtype | None) -> bool:
+        """Answer generated tokens' rows straight from the paged cache from now on, where
+        the backend has such a kernel for this device and cache (``cache_dtype`` None: a
+        quantized cache); whether it does. Opt-in: the runner asks, a backend built
+        directly keeps its one path."""
+        return False
+
     @property
     def splits_generated_rows(self) -> bool:
         """Whether rows of generated tokens attend through another kernel than prompt

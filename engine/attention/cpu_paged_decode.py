@@ -3,8 +3,7 @@
 torch has no paged attention on CPU, so the SDPA path (``torch_sdpa``) first copies each
 decode's blocks into one padded tensor, per layer, and SDPA then reads that copy back:
 every key and value crosses memory three times, and the small per-row GEMMs inside the
-flash kernel cost more than their arithmetic. At batch 64 that was over a third of a
-decode step. This kernel walks each row's block table itself, one task per row, block
+flash kernel cost more than their arithmetic. This kernel walks each row's block table itself, one task per row, block
 by block: the scores of every query head against its KV head's keys, a softmax, and the
 weighted sum of the values, each key and value read once (a slot's KV heads lie side by
 side, so each block is one contiguous read).

@@ -159,11 +159,10 @@ def held_half(kernel: str, bounds: Sequence[tuple[int, int]], chunk: ChunkMaker)
     where a value does not fit the format or no tile size keeps a chunk's rows invariant."""
     fmt = FORMATS[kernel]
     if fmt.row_independent:
-        # One packed weight for the whole layer, built chunk by chunk: one call runs every
-        # column block in parallel, where chunks would each be a call of few blocks.
-        n = bounds[-1][1]
-        whole = torch.cat([chunk(start, stop).to(fmt.weight_dtype) for start, stop in bounds])
-        return {(0, n): pack(fmt, whole)}
+        # One packed weight for the whole layer: one call runs every column block in
+        # parallel, where chunks would each be a call of few blocks.
+        whole = torch.cat([chunk(start, stop) for start, stop in bounds])
+        return {(0, bounds[-1][1]): pack(fmt, whole)}
     held = {}
     for start, stop in bounds:
         dense = chunk(start, stop)
