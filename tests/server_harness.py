@@ -62,6 +62,7 @@ class ServerProcess:
     ) -> None:
         """`env` adds to (or overrides) this process's environment for the server;
         `command` is the cadence subcommand; `wrapper` runs it (say, in a network namespace)."""
+        self.host = host
         self.port = port or free_port()
         # What /metrics needs: a server started with --protect-metrics wants the API key.
         self.metrics_headers: dict[str, str] = {}
