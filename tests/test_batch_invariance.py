@@ -23,7 +23,7 @@ from cadence.engine.attention import cpu_paged_decode, invariant_sdpa
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.quantization import cpu_planner
 from cadence.engine.quantization.cpu_planner import splits_prompt_rows
-from cadence.kernels import batch_invariant
+from cadence.kernels import batch_invariant, int8_dot
 from cadence.kernels.half_linear import FORMATS, available
 from helpers import fake_split_times, greedy, needs_smollm2, smollm2_path
 
@@ -119,9 +119,10 @@ def _assert_all_alike(outputs: dict[str, Generated]) -> None:
 
 
 def _needs_kernel(kernel: str) -> pytest.MarkDecorator:
-    """Skip a half kernel whose GEMM is unavailable (the layers would run packed instead)."""
+    """Skip a half kernel or int8dot whose GEMM is unavailable (the layers would run packed instead)."""
     fmt = FORMATS.get(kernel)
-    return pytest.mark.skipif(fmt is not None and not available(fmt), reason=f"the {kernel} GEMM is unavailable")
+    missing = not available(fmt) if fmt is not None else kernel == "int8dot" and not int8_dot.hardware_ready()
+    return pytest.mark.skipif(missing, reason=f"the {kernel} GEMM is unavailable")
 
 
 @pytest.mark.parametrize(
@@ -135,7 +136,8 @@ def _needs_kernel(kernel: str) -> pytest.MarkDecorator:
         *[
             pytest.param("llama", q, k, marks=_needs_kernel(k))
             for q in ("int8", "int4")
-            for k in ("auto", "throughput", "packed", "dequant", "dense", "fp16", "bf16", "bf16dot")
+            for k in ("auto", "throughput", "packed", "dequant", "dense", "fp16", "bf16", "bf16dot", "int8dot")
+            if (q, k) != ("int8", "int8dot")  # int8dot takes 4-bit codes
         ],
         # Prompt tokens' rows on a kernel of their own (here the dense family, generated
         # tokens' on packed, from faked timings rather than measured ones), recomputation included.

@@ -89,7 +89,7 @@ def test_auto_weighs_a_group_by_its_share_of_the_whole_model() -> None:
 
 
 def test_options_are_validated(tmp_path) -> None:
-    modes = ("auto", "throughput", "fastest", "packed", "dequant", "dense", "fp16", "bf16", "bf16dot")
+    modes = ("auto", "throughput", "fastest", "packed", "dequant", "dense", "fp16", "bf16", "bf16dot", "int8dot")
     for mode in (*modes, str(tmp_path / "table.json")):
         assert validate_cpu_kernels(mode) == mode
     for bad in ("fast", str(tmp_path / "table.txt"), str(tmp_path / "missing" / "table.json")):
@@ -98,6 +98,17 @@ def test_options_are_validated(tmp_path) -> None:
     args = build_parser().parse_args(["serve", "--cpu-kernels", "fastest"])
     assert engine_args_from(args).cpu_kernels == "fastest"
     assert engine_args_from(build_parser().parse_args(["serve"])).cpu_kernels == "auto"
+
+
+def test_a_capped_instruction_set_gets_its_own_times(monkeypatch) -> None:
+    """Times measured under ATEN_CPU_CAPABILITY=avx2 (or any library's cap) must not be read
+    by an uncapped engine on the same CPU, nor the other way round."""
+    uncapped = cpu_planner.machine_key()
+    for name in cpu_planner.ISA_CAPS:
+        monkeypatch.setenv(name, "avx2")
+        assert cpu_planner.machine_key() != uncapped, name
+        monkeypatch.delenv(name)
+    assert cpu_planner.machine_key() == uncapped
 
 
 def _int8_model(tiny_model_dir, mode: str) -> LlamaForCausalLM:

@@ -34,7 +34,7 @@ from cadence.engine.quantization import (
 from cadence.engine.quantization import cpu_kernels as cpu_kernels_module
 from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_transposed, unpack_cpu_int4
 from cadence.engine.quantization.cpu_kernels import KernelPlan
-from cadence.kernels import w4a16
+from cadence.kernels import int8_dot, w4a16
 from cadence.kernels.half_linear import BF16, FP16, available
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
 from helpers import CPU_PATH_TOL, head_of, load_llama, rel_err
@@ -134,7 +134,8 @@ def test_int4_linear_cpu_dense_kernels_unpack_the_packed_bytes(
     method = mod.method
     assert isinstance(method, Int4Method)
     # The half kernels where their GEMM runs (the planner decides that).
-    assert method.cpu_kernels(mod) == ("packed", "dequant", "dense", "fp16", "bf16", "bf16dot")
+    int8dot = ("int8dot",) if int8_dot.hardware_ready() else ()
+    assert method.cpu_kernels(mod) == ("packed", "dequant", "dense", "fp16", "bf16", "bf16dot", *int8dot)
     x = torch.randn(40, 256).to(dtype)
     packed = method.packed_matmul(mod, x) + lin.bias.to(dtype)
     mod.cpu_plan = KernelPlan.fixed("dequant")

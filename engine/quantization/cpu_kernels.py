@@ -1,6 +1,6 @@
 """The kernels a quantized linear layer can run on CPU, and the plan that picks one per batch size.
 
-Six ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
+Seven ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
 
 * ``packed``: torch's packed op (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
   with bf16 activations. It reads the quantized bytes directly, so it wins where a step is
@@ -23,10 +23,15 @@ Six ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
   (``kernels/bf16_dot.py``), each row summed in one fixed order at any M and an fp32
   output: no tiles, no padding of a batch-1 call. Only with fp32 activations, on CPUs with
   AVX512-BF16.
+* ``int8dot``: for int4 weights, Cadence's own integer GEMM (``kernels/int8_dot.py``):
+  the weight's own 4-bit codes, activations quantized to int8 per block of 32 as
+  llama.cpp does, exact integer dot products per block, each row summed in one fixed
+  order at any M. Half a byte per weight to read and four times the multiply-adds of
+  fp32 per instruction on AVX2. Only with fp32 activations, on CPUs with AVX2.
 
 ``dense`` and ``dequant`` run the same matmul calls on bit-identical chunks, so they give
-the same bits; ``packed`` rounds activations to bf16, ``fp16`` weights to fp16, and
-``bf16`` and ``bf16dot`` both; each gives bits of its own. Which kernel
+the same bits; ``packed`` rounds activations to bf16, ``fp16`` weights to fp16,
+``bf16`` and ``bf16dot`` both, and ``int8dot`` quantizes activations; each gives bits of its own. Which kernel
 serves which M is measured on the machine (``cpu_planner.py``) and held per layer as a
 ``KernelPlan``. A layer with no plan runs its format's first kernel at every M (``packed``;
 the int8 LM head, whose logits must not be rounded to bf16, has no ``packed``).
@@ -43,11 +48,12 @@ from cadence.kernels.batch_invariant import invariant_linear
 from cadence.kernels.half_linear import FORMATS, HalfWeight, invariant_half_linear, pack, tile_plan
 
 PACKED, DEQUANT, DENSE, FP16, BF16, BF16DOT = "packed", "dequant", "dense", "fp16", "bf16", "bf16dot"
-KERNELS = (PACKED, DEQUANT, DENSE, FP16, BF16, BF16DOT)
+INT8DOT = "int8dot"
+KERNELS = (PACKED, DEQUANT, DENSE, FP16, BF16, BF16DOT, INT8DOT)
 # The kernels that read a half-precision copy made once and kept, by their format's name.
 HALF_KERNELS = (FP16, BF16, BF16DOT)
 # The kernels that read a copy made once and kept (memory the planner budgets).
-HELD_KERNELS = (DENSE, *HALF_KERNELS)
+HELD_KERNELS = (DENSE, *HALF_KERNELS, INT8DOT)
 # The batch sizes the planner measures; a step's M takes the choice of the nearest one
 # (on a log scale), so a 2048-token prefill takes 256's, where the per-row cost has settled.
 BUCKETS = (1, 4, 16, 64, 256)
@@ -59,7 +65,8 @@ DEQUANT_CHUNK_ELEMENTS = 1 << 21
 
 def numerics(kernel: str) -> str:
     """Kernels with the same numerics give the same bits for the same row."""
-    return {PACKED: "bf16-packed", FP16: "fp16", BF16: "bf16", BF16DOT: "bf16dot"}.get(kernel, "dense")
+    own = {PACKED: "bf16-packed", FP16: "fp16", BF16: "bf16", BF16DOT: "bf16dot", INT8DOT: "int8dot"}
+    return own.get(kernel, "dense")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Choosing each quantized layer's CPU kernels by measuring them on the machine that serves.
 
-Which of ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16`` and ``bf16dot``
-(``cpu_kernels.py``) is fastest depends on the CPU (AMX, AVX512-BF16, plain AVX2), the
+Which of ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``, ``bf16dot`` and
+``int8dot`` (``cpu_kernels.py``) is fastest depends on the CPU (AMX, AVX512-BF16, plain AVX2), the
 layer's shape and the batch size, in ways no rule of thumb captured. After loading, layers
 are grouped by format and shape; each group's kernels are timed at the batch sizes of
 ``BUCKETS`` on the group's own layers, in turn, so the weights stream from memory as they
@@ -22,16 +22,17 @@ version and thread count, so later starts skip them.
   (M of ``THROUGHPUT_MIN_BATCH`` and up): for a server that is rarely at batch 1. Batch
   invariant too; a batch-1 step may be slower than under ``auto``.
 * ``fastest``: the fastest kernel at each batch size, even if that mixes numerics.
-* ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``, ``bf16dot``: that kernel everywhere (its copy
-  regardless of memory).
+* ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``, ``bf16dot``, ``int8dot``: that kernel
+  everywhere (its copy regardless of memory).
 * a path to a ``.json`` file: ``auto``, with the times read from and saved to that file.
 
-A kept copy (``dense``'s fp32 chunks, ``fp16``'s and ``bf16``'s packed ones) is made only
+A kept copy (``dense``'s fp32 chunks, the half kernels' and ``int8dot``'s packed ones) is made only
 while all of them fit in ``DENSE_MEMORY_FRACTION`` of the memory available after loading:
 a quantized model that would not fit dense stays quantized. ``fp16`` is offered with fp32
 activations on builds with fbgemm, ``bf16`` with fp32 activations on CPUs with native
-bf16; a group whose weights overflow fp16, or whose shape no tile size keeps invariant,
-is not offered that kernel.
+bf16, ``int8dot`` for int4 weights with fp32 activations on CPUs with AVX2; a group
+whose weights overflow fp16, or whose shape no tile size keeps invariant, is not offered
+that kernel.
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ from cadence.engine.quantization.cpu_kernels import (
     DEQUANT,
     HALF_KERNELS,
     HELD_KERNELS,
+    INT8DOT,
     KERNELS,
     PACKED,
     KernelPlan,
 )
 from cadence.engine.quantization.linear import QuantizedMethod, dense_bytes
 from cadence.engine.quantization.method import LinearLayer
+from cadence.kernels import int8_dot
 from cadence.kernels.half_linear import FORMATS, available
 
 logger = logging.getLogger(__name__)
@@ -77,7 +80,7 @@ DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left aft
 MIN_CORE_SHARE = 0.6  # below this share of the cores while measuring, the times are not saved
 # Part of the table's key: raise it when the kernels change what they cost, so older times
 # are measured again rather than trusted.
-KERNELS_VERSION = 5
+KERNELS_VERSION = 6
 # Each (kernel, M) cell is timed over the group's layers in turn until _CELL_SECONDS have
 # passed and _MIN_CALLS calls were made (two calls, once _CELL_CAP_SECONDS are spent), at
 # most two passes (or _MAX_CALLS_FLOOR calls). The fastest call counts: other work on the
@@ -105,6 +108,17 @@ def default_table_path() -> str:
     return os.path.join(os.path.expanduser(DEFAULT_CACHE_ROOT), "cpu_kernels.json")
 
 
+# Environment variables that cap the instruction set a library's kernels use.
+ISA_CAPS = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "FBGEMM_ENABLE_INSTRUCTIONS",
+    "NUMBA_CPU_NAME",
+    "NUMBA_CPU_FEATURES",
+)
+
+
 def machine_key() -> str:
     """CPU model, a hash of its ISA flags, torch version and thread count: what the times depend on."""
     model, flags = "unknown CPU", ""
@@ -118,9 +132,13 @@ def machine_key() -> str:
                     flags = value.strip()
     except OSError:
         pass
-    digest = hashlib.sha1(flags.encode()).hexdigest()[:12]
+    # What the libraries were told to use, where it narrows what the flags allow: a user
+    # (or a benchmark standing in for an older CPU) may cap torch, oneDNN, fbgemm or numba.
+    caps = [f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
+    digest = hashlib.sha1(" ".join([flags, *caps]).encode()).hexdigest()[:12]
     threads = torch.get_num_threads()
-    return f"{model} | flags {digest} | torch {torch.__version__} | {threads} threads | kernels v{KERNELS_VERSION}"
+    torch_build = f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
+    return f"{model} | flags {digest} | {torch_build} | {threads} threads | kernels v{KERNELS_VERSION}"
 
 
 @dataclass
@@ -141,6 +159,8 @@ class LayerGroup:
         """The memory ``kernel``'s kept copies take for the whole group (packed half copies
         are padded to their GEMM's blocks)."""
         layer = self.layers[0]
+        if kernel == INT8DOT:
+            return len(self.layers) * int8_dot.packed_bytes(layer.out_features, layer.in_features)
         if kernel not in HALF_KERNELS:
             return len(self.layers) * dense_bytes(layer, dtype)
         bounds = self.method.chunk_bounds(layer)
@@ -151,6 +171,8 @@ class LayerGroup:
         for layer in self.layers:
             if kernel in HALF_KERNELS:
                 self.method.hold_half(layer, kernel)
+            elif kernel == INT8DOT:
+                self.method.hold_int8dot(layer)
             else:
                 self.method.hold_dense(layer, dtype)
 
@@ -158,6 +180,8 @@ class LayerGroup:
         for layer in self.layers:
             if kernel in HALF_KERNELS:
                 self.method.drop_half(layer, kernel)
+            elif kernel == INT8DOT:
+                self.method.drop_int8dot(layer)
             else:
                 self.method.drop_dense(layer)
 
@@ -169,9 +193,12 @@ def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype) -> list[Layer
         if not isinstance(module, LinearLayer) or not isinstance(module.method, QuantizedMethod):
             continue
         kernels = module.method.cpu_kernels(module)
-        # The half kernels take fp32 activations, and run where their GEMM does.
+        # The half kernels and int8dot take fp32 activations, and run where their GEMM does.
         kernels = tuple(
-            k for k in kernels if k not in HALF_KERNELS or (dtype == torch.float32 and available(FORMATS[k]))
+            k
+            for k in kernels
+            if (k not in HALF_KERNELS or (dtype == torch.float32 and available(FORMATS[k])))
+            and (k != INT8DOT or dtype == torch.float32)
         )
         if len(kernels) > 1:
             fmt = type(module.method).__name__.removesuffix("Method").lower()
@@ -207,10 +234,10 @@ def time_cell(group: LayerGroup, kernel: str, m: int, dtype: torch.dtype) -> flo
 def candidates(times: dict[str, list[float]], affordable: set[str]) -> list[str]:
     """The kernels ``auto`` and ``fastest`` choose among: ``packed``, the dense family
     (``dense`` where its copy fits, else ``dequant``: the same bits, no copy), and the half
-    kernels whose copies fit."""
+    kernels and ``int8dot`` whose copies fit."""
     dense_family = DENSE if DENSE in affordable and DENSE in times else DEQUANT
-    held_half = [k for k in HALF_KERNELS if k in affordable]
-    return [k for k in (PACKED, dense_family, *held_half) if k in times]
+    held = [k for k in (*HALF_KERNELS, INT8DOT) if k in affordable]
+    return [k for k in (PACKED, dense_family, *held) if k in times]
 
 
 def choose(
@@ -305,7 +332,7 @@ class KernelTable:
 
 def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str = "auto") -> None:
     """Give every CPU-quantized layer among ``modules`` (activations in ``dtype``) its ``KernelPlan``,
-    keeping the copies its kernels read (dense, fp16, bf16, bf16dot), and log what was chosen and why."""
+    keeping the copies its kernels read (dense, fp16, bf16, bf16dot, int8dot), and log what was chosen and why."""
     mode = validate_cpu_kernels(mode)
     groups = layer_groups(modules, dtype)
     if not groups:

@@ -30,6 +30,7 @@ from cadence.kernels.batch_invariant import invariant_linear
 
 if TYPE_CHECKING:
     from cadence.engine.quantization.cpu_kernels import HeldHalf, KernelPlan
+    from cadence.kernels.int8_dot import DotWeight
 
 
 class QuantMethod(ABC):
@@ -108,6 +109,7 @@ class LinearLayer(nn.Module):
     cpu_dense: Callable[[int, int], torch.Tensor] | None
     cpu_dense_dtype: torch.dtype | None
     cpu_half: dict[str, HeldHalf]  # the packed chunks of the half kernels ("fp16", "bf16") held
+    cpu_int8dot: DotWeight | None  # the codes the int8dot kernel reads, if held
     token_rows: bool
 
     def __init__(
@@ -135,6 +137,7 @@ class LinearLayer(nn.Module):
         self.loaded: set[tuple[int, str]] = set()  # (shard, tensor name) seen while loading
         self.cpu_plan, self.cpu_dense, self.cpu_dense_dtype = None, None, None
         self.cpu_half = {}
+        self.cpu_int8dot = None
         # Whether the input holds the step's token rows in order (the decoder's projections),
         # so that a CPU plan may run prompt tokens' rows on a kernel of their own; not so
         # for the LM head (sampled rows) or routed experts (their tokens only).
