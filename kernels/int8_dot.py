@@ -3,17 +3,22 @@
 ``x [M, K] @ W.T`` for a weight held as 4-bit codes ``q`` with, for every block of 32
 along K, a scale ``s`` and an offset ``o``: ``w = s * q + o`` (a GGUF Q4_1 block, or any
 group-wise int4 weight whose groups are whole blocks of 32). The activations are
-quantized per row and block of 32 to int8, ``a ~ d * qa`` with ``d = max|a| / 127``,
-as llama.cpp does for its 4-bit models. Then, per output and block, in block order:
+quantized per row and block of 32 in ``levels`` int8 steps:
 
-    acc += (s * sum(q * qa)) * d + o * sum(a)
+* one level, as llama.cpp does for its 4-bit models: ``a ~ d1 * q1``, ``d1 = max|a| / 127``;
+* two levels: the first level's remainder quantized again, ``a ~ d1 * q1 + d2 * q2``,
+  ``d2 = max|a - d1 * q1| / 127``: an error under 1/64,000 of the block's largest value,
+  finer than bf16's rounding of every value, for twice the integer work.
 
-``sum(q * qa)`` is exact integer arithmetic: ``vpmaddubsw`` multiplies unsigned codes
-by signed activations in pairs to int16 (at most 2 * 15 * 127 each, eight of them
-summed: no overflow), ``vpmaddwd`` widens to int32. ``sum(a)`` is the block's fp32 sum
-of the activations as they came, so the offset term carries no activation rounding. The
-fp32 steps are the same for every row, at any M, on any thread: a row has the bits it
-would have alone, by construction.
+Per output and block, in block order, ``acc += sum over levels (s * sum(q * q_l)) * d_l +
+o * total``, where ``total`` is the sum of the quantized activations (``sum d_l *
+sum(q_l)``). The integer sums are exact (``int8_dot_tile.py``) and the fp32 steps the same
+for every row at any M, on any thread: a row has the bits it would have alone, by
+construction. The offset term takes the quantized activations' sum, not the exact one:
+then both terms are the weight's values times one vector, whose error is ``w . (a -
+a_quantized)``; with the exact sum it would be ``s * q . (a - a_quantized)``, and ``s * q``
+is the weight before its offset centres it, several times larger (one level, measured:
+18.48 against 18.21 perplexity on the default model).
 
 Why: where the CPU has no bf16 dot products (AVX2), the other kernels multiply in fp32
 FMAs; ``vpmaddubsw`` does four times the multiply-adds per instruction, and the codes
@@ -22,10 +27,8 @@ stay 4-bit (half a byte per weight to read, where fp16 copies take two).
 The weight is packed once in blocks of 16 output columns, two 8-lane vectors: for each
 block of 32 along K, four 32-byte rows per vector whose low nibbles hold K offsets
 ``8p .. 8p+3`` and high nibbles ``8p+4 .. 8p+7`` of its 8 columns (four bytes a column),
-and beside them the block's 16 scales and 16 offsets in fp32. The microkernel is LLVM IR
-built through numba (``numba.extending.intrinsic``) around the AVX2 intrinsics, a
-register tile of ``TILE_ROWS`` rows by 16 columns; numba runs the column blocks on its
-threads (``numba_runtime.py``).
+and beside them the block's 16 scales and 16 offsets in fp32. numba runs the column
+blocks on its threads (``numba_runtime.py``), each over the rows ``TILE_ROWS`` at a time.
 """
 
 from __future__ import annotations
@@ -36,15 +39,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from cadence.kernels.int8_dot_tile import BLOCK, BLOCK_BYTES, BLOCK_COLUMNS, STEPS, VECTORS, microkernel
 from cadence.kernels.numba_runtime import NumbaKernel
 
-BLOCK = 32  # K per scale: one activation scale and one weight scale and offset
-BLOCK_COLUMNS = 16  # output columns per packed block: two 8-lane vectors
-VECTORS = BLOCK_COLUMNS // 8
-STEPS = 4  # 32-byte code rows per vector and K block: 8 K each, low nibbles then high
-BLOCK_BYTES = VECTORS * STEPS * 32  # code bytes of one column block's K block
 TILE_ROWS = 4  # rows of x per register tile
 QMAX = 127.0  # activations quantize to [-127, 127]: a pair sum stays within int16
+LEVELS = (1, 2)
 
 # CPU names numba may be told to compile for (NUMBA_CPU_NAME) that have AVX2: LLVM aborts
 # the process, uncatchably, on an intrinsic its target lacks.
@@ -92,26 +92,29 @@ def packed_bytes(out_features: int, in_features: int) -> int:
     return blocks * (in_features // BLOCK) * (BLOCK_BYTES + 2 * BLOCK_COLUMNS * 4)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (fp32, K a multiple of 32) -> (``qa`` int8 ``[M, K]``, ``[M, K / 32, 2]``
-    fp32 of each block's scale ``d`` and the sum of its activations), as ``gemm`` computes them."""
+def quantize(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (fp32, K a multiple of 32) -> (``qa`` int8 ``[M, levels * K]``: each
+    row's levels one after another, ``[M, K / 32, levels + 1]`` fp32: per block, each
+    level's scale and the quantized activations' sum), as ``gemm`` computes them."""
     m, k = x.shape
-    qa = torch.empty(m, k, dtype=torch.int8)
-    fields = torch.empty(m, k // BLOCK, 2, dtype=torch.float32)
+    if levels not in LEVELS or k % BLOCK:
+        raise ValueError(f"levels is one of {LEVELS} and K a multiple of {BLOCK}: {levels}, {k}")
+    qa = torch.empty(m, levels * k, dtype=torch.int8)
+    fields = torch.empty(m, k // BLOCK, levels + 1, dtype=torch.float32)
     if m:
         _quantize(x.contiguous().numpy(), qa.numpy(), fields.numpy())
     return qa, fields
 
 
-def gemm(x: torch.Tensor, weight: DotWeight) -> torch.Tensor:
-    """``x [M, K]`` (fp32) times the packed weight: ``[M, N]`` fp32."""
+def gemm(x: torch.Tensor, weight: DotWeight, levels: int) -> torch.Tensor:
+    """``x [M, K]`` (fp32), quantized in ``levels`` int8 steps, times the packed weight: ``[M, N]`` fp32."""
     m, k = x.shape
     if k != weight.in_features or x.dtype != torch.float32:
         raise ValueError(f"x must be fp32 with {weight.in_features} columns, got {x.dtype} with {k}")
     columns = weight.codes.shape[0] * BLOCK_COLUMNS
     out = torch.empty(m, columns, dtype=torch.float32)
     if m:
-        qa, fields = quantize(x)
+        qa, fields = quantize(x, levels)
         _kernel(qa.view(torch.int32).numpy(), fields.numpy(), weight.codes, weight.scales, out.numpy())
     return out if columns == weight.out_features else out[:, : weight.out_features].contiguous()
 
@@ -153,39 +156,42 @@ def _build(parallel: bool, cache: bool) -> Any:
     from numba import types as nt
 
     _target_has_avx2()
-    _tile4, _tile3, _tile2, _tile1 = (_microkernel(rows) for rows in range(TILE_ROWS, 0, -1))
+    _tile4, _tile3, _tile2, _tile1 = (microkernel(rows) for rows in range(TILE_ROWS, 0, -1))
     matrix = nt.float32[:, ::1]
     signature = nt.void(nt.int32[:, ::1], nt.float32[:, :, ::1], nt.uint8[:, ::1], matrix, matrix)
 
     @njit(signature, parallel=parallel, nogil=True, cache=cache)
     def dot_gemm(qa: Any, fields: Any, codes: Any, scales: Any, out: Any) -> None:  # pragma: no cover - numba
-        m, kb = qa.shape[0], np.int64(fields.shape[1])
+        m, kb, levels = qa.shape[0], np.int64(fields.shape[1]), np.int64(fields.shape[2] - 1)
         words = np.int64(qa.shape[1])
         stride = np.int64(out.shape[1])
         for block in prange(codes.shape[0]):
             o = np.int64(block) * BLOCK_COLUMNS
             row = 0
             while row + TILE_ROWS <= m:
-                _tile4(
-                    qa, row * words, words, fields, row * kb, kb, codes, scales, block, out, row * stride + o, stride
-                )
+                at = row * stride + o
+                _tile4(qa, row * words, words, fields, row * kb, kb, levels, codes, scales, block, out, at, stride)
                 row += TILE_ROWS
             left = m - row
             at = row * stride + o
             if left == 3:
-                _tile3(qa, row * words, words, fields, row * kb, kb, codes, scales, block, out, at, stride)
+                _tile3(qa, row * words, words, fields, row * kb, kb, levels, codes, scales, block, out, at, stride)
             elif left == 2:
-                _tile2(qa, row * words, words, fields, row * kb, kb, codes, scales, block, out, at, stride)
+                _tile2(qa, row * words, words, fields, row * kb, kb, levels, codes, scales, block, out, at, stride)
             elif left == 1:
-                _tile1(qa, row * words, words, fields, row * kb, kb, codes, scales, block, out, at, stride)
+                _tile1(qa, row * words, words, fields, row * kb, kb, levels, codes, scales, block, out, at, stride)
 
-    # A check that the kernel computes what it should: all-ones codes, scale 1, offset 0.5.
+    # A check that both forms compute what they should: all-ones codes, scale 1, offset 0.5,
+    # every activation 127 at scale 1 (and a second level of 1s at scale 1/127).
     probe = pack(torch.ones(16, 32, dtype=torch.uint8), torch.ones(16, 1), torch.full((16, 1), 0.5))
-    out = np.zeros((1, BLOCK_COLUMNS), np.float32)
-    qa = np.full((1, 8), 0x7F7F7F7F, np.int32)  # every activation 127 at scale 1
-    dot_gemm(qa, np.array([[[1.0, 64.0]]], np.float32), probe.codes, probe.scales, out)
-    if not np.array_equal(out[0], np.full(16, 127.0 * 32 + 32.0, np.float32)):
-        raise RuntimeError(f"the int8 dot kernel computed a wrong product: {out[0]}")
+    for levels, second in ((1, 0.0), (2, 1.0)):
+        out = np.zeros((1, BLOCK_COLUMNS), np.float32)
+        qa = np.array([[0x7F7F7F7F] * 8 + [0x01010101] * 8 * (levels - 1)], np.int32)
+        level_scales = [1.0, 1.0 / 127.0][:levels]
+        total = 127.0 * 32 + 32.0 * second / 127.0
+        dot_gemm(qa, np.array([[[*level_scales, total]]], np.float32), probe.codes, probe.scales, out)
+        if not np.allclose(out[0], np.full(16, 1.5 * total, np.float32), rtol=1e-6):
+            raise RuntimeError(f"the int8 dot kernel computed a wrong product at {levels} levels: {out[0]}")
     return dot_gemm
 
 
@@ -198,156 +204,38 @@ def _build_quantize(parallel: bool, cache: bool) -> Any:
 
     @njit(signature, parallel=parallel, nogil=True, cache=cache)
     def quantize_rows(x: Any, qa: Any, fields: Any) -> None:  # pragma: no cover - compiled by numba
+        k, levels = x.shape[1], fields.shape[2] - 1
         for row in prange(x.shape[0]):
             for b in range(fields.shape[1]):
                 start = b * BLOCK
-                peak, total = zero, zero
-                for j in range(BLOCK):  # in order: the sum's bits are the row's alone
-                    value = x[row, start + j]
-                    peak = max(peak, abs(value))
-                    total += value
-                inverse = top / peak if peak > zero else zero
-                for j in range(BLOCK):
-                    qa[row, start + j] = np.int8(np.rint(x[row, start + j] * inverse))
-                fields[row, b, 0] = peak / top
-                fields[row, b, 1] = total
+                total = zero
+                for level in range(levels):
+                    # What is left to quantize: the value, or the first level's remainder.
+                    peak = zero
+                    for j in range(start, start + BLOCK):
+                        left = x[row, j] if level == 0 else x[row, j] - fields[row, b, 0] * np.float32(qa[row, j])
+                        peak = max(peak, abs(left))
+                    inverse = top / peak if peak > zero else zero
+                    codes = 0
+                    for j in range(start, start + BLOCK):
+                        left = x[row, j] if level == 0 else x[row, j] - fields[row, b, 0] * np.float32(qa[row, j])
+                        code = np.int8(np.rint(left * inverse))
+                        qa[row, level * k + j] = code
+                        codes += np.int32(code)
+                    scale = peak / top
+                    fields[row, b, level] = scale
+                    total += scale * np.float32(codes)  # an exact integer sum, then fp32 in level order
+                fields[row, b, levels] = total
 
-    probe = np.arange(-16, 16, dtype=np.float32).reshape(1, 32)
-    qa = np.zeros((1, 32), np.int8)
-    fields = np.zeros((1, 1, 2), np.float32)
-    quantize_rows(probe, qa, fields)
-    if qa[0, 0] != -127 or fields[0, 0, 1] != -16.0:
-        raise RuntimeError("the int8 activation quantizer computed a wrong value")
+    for levels in LEVELS:
+        probe = np.arange(-16, 16, dtype=np.float32).reshape(1, 32) / np.float32(3.0)
+        qa = np.zeros((1, 32 * levels), np.int8)
+        fields = np.zeros((1, 1, levels + 1), np.float32)
+        quantize_rows(probe, qa, fields)
+        restored = sum(fields[0, 0, i] * qa[0, 32 * i : 32 * (i + 1)].astype(np.float32) for i in range(levels))
+        if qa[0, 0] != -127 or np.abs(restored - probe[0]).max() > 16 / 3 / 127**levels:
+            raise RuntimeError(f"the int8 activation quantizer computed a wrong value at {levels} levels")
     return quantize_rows
-
-
-def _microkernel(rows: int) -> Any:
-    """An intrinsic: ``out[r, 0:16]`` for ``rows`` rows from their int8 blocks and one
-    column block's codes, the fp32 accumulators in registers for the whole K."""
-    from llvmlite import ir
-    from numba import types as nt
-    from numba.core import cgutils
-    from numba.extending import intrinsic
-
-    i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
-    bytes32, shorts, words, lanes = (
-        ir.VectorType(i8, 32),
-        ir.VectorType(i16, 16),
-        ir.VectorType(i32, 8),
-        ir.VectorType(f32, 8),
-    )
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        qa, qa_at, qa_stride, fields, f_at, kb, codes, scales, block, out, out_at, out_stride = args
-        arrays = signature.args
-
-        def const(value: int) -> Any:
-            return ir.Constant(i64, value)
-
-        def data(index: int, array: Any) -> Any:
-            return context.make_array(arrays[index])(context, builder, array).data
-
-        def splat(value: Any, vector: Any, count: int) -> Any:
-            spread = builder.insert_element(ir.Constant(vector, None), value, ir.Constant(i32, 0))
-            return builder.shuffle_vector(
-                spread, ir.Constant(vector, None), ir.Constant(ir.VectorType(i32, count), [0] * count)
-            )
-
-        module = builder.module
-        maddubs = cgutils.get_or_insert_function(
-            module, ir.FunctionType(shorts, [bytes32, bytes32]), "llvm.x86.avx2.pmadd.ub.sw"
-        )
-        maddwd = cgutils.get_or_insert_function(
-            module, ir.FunctionType(words, [shorts, shorts]), "llvm.x86.avx2.pmadd.wd"
-        )
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(lanes, [lanes, lanes, lanes]), "llvm.fma.v8f32")
-        low_mask = ir.Constant(bytes32, [0x0F] * 32)
-        ones = ir.Constant(shorts, [1] * 16)
-        four = ir.Constant(shorts, [4] * 16)
-
-        qa_rows = [
-            builder.gep(data(0, qa), [builder.add(qa_at, builder.mul(qa_stride, const(r)))]) for r in range(rows)
-        ]
-        field_rows = [
-            builder.gep(data(3, fields), [builder.mul(builder.add(f_at, builder.mul(kb, const(r))), const(2))])
-            for r in range(rows)
-        ]
-        code_base = builder.gep(data(6, codes), [builder.mul(block, builder.mul(kb, const(BLOCK_BYTES)))])
-        scale_base = builder.gep(data(7, scales), [builder.mul(block, builder.mul(kb, const(2 * BLOCK_COLUMNS)))])
-
-        zero = ir.Constant(lanes, [0.0] * 8)
-        entry = builder.block
-        loop, done = builder.append_basic_block("kblocks"), builder.append_basic_block("store")
-        builder.cbranch(builder.icmp_signed(">", kb, const(0)), loop, done)
-
-        builder.position_at_end(loop)
-        b = builder.phi(i64)
-        b.add_incoming(const(0), entry)
-        acc = [builder.phi(lanes) for _ in range(rows * VECTORS)]
-        for a in acc:
-            a.add_incoming(zero, entry)
-        sums: list[list[Any]] = [[None] * VECTORS for _ in range(rows)]
-        code_block = builder.gep(code_base, [builder.mul(b, const(BLOCK_BYTES))])
-        for step in range(STEPS):
-            nibbles = []
-            for v in range(VECTORS):
-                at = builder.gep(code_block, [const((v * STEPS + step) * 32)])
-                raw = builder.load(builder.bitcast(at, bytes32.as_pointer()), align=1)
-                shifted = builder.bitcast(builder.lshr(builder.bitcast(raw, shorts), four), bytes32)
-                nibbles.append((builder.and_(raw, low_mask), builder.and_(shifted, low_mask)))
-            for r in range(rows):
-                word = builder.add(builder.mul(b, const(BLOCK // 4)), const(2 * step))
-                for half in range(2):
-                    four_bytes = builder.load(builder.gep(qa_rows[r], [builder.add(word, const(half))]), align=4)
-                    spread = builder.bitcast(splat(four_bytes, words, 8), bytes32)
-                    for v in range(VECTORS):
-                        product = builder.call(maddubs, [nibbles[v][half], spread])
-                        sums[r][v] = product if sums[r][v] is None else builder.add(sums[r][v], product)
-        field_block = builder.gep(scale_base, [builder.mul(b, const(2 * BLOCK_COLUMNS))])
-        weight_fields = []
-        for field in range(2):
-            for v in range(VECTORS):
-                at = builder.gep(field_block, [const(field * BLOCK_COLUMNS + v * 8)])
-                weight_fields.append(builder.load(builder.bitcast(at, lanes.as_pointer()), align=4))
-        w_scale, w_offset = weight_fields[:VECTORS], weight_fields[VECTORS:]
-        summed = []
-        for r in range(rows):
-            row_field = builder.gep(field_rows[r], [builder.mul(b, const(2))])
-            d = splat(builder.load(row_field, align=4), lanes, 8)
-            total = splat(builder.load(builder.gep(row_field, [const(1)]), align=4), lanes, 8)
-            for v in range(VECTORS):
-                exact = builder.sitofp(builder.call(maddwd, [sums[r][v], ones]), lanes)
-                scaled = builder.fmul(exact, w_scale[v])
-                step_acc = builder.call(fma, [scaled, d, acc[r * VECTORS + v]])
-                summed.append(builder.call(fma, [w_offset[v], total, step_acc]))
-        following = builder.add(b, const(1))
-        tail = builder.block
-        b.add_incoming(following, tail)
-        for a, s in zip(acc, summed):
-            a.add_incoming(s, tail)
-        builder.cbranch(builder.icmp_signed("<", following, kb), loop, done)
-
-        builder.position_at_end(done)
-        results = []
-        for s in summed:
-            result = builder.phi(lanes)
-            result.add_incoming(zero, entry)
-            result.add_incoming(s, tail)
-            results.append(result)
-        out_data = data(9, out)
-        for r in range(rows):
-            row_out = builder.gep(out_data, [builder.add(out_at, builder.mul(out_stride, const(r)))])
-            for v in range(VECTORS):
-                target = builder.bitcast(builder.gep(row_out, [const(8 * v)]), lanes.as_pointer())
-                builder.store(results[r * VECTORS + v], target, align=4)
-        return context.get_dummy_value()
-
-    # intrinsic reads the typer's parameter names: spell them out.
-    def tile(typingctx, qa, qa_at, qa_stride, fields, f_at, kb, codes, scales, block, out, out_at, out_stride):
-        args = (qa, qa_at, qa_stride, fields, f_at, kb, codes, scales, block, out, out_at, out_stride)
-        return nt.void(*args), codegen
-
-    return intrinsic(tile)
 
 
 _kernel = NumbaKernel("int8 dot", _build)

@@ -121,7 +121,8 @@ def _assert_all_alike(outputs: dict[str, Generated]) -> None:
 def _needs_kernel(kernel: str) -> pytest.MarkDecorator:
     """Skip a half kernel or int8dot whose GEMM is unavailable (the layers would run packed instead)."""
     fmt = FORMATS.get(kernel)
-    missing = not available(fmt) if fmt is not None else kernel == "int8dot" and not int8_dot.hardware_ready()
+    integer = kernel in ("int8x2dot", "int8dot")
+    missing = not available(fmt) if fmt is not None else integer and not int8_dot.hardware_ready()
     return pytest.mark.skipif(missing, reason=f"the {kernel} GEMM is unavailable")
 
 
@@ -136,8 +137,19 @@ def _needs_kernel(kernel: str) -> pytest.MarkDecorator:
         *[
             pytest.param("llama", q, k, marks=_needs_kernel(k))
             for q in ("int8", "int4")
-            for k in ("auto", "throughput", "packed", "dequant", "dense", "fp16", "bf16", "bf16dot", "int8dot")
-            if (q, k) != ("int8", "int8dot")  # int8dot takes 4-bit codes
+            for k in (
+                "auto",
+                "throughput",
+                "packed",
+                "dequant",
+                "dense",
+                "fp16",
+                "bf16",
+                "bf16dot",
+                "int8x2dot",
+                "int8dot",
+            )
+            if q == "int4" or k not in ("int8x2dot", "int8dot")  # they take 4-bit codes
         ],
         # Prompt tokens' rows on a kernel of their own (here the dense family, generated
         # tokens' on packed, from faked timings rather than measured ones), recomputation included.

@@ -134,8 +134,8 @@ def test_int4_linear_cpu_dense_kernels_unpack_the_packed_bytes(
     method = mod.method
     assert isinstance(method, Int4Method)
     # The half kernels where their GEMM runs (the planner decides that).
-    int8dot = ("int8dot",) if int8_dot.hardware_ready() else ()
-    assert method.cpu_kernels(mod) == ("packed", "dequant", "dense", "fp16", "bf16", "bf16dot", *int8dot)
+    integer = ("int8x2dot", "int8dot") if int8_dot.hardware_ready() else ()
+    assert method.cpu_kernels(mod) == ("packed", "dequant", "dense", "fp16", "bf16", "bf16dot", *integer)
     x = torch.randn(40, 256).to(dtype)
     packed = method.packed_matmul(mod, x) + lin.bias.to(dtype)
     mod.cpu_plan = KernelPlan.fixed("dequant")

@@ -23,18 +23,22 @@ Seven ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
   (``kernels/bf16_dot.py``), each row summed in one fixed order at any M and an fp32
   output: no tiles, no padding of a batch-1 call. Only with fp32 activations, on CPUs with
   AVX512-BF16.
-* ``int8dot``: for int4 weights, Cadence's own integer GEMM (``kernels/int8_dot.py``):
-  the weight's own 4-bit codes, activations quantized to int8 per block of 32 as
-  llama.cpp does, exact integer dot products per block, each row summed in one fixed
-  order at any M. Half a byte per weight to read and four times the multiply-adds of
-  fp32 per instruction on AVX2. Only with fp32 activations, on CPUs with AVX2.
+* ``int8x2dot`` and ``int8dot``: for int4 weights, Cadence's own integer GEMM
+  (``kernels/int8_dot.py``): the weight's own 4-bit codes, exact integer dot products
+  per block of 32, each row summed in one fixed order at any M. Half a byte per weight
+  to read and four times the multiply-adds of fp32 per instruction on AVX2. The
+  activations are quantized per block of 32 in two int8 levels (``int8x2dot``: finer
+  than bf16's rounding, twice the integer work) or one (``int8dot``, as llama.cpp does:
+  it changes some greedy tokens, so only a user who names it gets it). Only with fp32
+  activations, on CPUs with AVX2.
 
 ``dense`` and ``dequant`` run the same matmul calls on bit-identical chunks, so they give
 the same bits; ``packed`` rounds activations to bf16, ``fp16`` weights to fp16,
-``bf16`` and ``bf16dot`` both, and ``int8dot`` quantizes activations; each gives bits of its own. Which kernel
-serves which M is measured on the machine (``cpu_planner.py``) and held per layer as a
-``KernelPlan``. A layer with no plan runs its format's first kernel at every M (``packed``;
-the int8 LM head, whose logits must not be rounded to bf16, has no ``packed``).
+``bf16`` and ``bf16dot`` both, and ``int8x2dot`` and ``int8dot`` quantize activations;
+each gives bits of its own. Which kernel serves which M is measured on the machine
+(``cpu_planner.py``) and held per layer as a ``KernelPlan``. A layer with no plan runs its
+format's first kernel at every M (``packed``; the int8 LM head, whose logits must not be
+rounded to bf16, has no ``packed``).
 """
 
 from __future__ import annotations
@@ -48,12 +52,14 @@ from cadence.kernels.batch_invariant import invariant_linear
 from cadence.kernels.half_linear import FORMATS, HalfWeight, invariant_half_linear, pack, tile_plan
 
 PACKED, DEQUANT, DENSE, FP16, BF16, BF16DOT = "packed", "dequant", "dense", "fp16", "bf16", "bf16dot"
-INT8DOT = "int8dot"
-KERNELS = (PACKED, DEQUANT, DENSE, FP16, BF16, BF16DOT, INT8DOT)
+INT8X2DOT, INT8DOT = "int8x2dot", "int8dot"
+KERNELS = (PACKED, DEQUANT, DENSE, FP16, BF16, BF16DOT, INT8X2DOT, INT8DOT)
+# The integer kernels for int4 weights, by name: how many int8 levels quantize activations.
+INT_DOT_LEVELS = {INT8X2DOT: 2, INT8DOT: 1}
 # The kernels that read a half-precision copy made once and kept, by their format's name.
 HALF_KERNELS = (FP16, BF16, BF16DOT)
 # The kernels that read a copy made once and kept (memory the planner budgets).
-HELD_KERNELS = (DENSE, *HALF_KERNELS, INT8DOT)
+HELD_KERNELS = (DENSE, *HALF_KERNELS, *INT_DOT_LEVELS)
 # The batch sizes the planner measures; a step's M takes the choice of the nearest one
 # (on a log scale), so a 2048-token prefill takes 256's, where the per-row cost has settled.
 BUCKETS = (1, 4, 16, 64, 256)
@@ -65,7 +71,7 @@ DEQUANT_CHUNK_ELEMENTS = 1 << 21
 
 def numerics(kernel: str) -> str:
     """Kernels with the same numerics give the same bits for the same row."""
-    own = {PACKED: "bf16-packed", FP16: "fp16", BF16: "bf16", BF16DOT: "bf16dot", INT8DOT: "int8dot"}
+    own = {PACKED: "bf16-packed", FP16: "fp16", BF16: "bf16", BF16DOT: "bf16dot", INT8X2DOT: "int8x2", INT8DOT: "int8"}
     return own.get(kernel, "dense")
 
 

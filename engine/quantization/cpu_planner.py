@@ -1,7 +1,7 @@
 """Choosing each quantized layer's CPU kernels by measuring them on the machine that serves.
 
-Which of ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``, ``bf16dot`` and
-``int8dot`` (``cpu_kernels.py``) is fastest depends on the CPU (AMX, AVX512-BF16, plain AVX2), the
+Which of ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``, ``bf16dot``, ``int8x2dot``
+and ``int8dot`` (``cpu_kernels.py``) is fastest depends on the CPU (AMX, AVX512-BF16, plain AVX2), the
 layer's shape and the batch size, in ways no rule of thumb captured. After loading, layers
 are grouped by format and shape; each group's kernels are timed at the batch sizes of
 ``BUCKETS`` on the group's own layers, in turn, so the weights stream from memory as they
@@ -22,15 +22,17 @@ version and thread count, so later starts skip them.
   (M of ``THROUGHPUT_MIN_BATCH`` and up): for a server that is rarely at batch 1. Batch
   invariant too; a batch-1 step may be slower than under ``auto``.
 * ``fastest``: the fastest kernel at each batch size, even if that mixes numerics.
-* ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``, ``bf16dot``, ``int8dot``: that kernel
-  everywhere (its copy regardless of memory).
+* ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``, ``bf16dot``, ``int8x2dot``, ``int8dot``:
+  that kernel everywhere (its copy regardless of memory). ``int8dot`` (``OPT_IN_KERNELS``)
+  runs only so: its 8-bit activations change some greedy tokens, which the modes above
+  never trade for speed.
 * a path to a ``.json`` file: ``auto``, with the times read from and saved to that file.
 
-A kept copy (``dense``'s fp32 chunks, the half kernels' and ``int8dot``'s packed ones) is made only
+A kept copy (``dense``'s fp32 chunks, the half and integer kernels' packed ones) is made only
 while all of them fit in ``DENSE_MEMORY_FRACTION`` of the memory available after loading:
 a quantized model that would not fit dense stays quantized. ``fp16`` is offered with fp32
 activations on builds with fbgemm, ``bf16`` with fp32 activations on CPUs with native
-bf16, ``int8dot`` for int4 weights with fp32 activations on CPUs with AVX2; a group
+bf16, the integer kernels for int4 weights with fp32 activations on CPUs with AVX2; a group
 whose weights overflow fp16, or whose shape no tile size keeps invariant, is not offered
 that kernel.
 """
@@ -58,6 +60,7 @@ from cadence.engine.quantization.cpu_kernels import (
     HALF_KERNELS,
     HELD_KERNELS,
     INT8DOT,
+    INT_DOT_LEVELS,
     KERNELS,
     PACKED,
     KernelPlan,
@@ -76,6 +79,10 @@ THROUGHPUT_MIN_BATCH = 16
 # full server's 256) and, for decoder projections, that of prompt tokens' rows (prefill chunks).
 GENERATED_BUCKETS = BUCKETS
 PROMPT_BUCKETS = (64, 256)
+# Kernels whose numerics change answers (int8dot's one int8 level of activations per block,
+# as llama.cpp's: +0.5% perplexity and 3% of top-1 tokens unlike fp32's on the default
+# model, bench/RESULTS.md): run only where ``--cpu-kernels`` names them, never chosen for speed.
+OPT_IN_KERNELS = (INT8DOT,)
 DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left after this
 MIN_CORE_SHARE = 0.6  # below this share of the cores while measuring, the times are not saved
 # Part of the table's key: raise it when the kernels change what they cost, so older times
@@ -159,7 +166,7 @@ class LayerGroup:
         """The memory ``kernel``'s kept copies take for the whole group (packed half copies
         are padded to their GEMM's blocks)."""
         layer = self.layers[0]
-        if kernel == INT8DOT:
+        if kernel in INT_DOT_LEVELS:
             return len(self.layers) * int8_dot.packed_bytes(layer.out_features, layer.in_features)
         if kernel not in HALF_KERNELS:
             return len(self.layers) * dense_bytes(layer, dtype)
@@ -171,8 +178,8 @@ class LayerGroup:
         for layer in self.layers:
             if kernel in HALF_KERNELS:
                 self.method.hold_half(layer, kernel)
-            elif kernel == INT8DOT:
-                self.method.hold_int8dot(layer)
+            elif kernel in INT_DOT_LEVELS:
+                self.method.hold_int_dot(layer, kernel)
             else:
                 self.method.hold_dense(layer, dtype)
 
@@ -180,25 +187,27 @@ class LayerGroup:
         for layer in self.layers:
             if kernel in HALF_KERNELS:
                 self.method.drop_half(layer, kernel)
-            elif kernel == INT8DOT:
-                self.method.drop_int8dot(layer)
+            elif kernel in INT_DOT_LEVELS:
+                self.method.drop_int_dot(layer, kernel)
             else:
                 self.method.drop_dense(layer)
 
 
-def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype) -> list[LayerGroup]:
-    """The model's CPU-quantized layers that have a choice of kernels, grouped by format and shape."""
+def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str = "auto") -> list[LayerGroup]:
+    """The model's CPU-quantized layers that have a choice of kernels, grouped by format and
+    shape. An ``OPT_IN_KERNELS`` kernel is among the choices only where ``mode`` names it."""
     members: dict[tuple[str, int, int, int | None, bool], LayerGroup] = {}
     for module in modules:
         if not isinstance(module, LinearLayer) or not isinstance(module.method, QuantizedMethod):
             continue
         kernels = module.method.cpu_kernels(module)
-        # The half kernels and int8dot take fp32 activations, and run where their GEMM does.
+        # The half and integer kernels take fp32 activations, and run where their GEMM does.
         kernels = tuple(
             k
             for k in kernels
             if (k not in HALF_KERNELS or (dtype == torch.float32 and available(FORMATS[k])))
-            and (k != INT8DOT or dtype == torch.float32)
+            and (k not in INT_DOT_LEVELS or dtype == torch.float32)
+            and (k not in OPT_IN_KERNELS or k == mode)
         )
         if len(kernels) > 1:
             fmt = type(module.method).__name__.removesuffix("Method").lower()
@@ -236,7 +245,7 @@ def candidates(times: dict[str, list[float]], affordable: set[str]) -> list[str]
     (``dense`` where its copy fits, else ``dequant``: the same bits, no copy), and the half
     kernels and ``int8dot`` whose copies fit."""
     dense_family = DENSE if DENSE in affordable and DENSE in times else DEQUANT
-    held = [k for k in (*HALF_KERNELS, INT8DOT) if k in affordable]
+    held = [k for k in (*HALF_KERNELS, *INT_DOT_LEVELS) if k in affordable]
     return [k for k in (PACKED, dense_family, *held) if k in times]
 
 
@@ -332,9 +341,9 @@ class KernelTable:
 
 def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str = "auto") -> None:
     """Give every CPU-quantized layer among ``modules`` (activations in ``dtype``) its ``KernelPlan``,
-    keeping the copies its kernels read (dense, fp16, bf16, bf16dot, int8dot), and log what was chosen and why."""
+    keeping the copies its kernels read (dense, the half and integer kernels'), and log what was chosen and why."""
     mode = validate_cpu_kernels(mode)
-    groups = layer_groups(modules, dtype)
+    groups = layer_groups(modules, dtype, mode)
     if not groups:
         return
     fixed = mode in KERNELS

@@ -35,7 +35,7 @@ from cadence.engine.quantization.cpu_int4_layout import (
 from cadence.engine.quantization.cpu_kernels import (
     DENSE,
     HALF_KERNELS,
-    INT8DOT,
+    INT_DOT_LEVELS,
     KERNELS,
     PACKED,
     ChunkMaker,
@@ -129,11 +129,10 @@ class QuantizedMethod(DenseMethod):
                 self.hold_half(layer, kernel)
             out = chunked_half_matmul(x2, layer.out_features, layer.cpu_half[kernel])  # fp32
             return out if x2.dtype == torch.float32 else out.to(x2.dtype)
-        if kernel == INT8DOT:
-            if layer.cpu_int8dot is None:
-                self.hold_int8dot(layer)
-            assert layer.cpu_int8dot is not None
-            return int8_dot.gemm(x2.float(), layer.cpu_int8dot).to(x2.dtype)
+        if kernel in INT_DOT_LEVELS:
+            if kernel not in layer.cpu_int_dot:
+                self.hold_int_dot(layer, kernel)
+            return int8_dot.gemm(x2.float(), layer.cpu_int_dot[kernel], INT_DOT_LEVELS[kernel]).to(x2.dtype)
         held = layer.cpu_dense
         maker = held if kernel == DENSE and held is not None and layer.cpu_dense_dtype == x2.dtype else None
         maker = maker or self.dense_chunk_maker(layer, x2.dtype)
@@ -157,13 +156,13 @@ class QuantizedMethod(DenseMethod):
     def drop_half(layer: LinearLayer, kernel: str) -> None:
         layer.cpu_half.pop(kernel, None)
 
-    def hold_int8dot(self, layer: LinearLayer) -> None:
-        """Make and keep the int8dot kernel's packed codes (``int8_dot.packed_bytes``)."""
-        raise ValueError(f"{type(self).__name__} has no 4-bit codes for int8dot")
+    def hold_int_dot(self, layer: LinearLayer, kernel: str) -> None:
+        """Make and keep an integer kernel's packed codes (``int8_dot.packed_bytes``)."""
+        raise ValueError(f"{type(self).__name__} has no 4-bit codes for {kernel}")
 
     @staticmethod
-    def drop_int8dot(layer: LinearLayer) -> None:
-        layer.cpu_int8dot = None
+    def drop_int_dot(layer: LinearLayer, kernel: str) -> None:
+        layer.cpu_int_dot.pop(kernel, None)
 
     def packed_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -211,7 +210,7 @@ class Int8Method(QuantizedMethod):
         return w8a16_matmul(x2, layer.qweight, layer.scale, batch_invariant=layer.batch_invariant)
 
     def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:
-        return tuple(k for k in KERNELS if k != INT8DOT)  # int8dot takes 4-bit codes
+        return tuple(k for k in KERNELS if k not in INT_DOT_LEVELS)  # they take 4-bit codes
 
     def packed_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         # Reads the int8 weight directly; only fast with bf16 activations.
@@ -335,10 +334,10 @@ class Int4Method(QuantizedMethod):
         # Dense chunks come from unpacking torch's layout, which only a verified block width allows.
         if layer.cpu_block_n is None:
             return (PACKED,)
-        int8dot = layer.in_features % int8_dot.BLOCK == 0 and layer.cpu_group_size % int8_dot.BLOCK == 0
-        return tuple(k for k in KERNELS if k != INT8DOT or (int8dot and int8_dot.hardware_ready()))
+        blocks = layer.in_features % int8_dot.BLOCK == 0 and layer.cpu_group_size % int8_dot.BLOCK == 0
+        return tuple(k for k in KERNELS if k not in INT_DOT_LEVELS or (blocks and int8_dot.hardware_ready()))
 
-    def hold_int8dot(self, layer: LinearLayer) -> None:
+    def hold_int_dot(self, layer: LinearLayer, kernel: str) -> None:
         # The codes and the packed op's own scales and zero terms, as the dense chunks read
         # them: code * scale + (zero - 8 * scale), in blocks of 32 along K.
         n, k, block_n = layer.out_features, layer.in_features, layer.cpu_block_n
@@ -347,7 +346,7 @@ class Int4Method(QuantizedMethod):
         repeat = layer.cpu_group_size // int8_dot.BLOCK
         scale = layer.cpu_scales_zeros[..., 0].float().t().repeat_interleave(repeat, dim=1)
         zero = layer.cpu_scales_zeros[..., 1].float().t().repeat_interleave(repeat, dim=1)
-        layer.cpu_int8dot = int8_dot.pack(codes, scale, zero - SYMMETRIC_ZERO * scale)
+        layer.cpu_int_dot[kernel] = int8_dot.pack(codes, scale, zero - SYMMETRIC_ZERO * scale)
 
     def chunk_bounds(self, layer: LinearLayer) -> list[tuple[int, int]]:
         assert layer.cpu_block_n is not None  # cpu_kernels offers dense chunks only then

@@ -109,7 +109,7 @@ class LinearLayer(nn.Module):
     cpu_dense: Callable[[int, int], torch.Tensor] | None
     cpu_dense_dtype: torch.dtype | None
     cpu_half: dict[str, HeldHalf]  # the packed chunks of the half kernels ("fp16", "bf16") held
-    cpu_int8dot: DotWeight | None  # the codes the int8dot kernel reads, if held
+    cpu_int_dot: dict[str, DotWeight]  # the packed codes the integer kernels ("int8x2dot", "int8dot") held
     token_rows: bool
 
     def __init__(
@@ -137,7 +137,7 @@ class LinearLayer(nn.Module):
         self.loaded: set[tuple[int, str]] = set()  # (shard, tensor name) seen while loading
         self.cpu_plan, self.cpu_dense, self.cpu_dense_dtype = None, None, None
         self.cpu_half = {}
-        self.cpu_int8dot = None
+        self.cpu_int_dot = {}
         # Whether the input holds the step's token rows in order (the decoder's projections),
         # so that a CPU plan may run prompt tokens' rows on a kernel of their own; not so
         # for the LM head (sampled rows) or routed experts (their tokens only).
