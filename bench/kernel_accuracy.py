@@ -26,6 +26,7 @@ from cadence.engine.quantization.cpu_kernels import KERNELS
 from common.from_tests import EVAL_TEXT
 from common.machine import machine_info, machine_line
 
+DEFAULT_KERNELS = ("dense", "fp16", "bf16dot", "int8x2dot", "int8dot", "packed")
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
@@ -51,7 +52,7 @@ def scored(llm: LLM, ids: Sequence[int]) -> tuple[float, list[int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernels", nargs="+", choices=KERNELS, default=["dense", "fp16", "bf16dot", "int8x2dot", "int8dot", "packed"])
+    ap.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(DEFAULT_KERNELS))
     ap.add_argument("--tokens", type=int, default=1024, help="tokens of the docs text")
     args = ap.parse_args()
     print(machine_line(machine_info()))
