@@ -87,7 +87,7 @@ DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left aft
 MIN_CORE_SHARE = 0.6  # below this share of the cores while measuring, the times are not saved
 # Part of the table's key: raise it when the kernels change what they cost, so older times
 # are measured again rather than trusted.
-KERNELS_VERSION = 6
+KERNELS_VERSION = 7
 # Each (kernel, M) cell is timed over the group's layers in turn until _CELL_SECONDS have
 # passed and _MIN_CALLS calls were made (two calls, once _CELL_CAP_SECONDS are spent), at
 # most two passes (or _MAX_CALLS_FLOOR calls). The fastest call counts: other work on the
