@@ -3,7 +3,7 @@
 ``x [M, K] @ W.T`` for a weight held as 4-bit codes ``q`` with, for every block of 32
 along K, a scale ``s`` and an offset ``o``: ``w = s * q + o`` (a GGUF Q4_1 block, or any
 group-wise int4 weight whose groups are whole blocks of 32). The activations are
-quantized per row and block of 32 in ``levels`` int8 steps:
+quantized per row and block of 32 in ``levels`` int8 steps (``int8_quantize.py``):
 
 * one level, as llama.cpp does for its 4-bit models: ``a ~ d1 * q1``, ``d1 = max|a| / 127``;
 * two levels: the first level's remainder quantized again, ``a ~ d1 * q1 + d2 * q2``,
@@ -12,13 +12,13 @@ quantized per row and block of 32 in ``levels`` int8 steps:
 
 Per output and block, in block order, ``acc += sum over levels (s * sum(q * q_l)) * d_l +
 o * total``, where ``total`` is the sum of the quantized activations (``sum d_l *
-sum(q_l)``). The integer sums are exact (``int8_dot_tile.py``) and the fp32 steps the same
-for every row at any M, on any thread: a row has the bits it would have alone, by
-construction. The offset term takes the quantized activations' sum, not the exact one:
-then both terms are the weight's values times one vector, whose error is ``w . (a -
-a_quantized)``; with the exact sum it would be ``s * q . (a - a_quantized)``, and ``s * q``
-is the weight before its offset centres it, several times larger (one level, measured:
-18.48 against 18.21 perplexity on the default model).
+sum(q_l)``). The integer sums are exact and the fp32 steps the same for every row at any
+M, on any thread: a row has the bits it would have alone, by construction. The offset
+term takes the quantized activations' sum, not the exact one: then both terms are the
+weight's values times one vector, whose error is ``w . (a - a_quantized)``; with the
+exact sum it would be ``s * q . (a - a_quantized)``, and ``s * q`` is the weight before
+its offset centres it, several times larger (one level, measured: 18.48 against 18.21
+perplexity on the default model).
 
 Why: where the CPU has no bf16 dot products (AVX2), the other kernels multiply in fp32
 FMAs; ``vpmaddubsw`` does four times the multiply-adds per instruction, and the codes
@@ -29,6 +29,15 @@ block of 32 along K, four 32-byte rows per vector whose low nibbles hold K offse
 ``8p .. 8p+3`` and high nibbles ``8p+4 .. 8p+7`` of its 8 columns (four bytes a column),
 and beside them the block's 16 scales and 16 offsets in fp32. numba runs the column
 blocks on its threads (``numba_runtime.py``), each over the rows ``TILE_ROWS`` at a time.
+
+The register tile (``_microkernel``, LLVM IR built through numba's ``intrinsic``) keeps a
+tile's 2 x rows fp32 accumulators (8 lanes each) in registers across K's blocks. Per K
+block, level and row, ``vpmaddubsw`` multiplies the unsigned codes by the signed int8
+values in pairs to int16 (four K offsets per output lane; the low nibbles, then the high),
+eight products summed in int16 (at most 8 x 2 x 15 x 127 = 30,480: no overflow), then
+``vpmaddwd`` by ones to int32; then per output, in this order, ``acc = fma(float(sum_l) *
+s, d_l, acc)`` for each level and ``acc = fma(o, total, acc)``. It lives in this file, not
+its own: numba's disk cache checks only the stamp of the file that defines the kernel.
 """
 
 from __future__ import annotations
@@ -39,12 +48,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from cadence.kernels.int8_dot_tile import BLOCK, BLOCK_BYTES, BLOCK_COLUMNS, STEPS, VECTORS, microkernel
+from cadence.kernels.int8_quantize import BLOCK, LEVELS, quantize, quantize_ready
 from cadence.kernels.numba_runtime import NumbaKernel
 
+BLOCK_COLUMNS = 16  # output columns per packed block: two 8-lane vectors
+VECTORS = BLOCK_COLUMNS // 8
+STEPS = 4  # 32-byte code rows per vector and K block: 8 K each, low nibbles then high
+BLOCK_BYTES = VECTORS * STEPS * 32  # code bytes of one column block's K block
+WORDS_PER_BLOCK = BLOCK // 4  # int32 words of one row's int8 activations per K block
 TILE_ROWS = 4  # rows of x per register tile
-QMAX = 127.0  # activations quantize to [-127, 127]: a pair sum stays within int16
-LEVELS = (1, 2)
 
 # CPU names numba may be told to compile for (NUMBA_CPU_NAME) that have AVX2: LLVM aborts
 # the process, uncatchably, on an intrinsic its target lacks.
@@ -92,20 +104,6 @@ def packed_bytes(out_features: int, in_features: int) -> int:
     return blocks * (in_features // BLOCK) * (BLOCK_BYTES + 2 * BLOCK_COLUMNS * 4)
 
 
-def quantize(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (fp32, K a multiple of 32) -> (``qa`` int8 ``[M, levels * K]``: each
-    row's levels one after another, ``[M, K / 32, levels + 1]`` fp32: per block, each
-    level's scale and the quantized activations' sum), as ``gemm`` computes them."""
-    m, k = x.shape
-    if levels not in LEVELS or k % BLOCK:
-        raise ValueError(f"levels is one of {LEVELS} and K a multiple of {BLOCK}: {levels}, {k}")
-    qa = torch.empty(m, levels * k, dtype=torch.int8)
-    fields = torch.empty(m, k // BLOCK, levels + 1, dtype=torch.float32)
-    if m:
-        _quantize(x.contiguous().numpy(), qa.numpy(), fields.numpy())
-    return qa, fields
-
-
 def gemm(x: torch.Tensor, weight: DotWeight, levels: int) -> torch.Tensor:
     """``x [M, K]`` (fp32), quantized in ``levels`` int8 steps, times the packed weight: ``[M, N]`` fp32."""
     m, k = x.shape
@@ -125,7 +123,7 @@ def hardware_ready() -> bool:
         _target_has_avx2()
     except (ImportError, RuntimeError):
         return False
-    return _kernel.function() is not None and _quantize.function() is not None
+    return _kernel.function() is not None and quantize_ready()
 
 
 def _target_has_avx2() -> None:
@@ -156,7 +154,7 @@ def _build(parallel: bool, cache: bool) -> Any:
     from numba import types as nt
 
     _target_has_avx2()
-    _tile4, _tile3, _tile2, _tile1 = (microkernel(rows) for rows in range(TILE_ROWS, 0, -1))
+    _tile4, _tile3, _tile2, _tile1 = (_microkernel(rows) for rows in range(TILE_ROWS, 0, -1))
     matrix = nt.float32[:, ::1]
     signature = nt.void(nt.int32[:, ::1], nt.float32[:, :, ::1], nt.uint8[:, ::1], matrix, matrix)
 
@@ -195,48 +193,155 @@ def _build(parallel: bool, cache: bool) -> Any:
     return dot_gemm
 
 
-def _build_quantize(parallel: bool, cache: bool) -> Any:
-    from numba import njit, prange
+# ---------------------------------------------------------------- the register tile
+
+
+def _microkernel(rows: int) -> Any:
+    """An intrinsic ``tile(qa, qa_at, qa_stride, fields, f_at, kb, levels, codes, scales,
+    block, out, out_at, out_stride)``: ``out[r, 0:16]`` for ``rows`` rows (element offsets
+    and row strides of each array, ``kb`` blocks of K, ``block`` the column block)."""
+    from llvmlite import ir
     from numba import types as nt
+    from numba.core import cgutils
+    from numba.extending import intrinsic
 
-    signature = nt.void(nt.float32[:, ::1], nt.int8[:, ::1], nt.float32[:, :, ::1])
-    zero, top = np.float32(0.0), np.float32(QMAX)
+    i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+    bytes32, shorts, words, lanes = (
+        ir.VectorType(i8, 32),
+        ir.VectorType(i16, 16),
+        ir.VectorType(i32, 8),
+        ir.VectorType(f32, 8),
+    )
 
-    @njit(signature, parallel=parallel, nogil=True, cache=cache)
-    def quantize_rows(x: Any, qa: Any, fields: Any) -> None:  # pragma: no cover - compiled by numba
-        k, levels = x.shape[1], fields.shape[2] - 1
-        for row in prange(x.shape[0]):
-            for b in range(fields.shape[1]):
-                start = b * BLOCK
-                total = zero
-                for level in range(levels):
-                    # What is left to quantize: the value, or the first level's remainder.
-                    peak = zero
-                    for j in range(start, start + BLOCK):
-                        left = x[row, j] if level == 0 else x[row, j] - fields[row, b, 0] * np.float32(qa[row, j])
-                        peak = max(peak, abs(left))
-                    inverse = top / peak if peak > zero else zero
-                    codes = 0
-                    for j in range(start, start + BLOCK):
-                        left = x[row, j] if level == 0 else x[row, j] - fields[row, b, 0] * np.float32(qa[row, j])
-                        code = np.int8(np.rint(left * inverse))
-                        qa[row, level * k + j] = code
-                        codes += np.int32(code)
-                    scale = peak / top
-                    fields[row, b, level] = scale
-                    total += scale * np.float32(codes)  # an exact integer sum, then fp32 in level order
-                fields[row, b, levels] = total
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        qa, qa_at, qa_stride, fields, f_at, kb, levels, codes, scales, block, out, out_at, out_stride = args
+        arrays = signature.args
 
-    for levels in LEVELS:
-        probe = np.arange(-16, 16, dtype=np.float32).reshape(1, 32) / np.float32(3.0)
-        qa = np.zeros((1, 32 * levels), np.int8)
-        fields = np.zeros((1, 1, levels + 1), np.float32)
-        quantize_rows(probe, qa, fields)
-        restored = sum(fields[0, 0, i] * qa[0, 32 * i : 32 * (i + 1)].astype(np.float32) for i in range(levels))
-        if qa[0, 0] != -127 or np.abs(restored - probe[0]).max() > 16 / 3 / 127**levels:
-            raise RuntimeError(f"the int8 activation quantizer computed a wrong value at {levels} levels")
-    return quantize_rows
+        def const(value: int) -> Any:
+            return ir.Constant(i64, value)
+
+        def data(index: int, array: Any) -> Any:
+            return context.make_array(arrays[index])(context, builder, array).data
+
+        def splat(value: Any, vector: Any, count: int) -> Any:
+            spread = builder.insert_element(ir.Constant(vector, None), value, ir.Constant(i32, 0))
+            mask = ir.Constant(ir.VectorType(i32, count), [0] * count)
+            return builder.shuffle_vector(spread, ir.Constant(vector, None), mask)
+
+        module = builder.module
+        maddubs = cgutils.get_or_insert_function(
+            module, ir.FunctionType(shorts, [bytes32, bytes32]), "llvm.x86.avx2.pmadd.ub.sw"
+        )
+        maddwd = cgutils.get_or_insert_function(
+            module, ir.FunctionType(words, [shorts, shorts]), "llvm.x86.avx2.pmadd.wd"
+        )
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(lanes, [lanes, lanes, lanes]), "llvm.fma.v8f32")
+        low_mask = ir.Constant(bytes32, [0x0F] * 32)
+        ones, four = ir.Constant(shorts, [1] * 16), ir.Constant(shorts, [4] * 16)
+        zero = ir.Constant(lanes, [0.0] * 8)
+
+        code_base = builder.gep(data(7, codes), [builder.mul(block, builder.mul(kb, const(BLOCK_BYTES)))])
+        scale_base = builder.gep(data(8, scales), [builder.mul(block, builder.mul(kb, const(2 * BLOCK_COLUMNS)))])
+        out_rows = [
+            builder.gep(data(10, out), [builder.add(out_at, builder.mul(out_stride, const(r)))]) for r in range(rows)
+        ]
+        qa_rows = [
+            builder.gep(data(0, qa), [builder.add(qa_at, builder.mul(qa_stride, const(r)))]) for r in range(rows)
+        ]
+        level_words = builder.mul(kb, const(WORDS_PER_BLOCK))  # one level's words in a row
+
+        def emit(count: int, end: Any) -> None:
+            """The loop over K blocks for ``count`` levels, then its stores; on to ``end``."""
+            width = count + 1  # fields per row and K block: each level's scale, then the total
+            field_rows = [
+                builder.gep(data(3, fields), [builder.mul(builder.add(f_at, builder.mul(kb, const(r))), const(width))])
+                for r in range(rows)
+            ]
+            loop, done = builder.append_basic_block(f"kblocks{count}"), builder.append_basic_block(f"store{count}")
+            entry = builder.block
+            builder.cbranch(builder.icmp_signed(">", kb, const(0)), loop, done)
+
+            builder.position_at_end(loop)
+            b = builder.phi(i64)
+            b.add_incoming(const(0), entry)
+            acc = [builder.phi(lanes) for _ in range(rows * VECTORS)]
+            for a in acc:
+                a.add_incoming(zero, entry)
+            sums: dict[tuple[int, int, int], Any] = {}  # (level, row, vector) -> int16 sums
+            code_block = builder.gep(code_base, [builder.mul(b, const(BLOCK_BYTES))])
+            block_word = builder.mul(b, const(WORDS_PER_BLOCK))
+            for step in range(STEPS):
+                nibbles = []
+                for v in range(VECTORS):
+                    at = builder.gep(code_block, [const((v * STEPS + step) * 32)])
+                    raw = builder.load(builder.bitcast(at, bytes32.as_pointer()), align=1)
+                    shifted = builder.bitcast(builder.lshr(builder.bitcast(raw, shorts), four), bytes32)
+                    nibbles.append((builder.and_(raw, low_mask), builder.and_(shifted, low_mask)))
+                for r in range(rows):
+                    for level in range(count):
+                        word = builder.add(builder.mul(level_words, const(level)), block_word)
+                        for half in range(2):
+                            at = builder.add(word, const(2 * step + half))
+                            four_bytes = builder.load(builder.gep(qa_rows[r], [at]), align=4)
+                            spread = builder.bitcast(splat(four_bytes, words, 8), bytes32)
+                            for v in range(VECTORS):
+                                product = builder.call(maddubs, [nibbles[v][half], spread])
+                                key = (level, r, v)
+                                sums[key] = builder.add(sums[key], product) if key in sums else product
+            field_block = builder.gep(scale_base, [builder.mul(b, const(2 * BLOCK_COLUMNS))])
+            weight = [
+                builder.load(builder.bitcast(builder.gep(field_block, [const(at)]), lanes.as_pointer()), align=4)
+                for at in range(0, 2 * BLOCK_COLUMNS, 8)
+            ]
+            w_scale, w_offset = weight[:VECTORS], weight[VECTORS:]
+            summed = []
+            for r in range(rows):
+                row_fields = builder.gep(field_rows[r], [builder.mul(b, const(width))])
+                row = [
+                    splat(builder.load(builder.gep(row_fields, [const(f)]), align=4), lanes, 8) for f in range(width)
+                ]
+                for v in range(VECTORS):
+                    value = acc[r * VECTORS + v]
+                    for level in range(count):
+                        exact = builder.sitofp(builder.call(maddwd, [sums[(level, r, v)], ones]), lanes)
+                        value = builder.call(fma, [builder.fmul(exact, w_scale[v]), row[level], value])
+                    summed.append(builder.call(fma, [w_offset[v], row[count], value]))
+            following = builder.add(b, const(1))
+            tail = builder.block
+            b.add_incoming(following, tail)
+            for a, s in zip(acc, summed):
+                a.add_incoming(s, tail)
+            builder.cbranch(builder.icmp_signed("<", following, kb), loop, done)
+
+            builder.position_at_end(done)
+            results = []
+            for s in summed:  # PHIs first in the block, then the stores
+                result = builder.phi(lanes)
+                result.add_incoming(zero, entry)
+                result.add_incoming(s, tail)
+                results.append(result)
+            for r in range(rows):
+                for v in range(VECTORS):
+                    target = builder.bitcast(builder.gep(out_rows[r], [const(8 * v)]), lanes.as_pointer())
+                    builder.store(results[r * VECTORS + v], target, align=4)
+            builder.branch(end)
+
+        one, two = builder.append_basic_block("one_level"), builder.append_basic_block("two_levels")
+        end = builder.append_basic_block("end")
+        builder.cbranch(builder.icmp_signed("==", levels, const(1)), one, two)
+        builder.position_at_end(one)
+        emit(1, end)
+        builder.position_at_end(two)
+        emit(2, end)
+        builder.position_at_end(end)
+        return context.get_dummy_value()
+
+    # intrinsic reads the typer's parameter names: spell them out.
+    def tile(typingctx, qa, qa_at, qa_stride, fields, f_at, kb, levels, codes, scales, block, out, out_at, out_stride):
+        args = (qa, qa_at, qa_stride, fields, f_at, kb, levels, codes, scales, block, out, out_at, out_stride)
+        return nt.void(*args), codegen
+
+    return intrinsic(tile)
 
 
 _kernel = NumbaKernel("int8 dot", _build)
-_quantize = NumbaKernel("int8 activation quantizer", _build_quantize)
