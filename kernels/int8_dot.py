@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cadence.kernels.int8_quantize import BLOCK, LEVELS, quantize, quantize_ready
+from cadence.kernels.int8_quantize import BLOCK, quantize, quantize_ready
 from cadence.kernels.numba_runtime import NumbaKernel
 
 BLOCK_COLUMNS = 16  # output columns per packed block: two 8-lane vectors

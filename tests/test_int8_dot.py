@@ -16,7 +16,7 @@ from cadence.engine.quantization import cpu_planner
 from cadence.engine.quantization.cpu_kernels import INT8DOT, INT8X2DOT, KernelPlan
 from cadence.engine.quantization.linear import Int4Linear, Int4Method
 from cadence.engine.quantization.method import LinearLayer
-from cadence.kernels import int8_dot
+from cadence.kernels import int8_dot, int8_quantize
 from helpers import load_llama, run_python
 
 FLAGS = Path("/proc/cpuinfo").read_text().split() if platform.system() == "Linux" else []
@@ -60,13 +60,13 @@ def _reference_quantize(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, tor
 
 
 @needs_int8dot
-@pytest.mark.parametrize("levels", int8_dot.LEVELS)
+@pytest.mark.parametrize("levels", int8_quantize.LEVELS)
 def test_activations_quantize_as_the_reference_does(levels: int) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(9, 4 * BLOCK, generator=gen) * torch.logspace(-3, 2, 9).unsqueeze(1)
     x[2, :BLOCK] = 0  # an all-zero block: scale 0, codes 0
     x[3, 5] = 1e4  # an outlier squeezes its block's other codes
-    qa, fields = int8_dot.quantize(x, levels)
+    qa, fields = int8_quantize.quantize(x, levels)
     expected_qa, expected_fields = _reference_quantize(x, levels)
     assert torch.equal(qa, expected_qa)
     assert torch.equal(fields, expected_fields)
@@ -84,7 +84,7 @@ def _exact(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, levels: int
 ) -> torch.Tensor:
     """The kernel's formula in float64 from the same quantized activations."""
-    qa, fields = int8_dot.quantize(x, levels)
+    qa, fields = int8_quantize.quantize(x, levels)
     m, k = x.shape
     kb = k // BLOCK
     out = offsets.double() * fields[..., levels].double().unsqueeze(1)
@@ -96,7 +96,7 @@ def _exact(
 
 
 @needs_int8dot
-@pytest.mark.parametrize("levels", int8_dot.LEVELS)
+@pytest.mark.parametrize("levels", int8_quantize.LEVELS)
 @pytest.mark.parametrize(("n", "k", "m"), [(16, 32, 1), (40, 64, 5), (200, 96, 37), (960, 576, 7)])
 def test_the_product_is_the_exact_block_sums_scaled_in_fp32(n: int, k: int, m: int, levels: int) -> None:
     codes, scales, offsets = _weight(n, k, seed=n + k)
@@ -133,7 +133,7 @@ def test_packing_checks_its_input_and_pads_columns() -> None:
 
 
 @needs_int8dot
-@pytest.mark.parametrize("levels", int8_dot.LEVELS)
+@pytest.mark.parametrize("levels", int8_quantize.LEVELS)
 def test_a_row_has_its_bits_alone_at_any_batch(levels: int) -> None:
     codes, scales, offsets = _weight(200, 96, seed=4)
     weight = int8_dot.pack(codes, scales, offsets)
