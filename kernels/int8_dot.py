@@ -251,80 +251,68 @@ def _microkernel(rows: int) -> Any:
         level_words = builder.mul(kb, const(WORDS_PER_BLOCK))  # one level's words in a row
 
         def emit(count: int, end: Any) -> None:
-            """The loop over K blocks for ``count`` levels, then its stores; on to ``end``."""
+            """The loop over K blocks for ``count`` levels; on to ``end``. The fp32
+            accumulators live in the output rows, read and written once per K block, so
+            that the registers (16 with AVX2) hold a block's integer sums, codes and
+            activations without spilling."""
             width = count + 1  # fields per row and K block: each level's scale, then the total
             field_rows = [
                 builder.gep(data(3, fields), [builder.mul(builder.add(f_at, builder.mul(kb, const(r))), const(width))])
                 for r in range(rows)
             ]
-            loop, done = builder.append_basic_block(f"kblocks{count}"), builder.append_basic_block(f"store{count}")
+            targets = [
+                builder.bitcast(builder.gep(out_rows[r], [const(8 * v)]), lanes.as_pointer())
+                for r in range(rows)
+                for v in range(VECTORS)
+            ]
+            for target in targets:
+                builder.store(zero, target, align=4)
+            loop = builder.append_basic_block(f"kblocks{count}")
             entry = builder.block
-            builder.cbranch(builder.icmp_signed(">", kb, const(0)), loop, done)
+            builder.cbranch(builder.icmp_signed(">", kb, const(0)), loop, end)
 
             builder.position_at_end(loop)
             b = builder.phi(i64)
             b.add_incoming(const(0), entry)
-            acc = [builder.phi(lanes) for _ in range(rows * VECTORS)]
-            for a in acc:
-                a.add_incoming(zero, entry)
-            sums: dict[tuple[int, int, int], Any] = {}  # (level, row, vector) -> int16 sums
             code_block = builder.gep(code_base, [builder.mul(b, const(BLOCK_BYTES))])
             block_word = builder.mul(b, const(WORDS_PER_BLOCK))
-            for step in range(STEPS):
-                nibbles = []
-                for v in range(VECTORS):
-                    at = builder.gep(code_block, [const((v * STEPS + step) * 32)])
-                    raw = builder.load(builder.bitcast(at, bytes32.as_pointer()), align=1)
-                    shifted = builder.bitcast(builder.lshr(builder.bitcast(raw, shorts), four), bytes32)
-                    nibbles.append((builder.and_(raw, low_mask), builder.and_(shifted, low_mask)))
-                for r in range(rows):
-                    for level in range(count):
-                        word = builder.add(builder.mul(level_words, const(level)), block_word)
-                        for half in range(2):
-                            at = builder.add(word, const(2 * step + half))
-                            four_bytes = builder.load(builder.gep(qa_rows[r], [at]), align=4)
-                            spread = builder.bitcast(splat(four_bytes, words, 8), bytes32)
-                            for v in range(VECTORS):
-                                product = builder.call(maddubs, [nibbles[v][half], spread])
-                                key = (level, r, v)
-                                sums[key] = builder.add(sums[key], product) if key in sums else product
+            row_fields = [builder.gep(field_rows[r], [builder.mul(b, const(width))]) for r in range(rows)]
+            products = []  # per level: (row, vector) -> the level's exact block sums, int32
+            for level in range(count):
+                word = builder.add(builder.mul(level_words, const(level)), block_word)
+                sums: dict[tuple[int, int], Any] = {}  # (row, vector) -> int16 sums
+                for step in range(STEPS):
+                    for v in range(VECTORS):
+                        at = builder.gep(code_block, [const((v * STEPS + step) * 32)])
+                        raw = builder.load(builder.bitcast(at, bytes32.as_pointer()), align=1)
+                        shifted = builder.bitcast(builder.lshr(builder.bitcast(raw, shorts), four), bytes32)
+                        nibbles = (builder.and_(raw, low_mask), builder.and_(shifted, low_mask))
+                        for r in range(rows):
+                            for half in range(2):
+                                at = builder.add(word, const(2 * step + half))
+                                four_bytes = builder.load(builder.gep(qa_rows[r], [at]), align=4)
+                                spread = builder.bitcast(splat(four_bytes, words, 8), bytes32)
+                                product = builder.call(maddubs, [nibbles[half], spread])
+                                sums[(r, v)] = builder.add(sums[(r, v)], product) if (r, v) in sums else product
+                products.append({key: builder.call(maddwd, [total, ones]) for key, total in sums.items()})
             field_block = builder.gep(scale_base, [builder.mul(b, const(2 * BLOCK_COLUMNS))])
             weight = [
                 builder.load(builder.bitcast(builder.gep(field_block, [const(at)]), lanes.as_pointer()), align=4)
                 for at in range(0, 2 * BLOCK_COLUMNS, 8)
             ]
             w_scale, w_offset = weight[:VECTORS], weight[VECTORS:]
-            summed = []
             for r in range(rows):
-                row_fields = builder.gep(field_rows[r], [builder.mul(b, const(width))])
-                row = [
-                    splat(builder.load(builder.gep(row_fields, [const(f)]), align=4), lanes, 8) for f in range(width)
-                ]
+                row = [splat(builder.load(builder.gep(row_fields[r], [const(f)]), align=4), lanes, 8) for f in range(width)]
                 for v in range(VECTORS):
-                    value = acc[r * VECTORS + v]
+                    target = targets[r * VECTORS + v]
+                    value = builder.load(target, align=4)
                     for level in range(count):
-                        exact = builder.sitofp(builder.call(maddwd, [sums[(level, r, v)], ones]), lanes)
+                        exact = builder.sitofp(products[level][(r, v)], lanes)
                         value = builder.call(fma, [builder.fmul(exact, w_scale[v]), row[level], value])
-                    summed.append(builder.call(fma, [w_offset[v], row[count], value]))
+                    builder.store(builder.call(fma, [w_offset[v], row[count], value]), target, align=4)
             following = builder.add(b, const(1))
-            tail = builder.block
-            b.add_incoming(following, tail)
-            for a, s in zip(acc, summed):
-                a.add_incoming(s, tail)
-            builder.cbranch(builder.icmp_signed("<", following, kb), loop, done)
-
-            builder.position_at_end(done)
-            results = []
-            for s in summed:  # PHIs first in the block, then the stores
-                result = builder.phi(lanes)
-                result.add_incoming(zero, entry)
-                result.add_incoming(s, tail)
-                results.append(result)
-            for r in range(rows):
-                for v in range(VECTORS):
-                    target = builder.bitcast(builder.gep(out_rows[r], [const(8 * v)]), lanes.as_pointer())
-                    builder.store(results[r * VECTORS + v], target, align=4)
-            builder.branch(end)
+            b.add_incoming(following, builder.block)
+            builder.cbranch(builder.icmp_signed("<", following, kb), loop, end)
 
         one, two = builder.append_basic_block("one_level"), builder.append_basic_block("two_levels")
         end = builder.append_basic_block("end")
