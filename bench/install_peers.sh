@@ -3,13 +3,19 @@
 #   DIR/vllm-venv/                       vLLM CPU in its own venv
 #   DIR/llamacpp/llama.cpp               llama.cpp's source, as llama-cpp-python vendors it
 #   DIR/llamacpp/build/bin/llama-server  built for this machine's CPU (GGML_NATIVE)
+#   DIR/llamacpp/build-avx2/bin/...      with --avx2: built for AVX2 only (vs_peers.py --avx2-only)
 #   DIR/llamacpp/venv/                   what llama.cpp's convert_hf_to_gguf.py needs
 # vs_peers.py converts the model to llama.cpp's f16 GGUF itself on its first run.
 # Idempotent: a step whose stamp file is there is skipped. Everything runs under nice -n 19.
 #
-#     bash bench/install_peers.sh [DIR]
+#     bash bench/install_peers.sh [--avx2] [DIR]
 set -euo pipefail
 
+avx2=0
+if [ "${1:-}" = "--avx2" ]; then
+    avx2=1
+    shift
+fi
 dir=$(realpath -m "${1:-/work/peers}")
 python=${PYTHON:-python3}
 llama_version=0.3.36
@@ -42,6 +48,14 @@ if [ ! -x "$dir/llamacpp/build/bin/llama-server" ]; then
     $low cmake -S "$src" -B "$dir/llamacpp/build" -DCMAKE_BUILD_TYPE=Release \
         -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DGGML_NATIVE=ON
     $low cmake --build "$dir/llamacpp/build" --target llama-server -j "$(nproc)"
+fi
+
+if [ "$avx2" = 1 ] && [ ! -x "$dir/llamacpp/build-avx2/bin/llama-server" ]; then
+    step "llama-server build, AVX2 only"
+    $low cmake -S "$src" -B "$dir/llamacpp/build-avx2" -DCMAKE_BUILD_TYPE=Release \
+        -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DGGML_NATIVE=OFF \
+        -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF
+    $low cmake --build "$dir/llamacpp/build-avx2" --target llama-server -j "$(nproc)"
 fi
 
 if [ ! -f "$dir/llamacpp/venv/.installed" ]; then

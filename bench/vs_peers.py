@@ -12,7 +12,13 @@ engines cache prefixes, and a repeated set would measure the cache.
 
     python bench/vs_peers.py                                  # every engine found
     python bench/vs_peers.py --engines cadence vllm --concurrency 16
+    python bench/vs_peers.py --avx2-only                      # as if the CPU had AVX2 and no AVX-512
     bash bench/install_peers.sh /work/peers                   # installs the peers first
+
+``--avx2-only`` stands in for a CPU without AVX-512 on one that has it: Cadence and vLLM
+run with torch, oneDNN, fbgemm and numba capped to AVX2 (``AVX2_ONLY_ENV``), and
+llama.cpp is the build install_peers.sh makes with AVX2 only (``build-avx2``). Clocks,
+caches and memory stay this machine's, so it approximates such a CPU, not measures one.
 
 Run it with the PYTHONPATH that makes `import cadence` the checkout to measure: the Cadence
 servers are started with this interpreter and environment.
@@ -47,6 +53,16 @@ LABELS = {
     "cadence-dense": "Cadence --quantization none (fp32)",
 }
 VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
+# What caps each library's kernels to AVX2: torch's own, oneDNN's, fbgemm's, and what numba
+# (so LLVM) compiles for; the CPU name alone would leave LLVM the host's AVX-512 features.
+AVX2_FEATURES = "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+lzcnt,+mmx,+movbe,+pclmul,+popcnt"
+AVX2_ONLY_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+    "NUMBA_CPU_NAME": "haswell",
+    "NUMBA_CPU_FEATURES": AVX2_FEATURES + ",+rdrnd,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt",
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,9 +82,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--cadence-args", default="", help="more `cadence serve` options for both Cadence engines, as one string"
     )
+    ap.add_argument("--avx2-only", action="store_true", help="every engine capped to AVX2 (see above)")
     args = ap.parse_args(argv)
     llama = os.path.join(args.peers_dir, "llamacpp")
-    args.llama_server = args.llama_server or os.path.join(llama, "build", "bin", "llama-server")
+    build = "build-avx2" if args.avx2_only else "build"
+    args.llama_server = args.llama_server or os.path.join(llama, build, "bin", "llama-server")
     args.llama_python = args.llama_python or os.path.join(llama, "venv", "bin", "python")
     args.llama_converter = os.path.join(llama, "llama.cpp", "convert_hf_to_gguf.py")
     args.vllm_python = args.vllm_python or os.path.join(args.peers_dir, "vllm-venv", "bin", "python")
@@ -98,14 +116,16 @@ def engine_spec(name: str, args: argparse.Namespace, hf_folder: str) -> EngineSp
         serve = [sys.executable, "-m", "cadence.server.cli", "serve", "--host", "127.0.0.1", "--port", "{port}"]
         serve += shlex.split(args.cadence_args)
         label = f"{LABELS[name]} {args.cadence_args}".rstrip()
-        return EngineSpec(label, serve + (["--quantization", "none"] if name == "cadence-dense" else []))
+        env = AVX2_ONLY_ENV if args.avx2_only else {}
+        return EngineSpec(label, serve + (["--quantization", "none"] if name == "cadence-dense" else []), env=env)
     if name == "vllm":
         if not os.path.isfile(args.vllm_python):
             raise FileNotFoundError(f"{args.vllm_python} is missing (run bench/install_peers.sh)")
         api = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_folder]
         command = api + ["--dtype", "float32", "--host", "127.0.0.1", "--port", "{port}"]
         # Its own venv: this checkout's PYTHONPATH must not reach it.
-        return EngineSpec(LABELS[name], command, env=VLLM_ENV, drop_env=("PYTHONPATH",))
+        env = {**VLLM_ENV, **(AVX2_ONLY_ENV if args.avx2_only else {})}
+        return EngineSpec(LABELS[name], command, env=env, drop_env=("PYTHONPATH",))
     if not os.path.isfile(args.llama_server):
         raise FileNotFoundError(f"{args.llama_server} is missing (run bench/install_peers.sh)")
     gguf = default_model_gguf() if name == "llama.cpp-q4_1" else f16_gguf(args, hf_folder)
@@ -233,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in ENGINES if n in args.engines]
     print(f"# Cadence vs llama.cpp and vLLM CPU ({time.strftime('%Y-%m-%d %H:%M')})")
     print(machine_line(machine_info()))
+    if args.avx2_only:
+        print(
+            f"capped to AVX2: {' '.join(f'{k}={v}' for k, v in AVX2_ONLY_ENV.items())}; llama.cpp {args.llama_server}"
+        )
     print(f"versions: {peer_versions(args, names)}")
     print(f"model: {hf_folder} (from {default_model_gguf()})")
     print(

@@ -302,7 +302,9 @@ def _microkernel(rows: int) -> Any:
             ]
             w_scale, w_offset = weight[:VECTORS], weight[VECTORS:]
             for r in range(rows):
-                row = [splat(builder.load(builder.gep(row_fields[r], [const(f)]), align=4), lanes, 8) for f in range(width)]
+                row = [
+                    splat(builder.load(builder.gep(row_fields[r], [const(f)]), align=4), lanes, 8) for f in range(width)
+                ]
                 for v in range(VECTORS):
                     target = targets[r * VECTORS + v]
                     value = builder.load(target, align=4)
