@@ -12,11 +12,11 @@
 set -euo pipefail
 
 avx2=0
-if [ "${1:-}" = "--avx2" ]; then
-    avx2=1
-    shift
-fi
-dir=$(realpath -m "${1:-/work/peers}")
+args=()
+for arg in "$@"; do
+    if [ "$arg" = "--avx2" ]; then avx2=1; else args+=("$arg"); fi
+done
+dir=$(realpath -m "${args[0]:-/work/peers}")
 python=${PYTHON:-python3}
 llama_version=0.3.36
 low="nice -n 19"

@@ -16,9 +16,10 @@ engines cache prefixes, and a repeated set would measure the cache.
     bash bench/install_peers.sh /work/peers                   # installs the peers first
 
 ``--avx2-only`` stands in for a CPU without AVX-512 on one that has it: Cadence and vLLM
-run with torch, oneDNN, fbgemm and numba capped to AVX2 (``AVX2_ONLY_ENV``), and
-llama.cpp is the build install_peers.sh makes with AVX2 only (``build-avx2``). Clocks,
-caches and memory stay this machine's, so it approximates such a CPU, not measures one.
+run with torch, MKL, oneDNN, fbgemm and numba capped to AVX2 (``AVX2_ONLY_ENV``), and
+llama.cpp is the build install_peers.sh makes with AVX2 only (``build-avx2``). vLLM's own
+compiled CPU kernels pick their instructions themselves, so vLLM is only partly capped.
+Clocks, caches and memory stay this machine's: it approximates such a CPU, not measures one.
 
 Run it with the PYTHONPATH that makes `import cadence` the checkout to measure: the Cadence
 servers are started with this interpreter and environment.
@@ -58,6 +59,7 @@ VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4", 
 AVX2_FEATURES = "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+lzcnt,+mmx,+movbe,+pclmul,+popcnt"
 AVX2_ONLY_ENV = {
     "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
     "NUMBA_CPU_NAME": "haswell",
@@ -127,7 +129,9 @@ def engine_spec(name: str, args: argparse.Namespace, hf_folder: str) -> EngineSp
         env = {**VLLM_ENV, **(AVX2_ONLY_ENV if args.avx2_only else {})}
         return EngineSpec(LABELS[name], command, env=env, drop_env=("PYTHONPATH",))
     if not os.path.isfile(args.llama_server):
-        raise FileNotFoundError(f"{args.llama_server} is missing (run bench/install_peers.sh)")
+        raise FileNotFoundError(
+            f"{args.llama_server} is missing (run bench/install_peers.sh, with --avx2 for --avx2-only)"
+        )
     gguf = default_model_gguf() if name == "llama.cpp-q4_1" else f16_gguf(args, hf_folder)
     # The setting (-np 64 -c 16384: 256 tokens a slot), grown only when the flags ask for more.
     slots = max(64, *args.concurrency)

@@ -8,7 +8,7 @@ quantized per row and block of 32 in ``levels`` int8 steps (``int8_quantize.py``
 * one level, as llama.cpp does for its 4-bit models: ``a ~ d1 * q1``, ``d1 = max|a| / 127``;
 * two levels: the first level's remainder quantized again, ``a ~ d1 * q1 + d2 * q2``,
   ``d2 = max|a - d1 * q1| / 127``: an error under 1/64,000 of the block's largest value,
-  finer than bf16's rounding of every value, for twice the integer work.
+  a dot product finer than with bf16's rounding of every value, for twice the integer work.
 
 Per output and block, in block order, ``acc += sum over levels (s * sum(q * q_l)) * d_l +
 o * total``, where ``total`` is the sum of the quantized activations (``sum d_l *
@@ -17,12 +17,12 @@ M, on any thread: a row has the bits it would have alone, by construction. The o
 term takes the quantized activations' sum, not the exact one: then both terms are the
 weight's values times one vector, whose error is ``w . (a - a_quantized)``; with the
 exact sum it would be ``s * q . (a - a_quantized)``, and ``s * q`` is the weight before
-its offset centres it, several times larger (one level, measured: 18.48 against 18.21
-perplexity on the default model).
+its offset centres it, several times larger (bench/RESULTS.md has the perplexities).
 
 Why: where the CPU has no bf16 dot products (AVX2), the other kernels multiply in fp32
 FMAs; ``vpmaddubsw`` does four times the multiply-adds per instruction, and the codes
-stay 4-bit (half a byte per weight to read, where fp16 copies take two).
+stay 4-bit (with a scale and offset per 32, three quarters of a byte per weight to read,
+where fp16 copies take two).
 
 The weight is packed once in blocks of 16 output columns, two 8-lane vectors: for each
 block of 32 along K, four 32-byte rows per vector whose low nibbles hold K offsets
@@ -42,14 +42,22 @@ its own: numba's disk cache checks only the stamp of the file that defines the k
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from cadence.kernels.int8_quantize import BLOCK, quantize, quantize_ready
+from cadence.kernels import int8_quantize
+from cadence.kernels.int8_quantize import quantize, quantize_ready
 from cadence.kernels.numba_runtime import NumbaKernel
+
+# K per block, spelled out here: the register tile below is compiled with it, and numba's
+# disk cache checks only this file's stamp.
+BLOCK = 32
+if int8_quantize.BLOCK != BLOCK:
+    raise ImportError(f"the quantizer's blocks of {int8_quantize.BLOCK} are not the GEMM's {BLOCK}")
 
 BLOCK_COLUMNS = 16  # output columns per packed block: two 8-lane vectors
 VECTORS = BLOCK_COLUMNS // 8
@@ -61,8 +69,9 @@ TILE_ROWS = 4  # rows of x per register tile
 # CPU names numba may be told to compile for (NUMBA_CPU_NAME) that have AVX2: LLVM aborts
 # the process, uncatchably, on an intrinsic its target lacks.
 _AVX2_CPU_NAMES = frozenset(
-    "haswell broadwell skylake skylake-avx512 cascadelake cooperlake icelake-client icelake-server "
-    "tigerlake alderlake sapphirerapids znver1 znver2 znver3 znver4 znver5 x86-64-v3 x86-64-v4".split()
+    "haswell core-avx2 broadwell skylake skylake-avx512 skx cascadelake cooperlake cannonlake icelake-client "
+    "icelake-server rocketlake tigerlake alderlake raptorlake meteorlake sapphirerapids emeraldrapids "
+    "graniterapids znver1 znver2 znver3 znver4 znver5 x86-64-v3 x86-64-v4".split()
 )
 
 
@@ -119,25 +128,35 @@ def gemm(x: torch.Tensor, weight: DotWeight, levels: int) -> torch.Tensor:
 
 def hardware_ready() -> bool:
     """Whether the CPU has AVX2, numba compiles for it, and the kernel builds."""
-    try:
-        _target_has_avx2()
-    except (ImportError, RuntimeError):
-        return False
-    return _kernel.function() is not None and quantize_ready()
+    return _avx2_target_refusal() is None and _kernel.function() is not None and quantize_ready()
 
 
 def _target_has_avx2() -> None:
     """RuntimeError unless the host has AVX2 and numba compiles for a CPU with AVX2."""
-    from llvmlite import binding  # type: ignore[import-untyped]
-    from numba.core import config
+    refusal = _avx2_target_refusal()
+    if refusal is not None:
+        raise RuntimeError(refusal)
 
+
+@functools.cache
+def _avx2_target_refusal() -> str | None:
+    """Why the kernel must not be compiled here (None: it may). Asked once: the host's
+    features come from CPUID, slow on some virtual machines."""
+    try:
+        from llvmlite import binding  # type: ignore[import-untyped]
+        from numba.core import config
+    except ImportError as exc:
+        return f"numba is missing: {exc}"
     name, features = config.CPU_NAME, config.CPU_FEATURES  # type: ignore[attr-defined]
     if name not in (None, "host") and name not in _AVX2_CPU_NAMES:
-        raise RuntimeError(f"numba is told to compile for {name!r}, not known to have AVX2")
-    if features is not None and ("+avx2" not in features or "-avx2" in features):
-        raise RuntimeError("numba is told to compile without AVX2 (NUMBA_CPU_FEATURES)")
+        return f"numba is told to compile for {name!r}, not known to have AVX2"
+    if features is not None:
+        flags = set(features.split(","))
+        if "+avx2" not in flags or flags & {"-avx2", "-avx", "-fma"}:
+            return "numba is told to compile without AVX2 (NUMBA_CPU_FEATURES)"
     if not config.ENABLE_AVX or not binding.get_host_cpu_features().get("avx2", False):  # type: ignore[attr-defined]
-        raise RuntimeError("the host CPU does not report AVX2 (or numba's AVX is off)")
+        return "the host CPU does not report AVX2 (or numba's AVX is off)"
+    return None
 
 
 # The register tiles of TILE_ROWS .. 1 rows (intrinsics), set by ``_build``. Module globals,
@@ -252,9 +271,8 @@ def _microkernel(rows: int) -> Any:
 
         def emit(count: int, end: Any) -> None:
             """The loop over K blocks for ``count`` levels; on to ``end``. The fp32
-            accumulators live in the output rows, read and written once per K block, so
-            that the registers (16 with AVX2) hold a block's integer sums, codes and
-            activations without spilling."""
+            accumulators live in the output rows, read and written once per K block, and
+            the registers (16 with AVX2) hold a block's integer sums, codes and activations."""
             width = count + 1  # fields per row and K block: each level's scale, then the total
             field_rows = [
                 builder.gep(data(3, fields), [builder.mul(builder.add(f_at, builder.mul(kb, const(r))), const(width))])

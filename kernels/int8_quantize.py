@@ -4,7 +4,9 @@ Level 1 quantizes the values, ``d1 = max|a| / 127`` and ``q1 = round(a * 127 / m
 (half to even); level 2, where asked, the remainder ``a - d1 * q1`` the same way. Beside
 the codes, per block: each level's scale and the quantized values' sum, ``sum over levels
 d_l * sum(q_l)``, each integer sum exact and the levels added in order. A row's result
-depends on that row alone.
+depends on that row alone. A block holding NaN or inf gets the scale NaN (zero codes), so
+that its outputs are NaN as a float GEMM's would be; one whose values all lie under about
+4e-37 quantizes to zeros.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ def _build_quantize(parallel: bool, cache: bool) -> Any:
     from numba import types as nt
 
     signature = nt.void(nt.float32[:, ::1], nt.int8[:, ::1], nt.float32[:, :, ::1])
-    zero, top = np.float32(0.0), np.float32(QMAX)
+    zero, top, nan = np.float32(0.0), np.float32(QMAX), np.float32(np.nan)
+    # Below this a block's 127 / peak overflows fp32: such a block (all values under 4e-37)
+    # quantizes to zeros.
+    tiny = np.float32(QMAX / np.finfo(np.float32).max)
 
     @njit(signature, parallel=parallel, nogil=True, cache=cache)
     def quantize_rows(x: Any, qa: Any, fields: Any) -> None:  # pragma: no cover - compiled by numba
@@ -55,18 +60,21 @@ def _build_quantize(parallel: bool, cache: bool) -> Any:
                 total = zero
                 for level in range(levels):
                     # What is left to quantize: the value, or the first level's remainder.
-                    peak = zero
+                    peak, finite = zero, True
                     for j in range(start, start + BLOCK):
                         left = x[row, j] if level == 0 else x[row, j] - fields[row, b, 0] * np.float32(qa[row, j])
                         peak = max(peak, abs(left))
-                    inverse = top / peak if peak > zero else zero
+                        finite = finite and np.isfinite(left)
+                    if not finite:  # NaN or inf in the block: its outputs are NaN, as a float GEMM's would be
+                        peak = nan
+                    inverse = top / peak if peak > tiny else zero
                     codes = 0
                     for j in range(start, start + BLOCK):
                         left = x[row, j] if level == 0 else x[row, j] - fields[row, b, 0] * np.float32(qa[row, j])
                         code = np.int8(np.rint(left * inverse))
                         qa[row, level * k + j] = code
                         codes += np.int32(code)
-                    scale = peak / top
+                    scale = zero if peak <= tiny else peak / top  # NaN stays NaN
                     fields[row, b, level] = scale
                     total += scale * np.float32(codes)  # an exact integer sum, then fp32 in level order
                 fields[row, b, levels] = total

@@ -123,10 +123,11 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
     )
     flag(
         "--cpu-kernels",
-        metavar="auto|throughput|fastest|packed|dequant|dense|fp16|bf16|bf16dot|TABLE.json",
+        metavar="auto|throughput|fastest|packed|dequant|dense|fp16|bf16|bf16dot|int8x2dot|int8dot|TABLE.json",
         help="CPU: how quantized layers pick kernels. auto (default) times them on this machine and keeps "
         "greedy output batch invariant; throughput ranks them on batched steps only (still invariant); "
-        "fastest picks per batch size; packed/dequant/dense/fp16/bf16/bf16dot fix one; "
+        "fastest picks per batch size; packed/dequant/dense/fp16/bf16/bf16dot/int8x2dot/int8dot fix one "
+        "(int8x2dot and int8dot, integer kernels for int4 weights, only so); "
         "a .json path keeps the measured table there",
     )
 

@@ -22,6 +22,7 @@ from cadence import LLM
 from cadence.engine.attention import cpu_paged_decode, invariant_sdpa
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.quantization import cpu_planner
+from cadence.engine.quantization.cpu_kernels import KERNELS
 from cadence.engine.quantization.cpu_planner import splits_prompt_rows
 from cadence.kernels import batch_invariant, int8_dot
 from cadence.kernels.half_linear import FORMATS, available
@@ -167,6 +168,9 @@ def test_greedy_request_is_the_same_in_any_batch(
 
     if cpu_kernels == "split":  # the plan asked for, or the runs would show nothing
         assert make().engine.runner.splits_prompt_rows
+    elif cpu_kernels in KERNELS:  # the kernel asked for runs, not a fallback
+        plans = [getattr(m, "cpu_plan", None) for m in make().engine.model.modules()]
+        assert any(plan is not None and cpu_kernels in plan.kernels for plan in plans), cpu_kernels
     target, others = _prompts(seed=len(kind), vocab=500)
     _assert_all_alike(_scenarios(make, target, others))
 

@@ -11,7 +11,7 @@ import torch
 
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.models.llama import LlamaForCausalLM
-from cadence.engine.quantization import cpu_planner
+from cadence.engine.quantization import cpu_kernel_table, cpu_planner
 from cadence.engine.quantization.cpu_kernels import BUCKETS, KernelPlan
 from cadence.engine.quantization.cpu_planner import choose, group_summary, plan_cpu_kernels, validate_cpu_kernels
 from cadence.engine.quantization.linear import Int8Linear
@@ -115,12 +115,12 @@ def test_options_are_validated(tmp_path) -> None:
 def test_a_capped_instruction_set_gets_its_own_times(monkeypatch) -> None:
     """Times measured under ATEN_CPU_CAPABILITY=avx2 (or any library's cap) must not be read
     by an uncapped engine on the same CPU, nor the other way round."""
-    uncapped = cpu_planner.machine_key()
-    for name in cpu_planner.ISA_CAPS:
+    uncapped = cpu_kernel_table.machine_key()
+    for name in cpu_kernel_table.ISA_CAPS:
         monkeypatch.setenv(name, "avx2")
-        assert cpu_planner.machine_key() != uncapped, name
+        assert cpu_kernel_table.machine_key() != uncapped, name
         monkeypatch.delenv(name)
-    assert cpu_planner.machine_key() == uncapped
+    assert cpu_kernel_table.machine_key() == uncapped
 
 
 def _int8_model(tiny_model_dir, mode: str) -> LlamaForCausalLM:
@@ -141,7 +141,7 @@ def test_auto_measures_once_and_reads_the_table_after(tiny_model_dir, tmp_path, 
     with caplog.at_level(logging.INFO, logger="cadence.engine.quantization.cpu_planner"):
         model = _int8_model(tiny_model_dir, str(table))
     saved = json.loads(table.read_text())
-    entries = saved[cpu_planner.machine_key()]
+    entries = saved[cpu_kernel_table.machine_key()]
     # Each format-and-shape group was timed with every kernel at every bucket, once.
     assert len(calls) == len(entries) * len(BUILD_KERNELS) * len(BUCKETS)
     assert all(sorted(times) == BUILD_KERNELS for times in entries.values())
@@ -276,9 +276,9 @@ def test_a_malformed_or_stale_table_is_measured_again(tiny_model_dir, tmp_path, 
     model = _int8_model(tiny_model_dir, str(table))
     assert sum(group_summary(model.modules()).values()) == 4 * len(model.model.layers)
     saved = json.loads(table.read_text())
-    group = next(iter(saved[cpu_planner.machine_key()]))
+    group = next(iter(saved[cpu_kernel_table.machine_key()]))
     # Lists of the wrong length, and a kernel the group does not run, are dropped and timed again.
-    saved[cpu_planner.machine_key()][group] = {"packed": [1.0, 2.0], "fast": [1.0] * len(BUCKETS)}
+    saved[cpu_kernel_table.machine_key()][group] = {"packed": [1.0, 2.0], "fast": [1.0] * len(BUCKETS)}
     table.write_text(json.dumps(saved))
     calls: list[str] = []
     real = cpu_planner.time_cell
@@ -290,7 +290,7 @@ def test_a_malformed_or_stale_table_is_measured_again(tiny_model_dir, tmp_path, 
     monkeypatch.setattr(cpu_planner, "time_cell", counting)
     _int8_model(tiny_model_dir, str(table))
     assert sorted(set(calls)) == BUILD_KERNELS and len(calls) == len(BUILD_KERNELS) * len(BUCKETS)
-    assert sorted(json.loads(table.read_text())[cpu_planner.machine_key()][group]) == BUILD_KERNELS
+    assert sorted(json.loads(table.read_text())[cpu_kernel_table.machine_key()][group]) == BUILD_KERNELS
 
 
 @pytest.mark.parametrize("rounding", ["packed", *[k for k in ("bf16", "bf16dot") if k in HALF]])

@@ -22,6 +22,8 @@ from cadence.engine.experts.store import ExpertSource, slot_tensors
 from cadence.engine.llm import LLM
 from cadence.engine.loader import load_model
 from cadence.engine.models.moe import SparseMoeBlock
+from cadence.engine.quantization.cpu_kernels import HELD_KERNELS
+from cadence.engine.quantization.method import LinearLayer
 from helpers import greedy, make_llm, rel_err
 from sdpa_contexts import VarlenSdpaContext
 from tiny_models import MOE_KINDS
@@ -322,3 +324,22 @@ def test_cuda_offload_matches_resident(mode: str, tiny_model_dir) -> None:
             got = model.compute_logits(model(ids, positions, ctx))
             want = dense.compute_logits(dense(ids, positions, ctx))
         assert rel_err(got, want) < 1e-5
+
+
+def test_slots_keep_no_copy_of_weights_a_load_replaces(tiny_model_dir) -> None:
+    """A held CPU kernel's copy (dense, half, integer) is made from the weights once; a
+    slot's weights change at every load, so the planner gives slots none of those
+    kernels, even where --cpu-kernels names one, and the tokens do not depend on what a
+    slot held before (one slot per layer against four)."""
+    path = tiny_model_dir("mixtral")
+    options = {"quantization": "int4", "cpu_kernels": "dense", "expert_offload": "disk"}
+    tight = make_llm(path, max_num_seqs=16, expert_cache_size=1, **options)
+    tokens = _generate(tight)
+    plans = [(m, m.cpu_plan) for m in tight.engine.model.modules() if isinstance(m, LinearLayer) and m.cpu_plan]
+    slots = [(m, plan) for m, plan in plans if not m.weights_fixed]
+    assert slots and any(m.weights_fixed and plan.kernels[0] == "dense" for m, plan in plans)
+    for layer, plan in slots:
+        assert not plan.all_kernels & set(HELD_KERNELS), layer.prefix
+        assert layer.cpu_dense is None and not layer.cpu_half and not layer.cpu_int_dot
+    roomy = make_llm(path, max_num_seqs=16, expert_cache_size=4, **options)
+    assert _generate(roomy) == tokens

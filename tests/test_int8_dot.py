@@ -2,7 +2,7 @@
 levels of activations: offered where the CPU has AVX2; activations quantized per block of
 32 exactly as a torch reference does; each output the exact integer block sums scaled in
 fp32; a row's bits its own at any M, thread count and in a forked child; an int4 layer
-served by it close to its dense values; one level (int8dot) only for a user who names it."""
+served by it close to its dense values; both only for a user who names one."""
 
 from __future__ import annotations
 
@@ -114,6 +114,55 @@ def test_the_product_is_the_exact_block_sums_scaled_in_fp32(n: int, k: int, m: i
 
 
 @needs_int8dot
+@pytest.mark.parametrize("levels", int8_quantize.LEVELS)
+def test_the_int16_sums_hold_at_their_largest(levels: int) -> None:
+    """Every code 15 and every activation +-127: each int16 lane sums 8 pairs of 15 x 127,
+    30,480, the most it is ever given; the product is still exact."""
+    codes = torch.full((16, 64), 15, dtype=torch.uint8)
+    scales, offsets = torch.ones(16, 2), torch.zeros(16, 2)
+    x = torch.ones(3, 64)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    out = int8_dot.gemm(x, int8_dot.pack(codes, scales, offsets), levels)
+    assert torch.equal(out, (x.sum(1, keepdim=True) * 15).expand(3, 16))
+
+
+@needs_int8dot
+def test_nan_and_inf_propagate_and_tiny_blocks_quantize_to_zero() -> None:
+    x = torch.ones(4, 64)
+    x[0, 3] = float("nan")
+    x[1, 40] = float("inf")
+    x[2, :32] = 1e-38  # 127 / 1e-38 overflows fp32
+    qa, fields = int8_quantize.quantize(x, 2)
+    assert fields[0, 0, 0].isnan() and not fields[0, 1, :].isnan().any()
+    assert fields[1, 1, 0].isnan() and not fields[1, 0, :].isnan().any()
+    assert not qa[2, :32].any() and fields[2, 0, 0] == 0 and fields[2, 0, 2] == 0
+    codes, scales, offsets = _weight(16, 64, seed=6)
+    out = int8_dot.gemm(x, int8_dot.pack(codes, scales, offsets), 2)
+    assert out[:2].isnan().all() and out[2:].isfinite().all()
+
+
+def test_the_kernel_is_never_compiled_for_a_target_without_avx2(monkeypatch) -> None:
+    """LLVM aborts the process on an intrinsic its target lacks: a numba told to compile
+    for another CPU must be refused before anything compiles."""
+    from numba.core import config
+
+    for name, features, refused in (
+        ("generic", None, True),
+        ("haswell", None, False),
+        ("haswell", "+avx,+avx2,+fma", False),
+        ("haswell", "+avx,-avx2", True),
+        (None, "+sse4.2,+avx", True),
+        (None, "+avx2,-avx", True),
+    ):
+        monkeypatch.setattr(config, "CPU_NAME", name)
+        monkeypatch.setattr(config, "CPU_FEATURES", features)
+        int8_dot._avx2_target_refusal.cache_clear()
+        assert (int8_dot._avx2_target_refusal() is not None) == (refused or "avx2" not in FLAGS), (name, features)
+    int8_dot._avx2_target_refusal.cache_clear()
+
+
+@needs_int8dot
 def test_packing_checks_its_input_and_pads_columns() -> None:
     codes, scales, offsets = _weight(20, 64, seed=2)
     packed = int8_dot.pack(codes, scales, offsets)
@@ -204,23 +253,25 @@ def test_an_int4_layer_on_an_integer_kernel_reads_its_own_codes(group_size: int,
 
 
 @needs_int8dot
-def test_only_a_user_who_names_int8dot_gets_it(tiny_model_dir, tmp_path, monkeypatch) -> None:
-    """Its 8-bit activations change some greedy tokens: however fast, auto, throughput and
-    fastest neither time nor choose it (they do int8x2dot); --cpu-kernels int8dot runs it
-    on every int4 projection."""
+@pytest.mark.parametrize("kernel", [INT8X2DOT, INT8DOT])
+def test_only_a_user_who_names_an_integer_kernel_gets_it(tiny_model_dir, tmp_path, monkeypatch, kernel: str) -> None:
+    """However fast they time, auto, throughput and fastest neither time nor choose the
+    integer kernels; --cpu-kernels KERNEL runs it on every int4 projection."""
     timed: list[str] = []
 
-    def fake(group: cpu_planner.LayerGroup, kernel: str, m: int, dtype: torch.dtype) -> float:
-        timed.append(kernel)
-        return 1.0 if kernel == INT8DOT else 2.0 if kernel == INT8X2DOT else 50.0
+    def fake(group: cpu_planner.LayerGroup, name: str, m: int, dtype: torch.dtype) -> float:
+        timed.append(name)
+        return 1.0 if name in (INT8X2DOT, INT8DOT) else 50.0
 
     monkeypatch.setattr(cpu_planner, "time_cell", fake)
+    # A table of its own: these times are fake, and the session's table serves other tests.
+    monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "default.json"))
     for mode in ("auto", "throughput", "fastest", str(tmp_path / "kernels.json")):
         model = load_llama(tiny_model_dir("llama"), torch.float32, "cpu", "int4", cpu_kernels=mode)
         plans = [m.cpu_plan for m in model.modules() if isinstance(m, LinearLayer) and m.cpu_plan is not None]
-        assert plans and all(plan.all_kernels == {INT8X2DOT} for plan in plans), mode
-    assert INT8X2DOT in timed and INT8DOT not in timed
-    model = load_llama(tiny_model_dir("llama"), torch.float32, "cpu", "int4", cpu_kernels=INT8DOT)
+        assert plans and not any(plan.all_kernels & {INT8X2DOT, INT8DOT} for plan in plans), mode
+    assert timed and not {INT8X2DOT, INT8DOT} & set(timed)
+    model = load_llama(tiny_model_dir("llama"), torch.float32, "cpu", "int4", cpu_kernels=kernel)
     layers = [m for m in model.modules() if isinstance(m, LinearLayer) and m.cpu_plan is not None]
     assert len(layers) == 4 * len(model.model.layers)
-    assert all(m.cpu_plan == KernelPlan.fixed(INT8DOT) and list(m.cpu_int_dot) == [INT8DOT] for m in layers)
+    assert all(m.cpu_plan == KernelPlan.fixed(kernel) and list(m.cpu_int_dot) == [kernel] for m in layers)

@@ -52,6 +52,10 @@ class OffloadedExperts(nn.Module):
         if len(slots) != cache.num_slots + 2:
             raise ValueError("an offloaded layer needs its cache slots and two stream buffers")
         self.slots = nn.ModuleList(slots)
+        for module in [*slots, *([cpu_compute[0]] if cpu_compute else [])]:
+            for layer in module.modules():
+                if isinstance(layer, LinearLayer):
+                    layer.weights_fixed = False  # the CPU planner keeps no copy of what a load replaces
         self.sources, self.cache, self.transfers, self.stats = sources, cache, transfers, stats
         # The sources are already in the memory the slots compute from (host memory on a
         # CPU device): a load points the slot at the source's tensors instead of copying,
@@ -200,11 +204,11 @@ class _OnCpu(nn.Module):
 
 
 def forget_derived_weights(module: nn.Module) -> None:
-    """A slot that took another expert's weights must not keep a dense copy made from the
-    previous one's (the CPU planner may hold one for a quantized layer)."""
+    """A slot that took another expert's weights must not keep a copy made from the
+    previous one's (a held CPU kernel's, should one have been made)."""
     for layer in module.modules():
         if isinstance(layer, LinearLayer) and isinstance(layer.method, QuantizedMethod):
-            layer.method.drop_dense(layer)
+            layer.method.drop_held(layer)
 
 
 def offloaded_stats(model: CausalLM | nn.Module) -> ExpertStats | None:

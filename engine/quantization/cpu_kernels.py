@@ -1,6 +1,6 @@
 """The kernels a quantized linear layer can run on CPU, and the plan that picks one per batch size.
 
-Seven ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
+Eight ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
 
 * ``packed``: torch's packed op (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
   with bf16 activations. It reads the quantized bytes directly, so it wins where a step is
@@ -25,12 +25,13 @@ Seven ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
   AVX512-BF16.
 * ``int8x2dot`` and ``int8dot``: for int4 weights, Cadence's own integer GEMM
   (``kernels/int8_dot.py``): the weight's own 4-bit codes, exact integer dot products
-  per block of 32, each row summed in one fixed order at any M. Half a byte per weight
-  to read and four times the multiply-adds of fp32 per instruction on AVX2. The
+  per block of 32, each row summed in one fixed order at any M. Three quarters of a byte
+  per weight to read (codes, and a scale and offset per 32) and four times the
+  multiply-adds of fp32 per instruction on AVX2. The
   activations are quantized per block of 32 in two int8 levels (``int8x2dot``: finer
   than bf16's rounding, twice the integer work) or one (``int8dot``, as llama.cpp does:
-  it changes some greedy tokens, so only a user who names it gets it). Only with fp32
-  activations, on CPUs with AVX2.
+  it changes some greedy tokens). Only with fp32 activations, on CPUs with AVX2, and
+  only where ``--cpu-kernels`` names them (``cpu_planner.OPT_IN_KERNELS``).
 
 ``dense`` and ``dequant`` run the same matmul calls on bit-identical chunks, so they give
 the same bits; ``packed`` rounds activations to bf16, ``fp16`` weights to fp16,

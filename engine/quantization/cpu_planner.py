@@ -23,9 +23,9 @@ version and thread count, so later starts skip them.
   invariant too; a batch-1 step may be slower than under ``auto``.
 * ``fastest``: the fastest kernel at each batch size, even if that mixes numerics.
 * ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``, ``bf16dot``, ``int8x2dot``, ``int8dot``:
-  that kernel everywhere (its copy regardless of memory). ``int8dot`` (``OPT_IN_KERNELS``)
-  runs only so: its 8-bit activations change some greedy tokens, which the modes above
-  never trade for speed.
+  that kernel everywhere (its copy regardless of memory). The integer kernels
+  (``OPT_IN_KERNELS``) run only so: ``int8dot``'s 8-bit activations change some greedy
+  tokens, and ``int8x2dot`` is for batch-1 latency, not a served step's batches.
 * a path to a ``.json`` file: ``auto``, with the times read from and saved to that file.
 
 A kept copy (``dense``'s fp32 chunks, the half and integer kernels' packed ones) is made only
@@ -39,8 +39,6 @@ that kernel.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import time
@@ -52,7 +50,10 @@ import torch
 from torch import nn
 
 from cadence.engine.engine_args import available_host_memory
-from cadence.engine.gguf_loader import DEFAULT_CACHE_ROOT
+from cadence.engine.quantization.cpu_kernel_table import (
+    KernelTable,
+    default_table_path,
+)
 from cadence.engine.quantization.cpu_kernels import (
     BUCKETS,
     DENSE,
@@ -60,6 +61,7 @@ from cadence.engine.quantization.cpu_kernels import (
     HALF_KERNELS,
     HELD_KERNELS,
     INT8DOT,
+    INT8X2DOT,
     INT_DOT_LEVELS,
     KERNELS,
     PACKED,
@@ -79,15 +81,14 @@ THROUGHPUT_MIN_BATCH = 16
 # full server's 256) and, for decoder projections, that of prompt tokens' rows (prefill chunks).
 GENERATED_BUCKETS = BUCKETS
 PROMPT_BUCKETS = (64, 256)
-# Kernels whose numerics change answers (int8dot's one int8 level of activations per block,
-# as llama.cpp's: +0.5% perplexity and 3% of top-1 tokens unlike fp32's on the default
-# model, bench/RESULTS.md): run only where ``--cpu-kernels`` names them, never chosen for speed.
-OPT_IN_KERNELS = (INT8DOT,)
+# Kernels that run only where ``--cpu-kernels`` names them (bench/RESULTS.md has why):
+# int8dot's one int8 level of activations per block, as llama.cpp's, changes some greedy
+# tokens, which no mode trades for speed; int8x2dot wins batch 1 by its 4-bit codes but
+# loses from batch 16 on CPUs without AVX-512, where a served step's rows are, while
+# auto's ranking over every batch size would choose it.
+OPT_IN_KERNELS = (INT8X2DOT, INT8DOT)
 DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left after this
 MIN_CORE_SHARE = 0.6  # below this share of the cores while measuring, the times are not saved
-# Part of the table's key: raise it when the kernels change what they cost, so older times
-# are measured again rather than trusted.
-KERNELS_VERSION = 7
 # Each (kernel, M) cell is timed over the group's layers in turn until _CELL_SECONDS have
 # passed and _MIN_CALLS calls were made (two calls, once _CELL_CAP_SECONDS are spent), at
 # most two passes (or _MAX_CALLS_FLOOR calls). The fastest call counts: other work on the
@@ -109,43 +110,6 @@ def validate_cpu_kernels(mode: str) -> str:
             f"in an existing folder, got {mode!r}"
         )
     return os.path.abspath(os.path.expanduser(mode))
-
-
-def default_table_path() -> str:
-    return os.path.join(os.path.expanduser(DEFAULT_CACHE_ROOT), "cpu_kernels.json")
-
-
-# Environment variables that cap the instruction set a library's kernels use.
-ISA_CAPS = (
-    "ATEN_CPU_CAPABILITY",
-    "ONEDNN_MAX_CPU_ISA",
-    "DNNL_MAX_CPU_ISA",
-    "FBGEMM_ENABLE_INSTRUCTIONS",
-    "NUMBA_CPU_NAME",
-    "NUMBA_CPU_FEATURES",
-)
-
-
-def machine_key() -> str:
-    """CPU model, a hash of its ISA flags, torch version and thread count: what the times depend on."""
-    model, flags = "unknown CPU", ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown CPU":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = value.strip()
-    except OSError:
-        pass
-    # What the libraries were told to use, where it narrows what the flags allow: a user
-    # (or a benchmark standing in for an older CPU) may cap torch, oneDNN, fbgemm or numba.
-    caps = [f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
-    digest = hashlib.sha1(" ".join([flags, *caps]).encode()).hexdigest()[:12]
-    threads = torch.get_num_threads()
-    torch_build = f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
-    return f"{model} | flags {digest} | {torch_build} | {threads} threads | kernels v{KERNELS_VERSION}"
 
 
 @dataclass
@@ -196,26 +160,27 @@ class LayerGroup:
 def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str = "auto") -> list[LayerGroup]:
     """The model's CPU-quantized layers that have a choice of kernels, grouped by format and
     shape. An ``OPT_IN_KERNELS`` kernel is among the choices only where ``mode`` names it."""
-    members: dict[tuple[str, int, int, int | None, bool], LayerGroup] = {}
+    members: dict[tuple[str, int, int, int | None, bool, bool], LayerGroup] = {}
     for module in modules:
         if not isinstance(module, LinearLayer) or not isinstance(module.method, QuantizedMethod):
             continue
         kernels = module.method.cpu_kernels(module)
-        # The half and integer kernels take fp32 activations, and run where their GEMM does.
+        # The half and integer kernels take fp32 activations, and run where their GEMM does;
+        # no kernel keeps a copy of weights that a load replaces (an offloaded expert's slot).
         kernels = tuple(
             k
             for k in kernels
             if (k not in HALF_KERNELS or (dtype == torch.float32 and available(FORMATS[k])))
-            and (k not in INT_DOT_LEVELS or dtype == torch.float32)
+            and (k not in INT_DOT_LEVELS or (dtype == torch.float32 and int8_dot.hardware_ready()))
             and (k not in OPT_IN_KERNELS or k == mode)
+            and (k not in HELD_KERNELS or module.weights_fixed)
         )
         if len(kernels) > 1:
             fmt = type(module.method).__name__.removesuffix("Method").lower()
             shape = (fmt, module.out_features, module.in_features, getattr(module, "cpu_group_size", None))
-            members.setdefault((*shape, module.token_rows), LayerGroup("", module.method, [], kernels)).layers.append(
-                module
-            )
-    for (fmt, n, k, group_size, _), entry in members.items():
+            key = (*shape, module.token_rows, module.weights_fixed)
+            members.setdefault(key, LayerGroup("", module.method, [], kernels)).layers.append(module)
+    for (fmt, n, k, group_size, *_), entry in members.items():
         group = "" if group_size is None else f" g{group_size}"
         entry.key = f"{fmt} {n}x{k}{group} {str(dtype).removeprefix('torch.')} x{len(entry.layers)}"
     return list(members.values())
@@ -243,7 +208,7 @@ def time_cell(group: LayerGroup, kernel: str, m: int, dtype: torch.dtype) -> flo
 def candidates(times: dict[str, list[float]], affordable: set[str]) -> list[str]:
     """The kernels ``auto`` and ``fastest`` choose among: ``packed``, the dense family
     (``dense`` where its copy fits, else ``dequant``: the same bits, no copy), and the half
-    kernels and ``int8dot`` whose copies fit."""
+    and integer kernels whose copies fit (those only where the mode names them)."""
     dense_family = DENSE if DENSE in affordable and DENSE in times else DEQUANT
     held = [k for k in (*HALF_KERNELS, *INT_DOT_LEVELS) if k in affordable]
     return [k for k in (PACKED, dense_family, *held) if k in times]
@@ -295,48 +260,6 @@ def model_best_times(measured: list[tuple[LayerGroup, dict[str, list[float]], se
         for i in range(len(BUCKETS)):
             best[i] += len(group.layers) * min(times[k][i] for k in names)
     return best
-
-
-class KernelTable:
-    """Measured µs per (machine, layer group, kernel, bucket), kept in a JSON file."""
-
-    def __init__(self, path: str) -> None:
-        self.path, self.machine = path, machine_key()
-        self.entries: dict[str, dict[str, dict[str, list[float]]]] = {}
-        if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    loaded = json.load(f)
-                if not isinstance(loaded, dict) or not all(isinstance(v, dict) for v in loaded.values()):
-                    raise ValueError("not a table of machines")
-                self.entries = loaded
-            except (OSError, ValueError) as exc:
-                logger.warning("ignoring unreadable CPU kernel table %s (%s); measuring again", path, exc)
-
-    def times(self, group_key: str, kernels: tuple[str, ...]) -> dict[str, list[float]]:
-        """The group's measured times, kept only for ``kernels`` and only where well formed."""
-        machine = self.entries.setdefault(self.machine, {})
-        stored = machine.get(group_key)
-        valid = {
-            kernel: values
-            for kernel, values in (stored.items() if isinstance(stored, dict) else ())
-            if kernel in kernels
-            and isinstance(values, list)
-            and len(values) == len(BUCKETS)
-            and all(isinstance(t, (int, float)) and t > 0 for t in values)
-        }
-        machine[group_key] = valid
-        return valid
-
-    def save(self) -> None:
-        try:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            tmp = f"{self.path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.entries, f, indent=1)
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            logger.warning("could not save the CPU kernel table to %s: %s", self.path, exc)
 
 
 def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str = "auto") -> None:

@@ -164,6 +164,13 @@ class QuantizedMethod(DenseMethod):
     def drop_int_dot(layer: LinearLayer, kernel: str) -> None:
         layer.cpu_int_dot.pop(kernel, None)
 
+    @staticmethod
+    def drop_held(layer: LinearLayer) -> None:
+        """Every copy made from the weights: they are about to change."""
+        layer.cpu_dense, layer.cpu_dense_dtype = None, None
+        layer.cpu_half.clear()
+        layer.cpu_int_dot.clear()
+
     def packed_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -334,8 +341,10 @@ class Int4Method(QuantizedMethod):
         # Dense chunks come from unpacking torch's layout, which only a verified block width allows.
         if layer.cpu_block_n is None:
             return (PACKED,)
+        # The integer kernels where K's blocks of 32 each have one scale; whether the CPU
+        # runs them is the planner's to ask, once (it compiles them).
         blocks = layer.in_features % int8_dot.BLOCK == 0 and layer.cpu_group_size % int8_dot.BLOCK == 0
-        return tuple(k for k in KERNELS if k not in INT_DOT_LEVELS or (blocks and int8_dot.hardware_ready()))
+        return tuple(k for k in KERNELS if k not in INT_DOT_LEVELS or blocks)
 
     def hold_int_dot(self, layer: LinearLayer, kernel: str) -> None:
         # The codes and the packed op's own scales and zero terms, as the dense chunks read

@@ -111,6 +111,7 @@ class LinearLayer(nn.Module):
     cpu_half: dict[str, HeldHalf]  # the packed chunks of the half kernels ("fp16", "bf16") held
     cpu_int_dot: dict[str, DotWeight]  # the packed codes the integer kernels ("int8x2dot", "int8dot") held
     token_rows: bool
+    weights_fixed: bool
 
     def __init__(
         self,
@@ -142,6 +143,10 @@ class LinearLayer(nn.Module):
         # so that a CPU plan may run prompt tokens' rows on a kernel of their own; not so
         # for the LM head (sampled rows) or routed experts (their tokens only).
         self.token_rows = True
+        # Whether the weights stay the layer's own for the model's life, so copies made from
+        # them once (the CPU planner's held kernels) stay right; not so for an offloaded
+        # expert slot, which takes another expert's weights at every load.
+        self.weights_fixed = True
         # Where Triton kernels serve the layer: one kernel configuration for every batch
         # size, so a row's bits do not depend on the batch (set by the engine,
         # engine/batch_invariant.py).
