@@ -312,3 +312,17 @@ def test_the_int8_head_never_rounds_logits_to_bf16(tiny_model_dir, tmp_path, mon
 def test_a_table_path_with_a_tilde_is_expanded(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     assert validate_cpu_kernels("~/kernels.json") == str(tmp_path / "kernels.json")
+
+
+def test_a_named_kernel_a_group_cannot_run_leaves_that_group_to_auto(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """--cpu-kernels packed: the int8 LM head has no packed kernel, so it gets what auto
+    would choose from its own (timed) kernels, not merely its first one."""
+    times = {"packed": 1.0, "dequant": 40.0, "dense": 30.0, "fp16": 5.0, "bf16": 50.0, "bf16dot": 50.0}
+    monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: times[kernel])
+    monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "kernels.json"))
+    model = load_llama(tiny_model_dir("tied"), torch.float32, "cpu", "int8", True, cpu_kernels="packed")
+    layers = [m for m in model.modules() if isinstance(m, LinearLayer) and m.cpu_plan is not None]
+    heads = [m.cpu_plan for m in layers if isinstance(m.method, Int8HeadMethod)]
+    expected = "fp16" if "fp16" in HALF else "dense"
+    assert heads == [KernelPlan.fixed(expected)]
+    assert all(m.cpu_plan == KernelPlan.fixed("packed") for m in layers if not isinstance(m.method, Int8HeadMethod))

@@ -23,7 +23,8 @@ version and thread count, so later starts skip them.
   invariant too; a batch-1 step may be slower than under ``auto``.
 * ``fastest``: the fastest kernel at each batch size, even if that mixes numerics.
 * ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``, ``bf16dot``, ``int8x2dot``, ``int8dot``:
-  that kernel everywhere (its copy regardless of memory). The integer kernels
+  that kernel everywhere it runs (its copy regardless of memory), and ``auto``'s choice
+  for a group that does not run it (the int8 LM head under an int4 kernel). The integer kernels
   (``OPT_IN_KERNELS``) run only so: ``int8dot``'s 8-bit activations change some greedy
   tokens, and ``int8x2dot`` is for batch-1 latency, not a served step's batches.
 * a path to a ``.json`` file: ``auto``, with the times read from and saved to that file.
@@ -269,18 +270,23 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
     groups = layer_groups(modules, dtype, mode)
     if not groups:
         return
-    fixed = mode in KERNELS
-    table = None if fixed else KernelTable(mode if mode.endswith(".json") else default_table_path())
+    # A kernel named for the whole model serves every group that runs it; a group that does
+    # not (the int8 LM head under an int4 kernel, say) gets what auto would give it.
+    modes = {id(group): mode if mode not in KERNELS or mode in group.kernels else "auto" for group in groups}
+    measuring = any(m not in KERNELS for m in modes.values())
+    table = KernelTable(mode if mode.endswith(".json") else default_table_path()) if measuring else None
     budget = int(available_host_memory() * DENSE_MEMORY_FRACTION)
     clock = _MeasuringClock()
     measured: list[tuple[LayerGroup, dict[str, list[float]], set[str]]] = []
     for group in groups:
-        times = {} if table is None else table.times(group.key, group.kernels)
+        own = modes[id(group)]
+        fixed = own in KERNELS
+        times = {} if table is None or fixed else table.times(group.key, group.kernels)
         # A fixed mode keeps its kernel's copy whatever the memory; otherwise only within the budget.
         affordable = {
             k
             for k in HELD_KERNELS
-            if k in group.kernels and (mode == k or (not fixed and group.held_bytes(k, dtype) <= budget))
+            if k in group.kernels and (own == k or (not fixed and group.held_bytes(k, dtype) <= budget))
         }
         unaffordable = set(HELD_KERNELS) - affordable
         missing = [] if fixed else [k for k in group.kernels if k not in times and k not in unaffordable]
@@ -293,10 +299,12 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
                 group.drop(kernel)  # made again below if chosen: two copies at once may not fit
         measured.append((group, times, affordable))
     model_best = model_best_times(measured)
-    choice = mode if mode in ("throughput", "fastest", *KERNELS) else "auto"
     for group, times, affordable in measured:
+        own = modes[id(group)]
+        fixed = own in KERNELS
+        choice = own if own in ("throughput", "fastest", *KERNELS) else "auto"
         # Copies already kept for earlier groups leave less for this one.
-        affordable -= {k for k in HELD_KERNELS if mode != k and group.held_bytes(k, dtype) > budget}
+        affordable -= {k for k in HELD_KERNELS if own != k and group.held_bytes(k, dtype) > budget}
         plan = _settle_plan(group, times, choice, affordable, model_best, None if fixed else budget, dtype)
         held = sum(group.held_bytes(k, dtype) for k in _held(plan))
         budget -= held
