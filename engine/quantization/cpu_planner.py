@@ -171,10 +171,10 @@ def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str = "
         kernels = tuple(
             k
             for k in kernels
-            if (k not in HALF_KERNELS or (dtype == torch.float32 and available(FORMATS[k])))
-            and (k not in INT_DOT_LEVELS or (dtype == torch.float32 and int8_dot.hardware_ready()))
-            and (k not in OPT_IN_KERNELS or k == mode)
+            if (k not in OPT_IN_KERNELS or k == mode)  # first: asking the hardware compiles kernels
             and (k not in HELD_KERNELS or module.weights_fixed)
+            and (k not in HALF_KERNELS or (dtype == torch.float32 and available(FORMATS[k])))
+            and (k not in INT_DOT_LEVELS or (dtype == torch.float32 and int8_dot.hardware_ready()))
         )
         if len(kernels) > 1:
             fmt = type(module.method).__name__.removesuffix("Method").lower()
