@@ -61,13 +61,15 @@ QUICK_ROWS = [(None, "float32", False), ("int8", "float32", False), ("gguf", "fl
 
 def module_bytes(module: nn.Module) -> int:
     """Bytes of a module's own parameters and buffers (not its children's), and of the
-    dense or half-precision copies the CPU planner kept for it (half copies as their
-    format's packed size)."""
+    dense, half-precision or integer kernels' copies the CPU planner kept for it (packed
+    copies at their packed size)."""
     tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
     held = getattr(module, "cpu_dense_dtype", None)
     extra = 0 if held is None else dense_bytes(module, held)  # type: ignore[arg-type]
     for chunks in getattr(module, "cpu_half", {}).values():
         extra += sum(w.fmt.packed_bytes(w.out_features, w.in_features) for w in chunks.values())
+    for packed in getattr(module, "cpu_int_dot", {}).values():
+        extra += packed.codes.nbytes + packed.scales.nbytes
     return extra + sum(t.numel() * t.element_size() for t in tensors)
 
 
