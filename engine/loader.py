@@ -197,8 +197,6 @@ def load_model(
     model.requires_grad_(False)
     if device.type == "cpu":
         plan_cpu_kernels(model.modules(), dtype, cpu_kernels)
-        if offload is not None:
-            offload.drop_planned_copies(model)
     if device.type == "cuda":
         # Hand back what loading and quantizing freed: the caching allocator would keep it,
         # and the KV cache is sized from the memory the device reports free.

@@ -23,7 +23,7 @@ from torch import nn
 from cadence.engine.experts.cache import ExpertCache
 from cadence.engine.experts.cost_model import CpuComputeCost, measure
 from cadence.engine.experts.mapped_file import MappedFile, MappedTensor, mapped_safetensors
-from cadence.engine.experts.offloaded import OffloadedExperts, forget_derived_weights
+from cadence.engine.experts.offloaded import OffloadedExperts
 from cadence.engine.experts.options import ExpertOffloadOptions
 from cadence.engine.experts.policy import make_policy
 from cadence.engine.experts.stats import ExpertStats
@@ -238,16 +238,6 @@ class ExpertOffloadBuilder:
                 "expert_offload=host on a CPU device keeps every expert in the same memory the model "
                 "computes from, so it saves no memory; expert_offload=disk does"
             )
-
-    @staticmethod
-    def drop_planned_copies(model: CausalLM) -> None:
-        """The CPU planner may hold a dense copy of a quantized slot's weight; the slot's
-        first load would drop it (it belongs to whichever expert the slot held), so it is
-        memory the budget never gets to use."""
-        for module in model.modules():
-            if isinstance(module, OffloadedExperts):
-                for slot in module.slots:
-                    forget_derived_weights(slot)
 
     def _cpu_cost(self, template: nn.Module) -> CpuComputeCost:
         assert isinstance(template, MLP)

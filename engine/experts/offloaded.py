@@ -29,7 +29,6 @@ from cadence.engine.experts.store import ExpertSource, slot_tensors
 from cadence.engine.experts.transfer import ExpertTransfers, Ticket
 from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.models.moe import RoutedPairs
-from cadence.engine.quantization.linear import QuantizedMethod
 from cadence.engine.quantization.method import LinearLayer
 
 # (hidden states [T, hidden]) -> routed expert ids [T, top_k]: a layer's router.
@@ -55,7 +54,9 @@ class OffloadedExperts(nn.Module):
         for module in [*slots, *([cpu_compute[0]] if cpu_compute else [])]:
             for layer in module.modules():
                 if isinstance(layer, LinearLayer):
-                    layer.weights_fixed = False  # the CPU planner keeps no copy of what a load replaces
+                    # A load replaces the weights: the CPU planner gives these layers no
+                    # kernel that reads a copy made from them once.
+                    layer.weights_fixed = False
         self.sources, self.cache, self.transfers, self.stats = sources, cache, transfers, stats
         # The sources are already in the memory the slots compute from (host memory on a
         # CPU device): a load points the slot at the source's tensors instead of copying,
@@ -123,14 +124,12 @@ class OffloadedExperts(nn.Module):
         source, module = self.sources[expert], self.slots[slot]
         if self.bind:
             source.bind_into(module)
-            forget_derived_weights(module)
             return
         tensors = self.tensors[slot]
         non_blocking = self.transfers.stream is not None
 
         def copy() -> None:
             source.copy_into(tensors, non_blocking)
-            forget_derived_weights(module)
 
         try:
             self.pending[slot] = self.transfers.submit(copy)
@@ -187,7 +186,6 @@ class OffloadedExperts(nn.Module):
         assert self.cpu_compute is not None
         module = self.cpu_compute[0]
         self.sources[expert].copy_into(slot_tensors(module))
-        forget_derived_weights(module)
         self.stats.cpu_computed += 1
         pairs.run(expert, _OnCpu(module, pairs.x.device))
 
@@ -201,14 +199,6 @@ class _OnCpu(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x.to("cpu")).to(self.device)
-
-
-def forget_derived_weights(module: nn.Module) -> None:
-    """A slot that took another expert's weights must not keep a copy made from the
-    previous one's (a held CPU kernel's, should one have been made)."""
-    for layer in module.modules():
-        if isinstance(layer, LinearLayer) and isinstance(layer.method, QuantizedMethod):
-            layer.method.drop_held(layer)
 
 
 def offloaded_stats(model: CausalLM | nn.Module) -> ExpertStats | None:

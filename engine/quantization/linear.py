@@ -164,13 +164,6 @@ class QuantizedMethod(DenseMethod):
     def drop_int_dot(layer: LinearLayer, kernel: str) -> None:
         layer.cpu_int_dot.pop(kernel, None)
 
-    @staticmethod
-    def drop_held(layer: LinearLayer) -> None:
-        """Every copy made from the weights: they are about to change."""
-        layer.cpu_dense, layer.cpu_dense_dtype = None, None
-        layer.cpu_half.clear()
-        layer.cpu_int_dot.clear()
-
     def packed_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
