@@ -9,8 +9,8 @@ with ``--cpu-kernels KERNEL``, so every projection runs that kernel at every bat
 repository's README and docs/ARCHITECTURE.md, the first ``--tokens`` tokens, plus
 tests/quant_eval.py's text) it prints each kernel's perplexity and how often its most
 likely next token is the reference kernel's (``dense``: the dequantized weights in fp32,
-the model's own values without further rounding). Kernels this CPU does not run are
-skipped with the reason.
+the model's own values without further rounding). A kernel the planner does not run
+where the script runs is left out of the table, with what ran instead.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> None:
         plans = [getattr(m, "cpu_plan", None) for m in llm.engine.model.modules()]
         ran = {k for plan in plans if plan is not None for k in plan.kernels}
         if kernel not in ran:
-            print(f"{kernel}: not run on this CPU (the planner fell back to {sorted(ran)})")
+            print(f"{kernel}: not run here (the planner fell back to {sorted(ran)})")
             continue
         results[kernel] = {name: scored(llm, ids) for name, ids in texts(llm.get_tokenizer(), args.tokens).items()}
         del llm

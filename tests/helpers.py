@@ -155,3 +155,22 @@ def run_python(code: str, **env: str) -> str:
     )
     assert run.returncode == 0, run.stderr
     return run.stdout.strip()
+
+
+def bits_at_threads(setup: str, threads: int) -> str:
+    """What ``setup``'s ``bits()`` prints in a fresh interpreter on ``threads`` threads."""
+    return run_python(setup + f"torch.set_num_threads({threads})\nprint(bits())", OMP_NUM_THREADS=str(threads))
+
+
+def bits_after_fork(setup: str) -> str:
+    """``setup``'s ``bits()`` in a parent, then in a child forked after it ran: prints the
+    child's exit status (0: the child's bits were the parent's) and whether the parent's
+    own bits held."""
+    return run_python(
+        setup + "import os\n"
+        "parent = bits()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if bits() == parent else 3)\n"
+        "print(os.waitpid(pid, 0)[1] >> 8, bits() == parent)"
+    )

@@ -22,7 +22,7 @@ from cadence import LLM
 from cadence.engine.attention import cpu_paged_decode, invariant_sdpa
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.quantization import cpu_planner
-from cadence.engine.quantization.cpu_kernels import KERNELS
+from cadence.engine.quantization.cpu_kernels import INT_DOT_LEVELS, KERNELS
 from cadence.engine.quantization.cpu_planner import splits_prompt_rows
 from cadence.kernels import batch_invariant, int8_dot
 from cadence.kernels.half_linear import FORMATS, available
@@ -122,8 +122,7 @@ def _assert_all_alike(outputs: dict[str, Generated]) -> None:
 def _needs_kernel(kernel: str) -> pytest.MarkDecorator:
     """Skip a half kernel or int8dot whose GEMM is unavailable (the layers would run packed instead)."""
     fmt = FORMATS.get(kernel)
-    integer = kernel in ("int8x2dot", "int8dot")
-    missing = not available(fmt) if fmt is not None else integer and not int8_dot.hardware_ready()
+    missing = not available(fmt) if fmt is not None else kernel in INT_DOT_LEVELS and not int8_dot.hardware_ready()
     return pytest.mark.skipif(missing, reason=f"the {kernel} GEMM is unavailable")
 
 
@@ -138,19 +137,8 @@ def _needs_kernel(kernel: str) -> pytest.MarkDecorator:
         *[
             pytest.param("llama", q, k, marks=_needs_kernel(k))
             for q in ("int8", "int4")
-            for k in (
-                "auto",
-                "throughput",
-                "packed",
-                "dequant",
-                "dense",
-                "fp16",
-                "bf16",
-                "bf16dot",
-                "int8x2dot",
-                "int8dot",
-            )
-            if q == "int4" or k not in ("int8x2dot", "int8dot")  # they take 4-bit codes
+            for k in ("auto", "throughput", *KERNELS)
+            if q == "int4" or k not in INT_DOT_LEVELS  # they take 4-bit codes
         ],
         # Prompt tokens' rows on a kernel of their own (here the dense family, generated
         # tokens' on packed, from faked timings rather than measured ones), recomputation included.

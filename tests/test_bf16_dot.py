@@ -12,7 +12,7 @@ import torch
 
 from cadence.kernels import bf16_dot
 from cadence.kernels.half_linear import BF16DOT, available
-from helpers import run_python
+from helpers import bits_after_fork, bits_at_threads, run_python
 
 FLAGS = Path("/proc/cpuinfo").read_text().split() if platform.system() == "Linux" else []
 
@@ -65,22 +65,12 @@ _BITS = (
 
 @needs_bf16dot
 def test_bits_do_not_depend_on_the_thread_count() -> None:
-    one = run_python(_BITS + "print(bits())", OMP_NUM_THREADS="1")
-    two = run_python(_BITS + "torch.set_num_threads(2)\nprint(bits())", OMP_NUM_THREADS="2")
-    assert one == two
+    assert bits_at_threads(_BITS, 1) == bits_at_threads(_BITS, 2)
 
 
 @needs_bf16dot
 def test_a_process_forked_after_the_kernel_ran_runs_it_serially_with_the_same_bits() -> None:
-    code = _BITS + (
-        "import os\n"
-        "parent = bits()\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    os._exit(0 if bits() == parent else 3)\n"
-        "print(os.waitpid(pid, 0)[1] >> 8, bits() == parent)"
-    )
-    assert run_python(code) == "0 True"
+    assert bits_after_fork(_BITS) == "0 True"
 
 
 @needs_bf16dot

@@ -89,20 +89,7 @@ def test_auto_weighs_a_group_by_its_share_of_the_whole_model() -> None:
 
 
 def test_options_are_validated(tmp_path) -> None:
-    modes = (
-        "auto",
-        "throughput",
-        "fastest",
-        "packed",
-        "dequant",
-        "dense",
-        "fp16",
-        "bf16",
-        "bf16dot",
-        "int8x2dot",
-        "int8dot",
-    )
-    for mode in (*modes, str(tmp_path / "table.json")):
+    for mode in (*cpu_planner.CPU_KERNEL_MODES, str(tmp_path / "table.json")):
         assert validate_cpu_kernels(mode) == mode
     for bad in ("fast", str(tmp_path / "table.txt"), str(tmp_path / "missing" / "table.json")):
         with pytest.raises(ValueError, match="cpu_kernels"):

@@ -17,7 +17,7 @@ from cadence.engine.quantization.cpu_kernels import INT8DOT, INT8X2DOT, KernelPl
 from cadence.engine.quantization.linear import Int4Linear, Int4Method
 from cadence.engine.quantization.method import LinearLayer
 from cadence.kernels import int8_dot, int8_quantize
-from helpers import load_llama, run_python
+from helpers import bits_after_fork, bits_at_threads, load_llama
 
 FLAGS = Path("/proc/cpuinfo").read_text().split() if platform.system() == "Linux" else []
 BLOCK = int8_dot.BLOCK
@@ -209,22 +209,12 @@ _BITS = (
 
 @needs_int8dot
 def test_bits_do_not_depend_on_the_thread_count() -> None:
-    one = run_python(_BITS + "print(bits())", OMP_NUM_THREADS="1")
-    two = run_python(_BITS + "torch.set_num_threads(2)\nprint(bits())", OMP_NUM_THREADS="2")
-    assert one == two
+    assert bits_at_threads(_BITS, 1) == bits_at_threads(_BITS, 2)
 
 
 @needs_int8dot
 def test_a_process_forked_after_the_kernel_ran_runs_it_serially_with_the_same_bits() -> None:
-    code = _BITS + (
-        "import os\n"
-        "parent = bits()\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    os._exit(0 if bits() == parent else 3)\n"
-        "print(os.waitpid(pid, 0)[1] >> 8, bits() == parent)"
-    )
-    assert run_python(code) == "0 True"
+    assert bits_after_fork(_BITS) == "0 True"
 
 
 @needs_int8dot

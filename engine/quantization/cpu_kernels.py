@@ -70,10 +70,20 @@ BUCKETS = (1, 4, 16, 64, 256)
 DEQUANT_CHUNK_ELEMENTS = 1 << 21
 
 
+# The kernels with numerics of their own; the rest (dequant, dense) share "dense".
+_NUMERICS = {
+    PACKED: "bf16-packed",
+    FP16: "fp16",
+    BF16: "bf16",
+    BF16DOT: "bf16dot",
+    INT8X2DOT: "int8x2",
+    INT8DOT: "int8",
+}
+
+
 def numerics(kernel: str) -> str:
     """Kernels with the same numerics give the same bits for the same row."""
-    own = {PACKED: "bf16-packed", FP16: "fp16", BF16: "bf16", BF16DOT: "bf16dot", INT8X2DOT: "int8x2", INT8DOT: "int8"}
-    return own.get(kernel, "dense")
+    return _NUMERICS.get(kernel, "dense")
 
 
 @dataclass(frozen=True)

@@ -270,16 +270,13 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
     groups = layer_groups(modules, dtype, mode)
     if not groups:
         return
-    # A kernel named for the whole model serves every group that runs it; a group that does
-    # not (the int8 LM head under an int4 kernel, say) gets what auto would give it.
-    modes = {id(group): mode if mode not in KERNELS or mode in group.kernels else "auto" for group in groups}
-    measuring = any(m not in KERNELS for m in modes.values())
+    measuring = any(_group_mode(mode, group) not in KERNELS for group in groups)
     table = KernelTable(mode if mode.endswith(".json") else default_table_path()) if measuring else None
     budget = int(available_host_memory() * DENSE_MEMORY_FRACTION)
     clock = _MeasuringClock()
     measured: list[tuple[LayerGroup, dict[str, list[float]], set[str]]] = []
     for group in groups:
-        own = modes[id(group)]
+        own = _group_mode(mode, group)
         fixed = own in KERNELS
         times = {} if table is None or fixed else table.times(group.key, group.kernels)
         # A fixed mode keeps its kernel's copy whatever the memory; otherwise only within the budget.
@@ -300,7 +297,7 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
         measured.append((group, times, affordable))
     model_best = model_best_times(measured)
     for group, times, affordable in measured:
-        own = modes[id(group)]
+        own = _group_mode(mode, group)
         fixed = own in KERNELS
         choice = own if own in ("throughput", "fastest", *KERNELS) else "auto"
         # Copies already kept for earlier groups leave less for this one.
@@ -330,6 +327,12 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
         clock.wall,
         table.path,
     )
+
+
+def _group_mode(mode: str, group: LayerGroup) -> str:
+    """A kernel named for the whole model serves every group that runs it; a group that
+    does not (the int8 LM head under an int4 kernel, say) gets what auto would give it."""
+    return mode if mode not in KERNELS or mode in group.kernels else "auto"
 
 
 def _settle_plan(
