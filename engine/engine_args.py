@@ -54,9 +54,9 @@ class EngineArgs:
     enforce_eager: bool = False
     # CPU: how quantized layers pick their kernels (engine/quantization/cpu_planner.py):
     # "auto" measures them where the engine runs and keeps greedy decoding batch invariant,
-    # "throughput" does the same ranking batched steps only, "fastest" picks per batch
-    # size, "packed"/"dequant"/"dense"/"fp16"/"bf16" fix one, or a .json path holds the
-    # measured table.
+    # "precise" does so without the weight format's own 8-bit activations (int8dot for a
+    # GGUF's Q4 blocks), "throughput" ranks on batched steps only, "fastest" picks per
+    # batch size, a kernel's name fixes it, or a .json path holds the measured table.
     cpu_kernels: str = "auto"
     # Greedy tokens independent of the batch a request runs in (engine/batch_invariant.py):
     # on CUDA every linear and attention kernel keeps one configuration for every batch,

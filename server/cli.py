@@ -123,12 +123,12 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
     )
     flag(
         "--cpu-kernels",
-        metavar="auto|throughput|fastest|packed|dequant|dense|fp16|bf16|bf16dot|int8x2dot|int8dot|TABLE.json",
+        metavar="auto|precise|throughput|fastest|packed|dequant|dense|fp16|bf16|bf16dot|int8x2dot|int8dot|TABLE.json",
         help="CPU: how quantized layers pick kernels. auto (default) times them on this machine and keeps "
-        "greedy output batch invariant; throughput ranks them on batched steps only (still invariant); "
-        "fastest picks per batch size; packed/dequant/dense/fp16/bf16/bf16dot/int8x2dot/int8dot fix one "
-        "(int8x2dot and int8dot, integer kernels for int4 weights, only so); "
-        "a .json path keeps the measured table there",
+        "greedy output batch invariant (a GGUF's Q4 blocks may run int8dot, llama.cpp's 8-bit activations, "
+        "where it is fastest); precise is auto without int8dot; throughput ranks them on batched steps only "
+        "(still invariant); fastest picks per batch size; packed/dequant/dense/fp16/bf16/bf16dot/int8x2dot/"
+        "int8dot fix one; a .json path keeps the measured table there",
     )
 
 

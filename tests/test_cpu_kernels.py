@@ -79,6 +79,23 @@ def test_throughput_ranks_on_batched_steps_only() -> None:
     assert choose(TIMES, "throughput", {"dense"}) == KernelPlan.fixed("dense")
 
 
+def test_a_format_kernel_serves_generated_tokens_only_where_it_costs_no_batched_speed() -> None:
+    """A kernel of the weight format's own coarser arithmetic (int8dot for GGUF's 4-bit
+    blocks) is one more choice for auto, but where it wins small batches and loses batched
+    steps, the finer kernel keeps the generated tokens' rows, though the mean favours it."""
+    everywhere = {**TIMES, "int8dot": [t * 0.7 for t in TIMES["fp16"]]}
+    kept = {"dense", "fp16", "int8dot"}
+    assert choose(everywhere, "auto", kept, format_kernels=("int8dot",)) == KernelPlan.fixed("int8dot")
+    small_only = {**TIMES, "int8dot": [4.0, 6.0, 31.0, 95.0, 400.0]}
+    assert choose(small_only, "auto", kept) == KernelPlan.fixed("int8dot")  # a kernel like any other: the mean
+    assert choose(small_only, "auto", kept, format_kernels=("int8dot",)) == KernelPlan.fixed("fp16")
+    # Prompt rows rank on prefill sizes alone: there it wins, or it does not.
+    prefill = {**TIMES, "int8dot": [40.0, 50.0, 60.0, 70.0, 300.0]}
+    assert choose(prefill, "auto", kept, token_rows=True, format_kernels=("int8dot",)) == KernelPlan.fixed(
+        "fp16"
+    ).with_prompt("int8dot")
+
+
 def test_auto_weighs_a_group_by_its_share_of_the_whole_model() -> None:
     times = {"packed": [10.0, 10.0, 40.0, 100.0, 400.0], "fp16": [25.0, 12.0, 30.0, 60.0, 250.0]}
     # On its own, packed's lead at M=1 outweighs fp16's at large M...

@@ -17,7 +17,14 @@ version and thread count, so later starts skip them.
   (``PROMPT_BUCKETS``) on the group's own times, where the two differ
   (``prompt_rows.py``). A row's kernel follows from what its token is, never from its
   batch, so greedy decoding stays batch invariant; within the dense family, a kept dense
-  copy where memory allows.
+  copy where memory allows. Among the choices, besides the kernels that keep activations
+  at bf16 or finer, are those whose arithmetic is the weight format's own
+  (``QuantizedMethod.format_kernels``): a GGUF's Q4_0/Q4_1 blocks get ``int8dot``, the
+  8-bit activations per block of 32 that llama.cpp, the format's reference, computes them
+  with.
+* ``precise``: ``auto`` without the format's own kernels: activations are never rounded
+  coarser than bf16 (``int8dot`` moves the default model's perplexity by about 0.5% and
+  some greedy tokens; bench/RESULTS.md).
 * ``throughput``: one kernel family per layer for every row, ranked on batched steps only
   (M of ``THROUGHPUT_MIN_BATCH`` and up): for a server that is rarely at batch 1. Batch
   invariant too; a batch-1 step may be slower than under ``auto``.
@@ -25,8 +32,9 @@ version and thread count, so later starts skip them.
 * ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``, ``bf16dot``, ``int8x2dot``, ``int8dot``:
   that kernel everywhere it runs (its copy regardless of memory), and ``auto``'s choice
   for a group that does not run it (the int8 LM head under an int4 kernel). The integer kernels
-  (``OPT_IN_KERNELS``) run only so: ``int8dot``'s 8-bit activations change some greedy
-  tokens, and ``int8x2dot`` is for batch-1 latency, not a served step's batches.
+  (``OPT_IN_KERNELS``) run only so, or as a format's own: ``int8dot``'s 8-bit activations
+  change some greedy tokens, and ``int8x2dot`` is for batch-1 latency, not a served
+  step's batches.
 * a path to a ``.json`` file: ``auto``, with the times read from and saved to that file.
 
 A kept copy (``dense``'s fp32 chunks, the half and integer kernels' packed ones) is made only
@@ -75,18 +83,21 @@ from cadence.kernels.half_linear import FORMATS, available
 
 logger = logging.getLogger(__name__)
 
-CPU_KERNEL_MODES = ("auto", "throughput", "fastest", *KERNELS)
+PRECISE = "precise"
+CPU_KERNEL_MODES = ("auto", PRECISE, "throughput", "fastest", *KERNELS)
 # ``throughput`` ranks kernels as ``auto`` does, on the batch sizes from this one up only.
 THROUGHPUT_MIN_BATCH = 16
 # What ``auto`` ranks the kernel of generated tokens' rows on (decode steps, batch 1 to a
 # full server's 256) and, for decoder projections, that of prompt tokens' rows (prefill chunks).
 GENERATED_BUCKETS = BUCKETS
 PROMPT_BUCKETS = (64, 256)
-# Kernels that run only where ``--cpu-kernels`` names them (bench/RESULTS.md has why):
-# int8dot's one int8 level of activations per block, as llama.cpp's, changes some greedy
-# tokens, which no mode trades for speed; int8x2dot wins batch 1 by its 4-bit codes but
-# loses from batch 16 on CPUs without AVX-512, where a served step's rows are, while
-# auto's ranking over every batch size would choose it.
+# Kernels that run only where ``--cpu-kernels`` names them, or (int8dot) where they are
+# the weight format's own arithmetic (bench/RESULTS.md has why): int8dot's one int8 level
+# of activations per block, as llama.cpp's, changes some greedy tokens, which is a
+# format's own numerics for GGUF's 4-bit blocks and a trade no mode makes for others;
+# int8x2dot wins batch 1 by its 4-bit codes but loses from batch 16 on CPUs without
+# AVX-512, where a served step's rows are, while auto's ranking over every batch size
+# would choose it.
 OPT_IN_KERNELS = (INT8X2DOT, INT8DOT)
 DENSE_MEMORY_FRACTION = 0.25  # the KV cache takes a quarter of what is left after this
 MIN_CORE_SHARE = 0.6  # below this share of the cores while measuring, the times are not saved
@@ -127,6 +138,11 @@ class LayerGroup:
         """Whether the layers take the step's token rows, so prompt rows may get their own kernel."""
         return all(layer.token_rows for layer in self.layers)
 
+    @property
+    def format_kernels(self) -> tuple[str, ...]:
+        """The group's kernels whose arithmetic is its weight format's own (``auto`` may choose them)."""
+        return tuple(k for k in self.method.format_kernels if k in self.kernels)
+
     def held_bytes(self, kernel: str, dtype: torch.dtype) -> int:
         """The memory ``kernel``'s kept copies take for the whole group (packed half copies
         are padded to their GEMM's blocks)."""
@@ -160,18 +176,20 @@ class LayerGroup:
 
 def layer_groups(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str = "auto") -> list[LayerGroup]:
     """The model's CPU-quantized layers that have a choice of kernels, grouped by format and
-    shape. An ``OPT_IN_KERNELS`` kernel is among the choices only where ``mode`` names it."""
+    shape. An ``OPT_IN_KERNELS`` kernel is among the choices only where ``mode`` names it,
+    or where it is the layer's format's own and ``mode`` ranks kernels (not ``precise``)."""
     members: dict[tuple[str, int, int, int | None, bool, bool], LayerGroup] = {}
     for module in modules:
         if not isinstance(module, LinearLayer) or not isinstance(module.method, QuantizedMethod):
             continue
         kernels = module.method.cpu_kernels(module)
+        own_format = module.method.format_kernels if mode != PRECISE and mode not in KERNELS else ()
         # The half and integer kernels take fp32 activations, and run where their GEMM does;
         # no kernel keeps a copy of weights that a load replaces (an offloaded expert's slot).
         kernels = tuple(
             k
             for k in kernels
-            if (k not in OPT_IN_KERNELS or k == mode)  # first: asking the hardware compiles kernels
+            if (k not in OPT_IN_KERNELS or k == mode or k in own_format)  # first: asking the hardware compiles
             and (k not in HELD_KERNELS or module.weights_fixed)
             and (k not in HALF_KERNELS or (dtype == torch.float32 and available(FORMATS[k])))
             and (k not in INT_DOT_LEVELS or (dtype == torch.float32 and int8_dot.hardware_ready()))
@@ -221,6 +239,7 @@ def choose(
     affordable: set[str],
     model_best: list[float] | None = None,
     token_rows: bool = False,
+    format_kernels: Iterable[str] = (),
 ) -> KernelPlan:
     """The plan from measured µs per bucket. A ranking takes the one kernel with the least
     mean over its batch sizes of time / ``model_best`` (the whole model's best linear time
@@ -228,7 +247,13 @@ def choose(
     without it). ``auto`` ranks on ``GENERATED_BUCKETS``, and where the layers take the
     step's ``token_rows``, gives prompt rows the winner on ``PROMPT_BUCKETS`` (relative to
     this group's own best) if it differs;
-    ``throughput`` ranks on the batch sizes from ``THROUGHPUT_MIN_BATCH`` up."""
+    ``throughput`` ranks on the batch sizes from ``THROUGHPUT_MIN_BATCH`` up.
+
+    Under ``auto``, a kernel among ``format_kernels`` (coarser arithmetic, the weight
+    format's own) serves generated tokens only where it is also no slower than the finer
+    kernels' choice at every batch size from ``THROUGHPUT_MIN_BATCH`` up: a kernel that
+    wins small batches alone would trade a server's throughput for batch-1 latency, and
+    numerics with it."""
     if mode in KERNELS:
         return KernelPlan.fixed(mode)
     names = candidates(times, affordable)
@@ -236,14 +261,20 @@ def choose(
         return KernelPlan(tuple(min(names, key=lambda k: times[k][i]) for i in range(len(BUCKETS))))
     own_best = [min(times[k][i] for k in names) for i in range(len(BUCKETS))]
 
-    def best_on(sizes: tuple[int, ...], scale: list[float]) -> str:
+    def best_on(sizes: tuple[int, ...], scale: list[float], among: list[str] = names) -> str:
         ranked = [BUCKETS.index(m) for m in sizes]
-        return min(names, key=lambda k: sum(times[k][i] / scale[i] for i in ranked))
+        return min(among, key=lambda k: sum(times[k][i] / scale[i] for i in ranked))
 
     scale = model_best or own_best
     if mode == "throughput":
         return KernelPlan.fixed(best_on(tuple(m for m in BUCKETS if m >= THROUGHPUT_MIN_BATCH), scale))
     generated = best_on(GENERATED_BUCKETS, scale)
+    finer = [k for k in names if k not in format_kernels]
+    if generated in format_kernels and finer:
+        precise = best_on(GENERATED_BUCKETS, scale, finer)
+        batched = [i for i, m in enumerate(BUCKETS) if m >= THROUGHPUT_MIN_BATCH]
+        if any(times[generated][i] > times[precise][i] for i in batched):
+            generated = precise
     # Prefill sizes only: the group's own times decide, so the choice does not move with
     # what else the model plans (an offloaded MoE plans fewer expert layers than a resident one).
     prompt = best_on(PROMPT_BUCKETS, own_best) if token_rows else generated
@@ -348,11 +379,13 @@ def _settle_plan(
     ``budget`` together (None: no limit), and chosen again whenever the weights refuse a
     copy (``_try_hold``). Copies made for a plan given up are dropped."""
     while True:
-        plan = _runnable(group, choose(times, choice, affordable, model_best, group.token_rows))
+        plan = _runnable(group, choose(times, choice, affordable, model_best, group.token_rows, group.format_kernels))
         # A mixed plan (``fastest``, or prompt rows apart) may read several copies: together they must fit too.
         while budget is not None and sum(group.held_bytes(k, dtype) for k in _held(plan)) > budget:
             affordable.discard(max(_held(plan), key=lambda k: group.held_bytes(k, dtype)))
-            plan = _runnable(group, choose(times, choice, affordable, model_best, group.token_rows))
+            plan = _runnable(
+                group, choose(times, choice, affordable, model_best, group.token_rows, group.format_kernels)
+            )
         if all(_try_hold(group, k, dtype, affordable) for k in _held(plan)):
             break
     for kernel in HELD_KERNELS:

@@ -82,6 +82,11 @@ class QuantizedMethod(DenseMethod):
     the activation dtype, a kernel on CUDA and a torch path on CPU, bias added last.
     Loading stages a dense weight (``DenseMethod``) that ``process_after_loading`` quantizes."""
 
+    # Kernels whose arithmetic is the weight format's own: its reference implementation
+    # quantizes activations the same way, so ``--cpu-kernels auto`` may choose them where
+    # they are fastest (``precise`` never does).
+    format_kernels: tuple[str, ...] = ()
+
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, layer.in_features)
