@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from cadence.kernels import cpu_rotary
 from cadence.kernels import layer_ops_reference as reference
 
 
@@ -136,8 +137,9 @@ class PositionedRotary:
     """Rotates each layer's q [T, H, D] and k [T, KV, D] by one forward pass's positions.
 
     On a CPU the per-token cos/sin factors are gathered and cast once per pass, not once
-    per layer: at batch 1 that took about as long as the rotation itself. A GPU's Triton
-    kernel reads the tables by position itself (and rotates in place).
+    per layer: at batch 1 that took about as long as the rotation itself; fp32 q and k
+    are then rotated in one numba call (``kernels/cpu_rotary.py``, the torch code's
+    bits). A GPU's Triton kernel reads the tables by position itself (and rotates in place).
     """
 
     def __init__(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -146,6 +148,7 @@ class PositionedRotary:
         self.sin = sin
         # Keyed by dtype because the factors are rounded to q's; one entry in practice.
         self._rows: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._factors: torch.Tensor | None = None  # fp32 rows' factors as cpu_rotary reads them
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if q.is_cuda:  # triton is only imported where its kernels run
@@ -155,4 +158,10 @@ class PositionedRotary:
         rows = self._rows.get(q.dtype)
         if rows is None:
             rows = self._rows[q.dtype] = reference.rotary_rows(self.positions, self.cos, self.sin, q.dtype)
+        if q.dtype == torch.float32 and q.shape[0] >= cpu_rotary.MIN_ROWS:  # one numba call, the same bits
+            if self._factors is None:
+                self._factors = cpu_rotary.rotary_factors(*rows)
+            rotated = cpu_rotary.rotate(q, k, self._factors)
+            if rotated is not None:
+                return rotated
         return reference.rotate(q, *rows), reference.rotate(k, *rows)
