@@ -89,6 +89,13 @@ def test_a_format_kernel_serves_generated_tokens_only_where_it_costs_no_batched_
     small_only = {**TIMES, "int8dot": [4.0, 6.0, 31.0, 95.0, 400.0]}
     assert choose(small_only, "auto", kept) == KernelPlan.fixed("int8dot")  # a kernel like any other: the mean
     assert choose(small_only, "auto", kept, format_kernels=("int8dot",)) == KernelPlan.fixed("fp16")
+    # Weighed on the finer kernels' own scale: where it is rejected, auto plans what precise
+    # (which never times it) plans, not a choice its batch-1 times tilted towards packed.
+    skewed = {"packed": [10.0, 14.0, 40.0, 120.0, 480.0], "fp16": [16.0, 14.0, 30.0, 90.0, 380.0]}
+    with_int8 = {**skewed, "int8dot": [2.0, 6.0, 31.0, 95.0, 400.0]}
+    precise = choose(skewed, "auto", {"fp16"})
+    assert precise == KernelPlan.fixed("fp16")
+    assert choose(with_int8, "auto", {"fp16", "int8dot"}, format_kernels=("int8dot",)) == precise
     # Prompt rows rank on prefill sizes alone: there it wins, or it does not.
     prefill = {**TIMES, "int8dot": [40.0, 50.0, 60.0, 70.0, 300.0]}
     assert choose(prefill, "auto", kept, token_rows=True, format_kernels=("int8dot",)) == KernelPlan.fixed(
@@ -281,7 +288,7 @@ def test_a_malformed_or_stale_table_is_measured_again(tiny_model_dir, tmp_path, 
     assert sum(group_summary(model.modules()).values()) == 4 * len(model.model.layers)
     saved = json.loads(table.read_text())
     group = next(iter(saved[cpu_kernel_table.machine_key()]))
-    # Lists of the wrong length, and a kernel the group does not run, are dropped and timed again.
+    # Lists of the wrong length, and a name that is no kernel, are dropped and timed again.
     saved[cpu_kernel_table.machine_key()][group] = {"packed": [1.0, 2.0], "fast": [1.0] * len(BUCKETS)}
     table.write_text(json.dumps(saved))
     calls: list[str] = []
@@ -295,6 +302,21 @@ def test_a_malformed_or_stale_table_is_measured_again(tiny_model_dir, tmp_path, 
     _int8_model(tiny_model_dir, str(table))
     assert sorted(set(calls)) == BUILD_KERNELS and len(calls) == len(BUILD_KERNELS) * len(BUCKETS)
     assert sorted(json.loads(table.read_text())[cpu_kernel_table.machine_key()][group]) == BUILD_KERNELS
+
+
+def test_a_mode_offering_fewer_kernels_keeps_the_others_times(tmp_path) -> None:
+    """precise reads a group's times without int8dot's; what it measures and saves must not
+    drop the int8dot times auto measured, or the next auto start would time them again."""
+    path = str(tmp_path / "kernels.json")
+    table = cpu_kernel_table.KernelTable(path)
+    table.record("group", "int8dot", [1.0] * len(BUCKETS))
+    table.save()
+    again = cpu_kernel_table.KernelTable(path)
+    assert again.times("group", ("packed", "fp16")) == {}
+    again.record("group", "fp16", [2.0] * len(BUCKETS))
+    again.save()
+    stored = cpu_kernel_table.KernelTable(path).times("group", ("fp16", "int8dot"))
+    assert stored == {"fp16": [2.0] * len(BUCKETS), "int8dot": [1.0] * len(BUCKETS)}
 
 
 @pytest.mark.parametrize("rounding", ["packed", *[k for k in ("bf16", "bf16dot") if k in HALF]])

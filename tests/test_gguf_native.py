@@ -183,6 +183,14 @@ def test_auto_may_serve_the_q4_blocks_on_their_own_int8_arithmetic(tiny_mixed_gg
         on_int8 = {name for name, plan in plans.items() if INT8DOT in plan.all_kernels}
         assert on_int8 == (set() if mode == "precise" else q4), mode
     assert INT8DOT in timed
+    # Fastest at batch 1 and 4 only: a batched step would pay for it, so auto keeps the finer kernels.
+    monkeypatch.setattr(
+        cpu_planner, "time_cell", lambda group, name, m, dtype: (1.0 if m <= 4 else 60.0) if name == INT8DOT else 50.0
+    )
+    monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "small-batches.json"))
+    model, _ = load_model(tiny_mixed_gguf, torch.float32, quantization="gguf", cpu_kernels="auto")
+    kept = [m.cpu_plan for m in model.modules() if isinstance(m, LinearLayer) and m.cpu_plan is not None]
+    assert kept and not any(INT8DOT in plan.all_kernels for plan in kept)
 
 
 def test_a_moved_gguf_still_serves_natively(tiny_mixed_gguf, tmp_path) -> None:

@@ -256,7 +256,7 @@ def test_only_a_user_who_names_an_integer_kernel_gets_it(tiny_model_dir, tmp_pat
     monkeypatch.setattr(cpu_planner, "time_cell", fake)
     # A table of its own: these times are fake, and the session's table serves other tests.
     monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "default.json"))
-    for mode in ("auto", "throughput", "fastest", str(tmp_path / "kernels.json")):
+    for mode in ("auto", "precise", "throughput", "fastest", str(tmp_path / "kernels.json")):
         model = load_llama(tiny_model_dir("llama"), torch.float32, "cpu", "int4", cpu_kernels=mode)
         plans = [m.cpu_plan for m in model.modules() if isinstance(m, LinearLayer) and m.cpu_plan is not None]
         assert plans and not any(plan.all_kernels & {INT8X2DOT, INT8DOT} for plan in plans), mode

@@ -17,13 +17,13 @@ import os
 import torch
 
 from cadence.engine.gguf_loader import DEFAULT_CACHE_ROOT
-from cadence.engine.quantization.cpu_kernels import BUCKETS
+from cadence.engine.quantization.cpu_kernels import BUCKETS, KERNELS
 
 logger = logging.getLogger(__name__)
 
 # Part of the table's key: raise it when the kernels change what they cost, so older times
 # are measured again rather than trusted.
-KERNELS_VERSION = 7
+KERNELS_VERSION = 8
 
 
 def default_table_path() -> str:
@@ -81,19 +81,25 @@ class KernelTable:
                 logger.warning("ignoring unreadable CPU kernel table %s (%s); measuring again", path, exc)
 
     def times(self, group_key: str, kernels: tuple[str, ...]) -> dict[str, list[float]]:
-        """The group's measured times, kept only for ``kernels`` and only where well formed."""
+        """The group's measured times for ``kernels``, where well formed. The table keeps
+        every well-formed entry: a mode offering fewer kernels (``precise``) must not drop
+        the times another mode reads."""
         machine = self.entries.setdefault(self.machine, {})
         stored = machine.get(group_key)
         valid = {
             kernel: values
             for kernel, values in (stored.items() if isinstance(stored, dict) else ())
-            if kernel in kernels
+            if kernel in KERNELS
             and isinstance(values, list)
             and len(values) == len(BUCKETS)
             and all(isinstance(t, (int, float)) and t > 0 for t in values)
         }
         machine[group_key] = valid
-        return valid
+        return {kernel: values for kernel, values in valid.items() if kernel in kernels}
+
+    def record(self, group_key: str, kernel: str, values: list[float]) -> None:
+        """Keep a kernel's times, measured now, for ``save``."""
+        self.entries.setdefault(self.machine, {}).setdefault(group_key, {})[kernel] = values
 
     def save(self) -> None:
         try:

@@ -31,7 +31,9 @@ Eight ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
   activations are quantized per block of 32 in two int8 levels (``int8x2dot``: finer
   than bf16's rounding, twice the integer work) or one (``int8dot``, as llama.cpp does:
   it changes some greedy tokens). Only with fp32 activations, on CPUs with AVX2, and
-  only where ``--cpu-kernels`` names them (``cpu_planner.OPT_IN_KERNELS``).
+  only where ``--cpu-kernels`` names them (``cpu_planner.OPT_IN_KERNELS``), or, for
+  ``int8dot``, where it is the weight format's own arithmetic (a GGUF's Q4 blocks:
+  ``QuantizedMethod.format_kernels``) and ``auto`` finds it fastest.
 
 ``dense`` and ``dequant`` run the same matmul calls on bit-identical chunks, so they give
 the same bits; ``packed`` rounds activations to bf16, ``fp16`` weights to fp16,

@@ -30,7 +30,7 @@ version and thread count, so later starts skip them.
   invariant too; a batch-1 step may be slower than under ``auto``.
 * ``fastest``: the fastest kernel at each batch size, even if that mixes numerics.
 * ``packed``, ``dequant``, ``dense``, ``fp16``, ``bf16``, ``bf16dot``, ``int8x2dot``, ``int8dot``:
-  that kernel everywhere it runs (its copy regardless of memory), and ``auto``'s choice
+  that kernel everywhere it runs (its copy regardless of memory), and ``precise``'s choice
   for a group that does not run it (the int8 LM head under an int4 kernel). The integer kernels
   (``OPT_IN_KERNELS``) run only so, or as a format's own: ``int8dot``'s 8-bit activations
   change some greedy tokens, and ``int8x2dot`` is for batch-1 latency, not a served
@@ -227,7 +227,8 @@ def time_cell(group: LayerGroup, kernel: str, m: int, dtype: torch.dtype) -> flo
 def candidates(times: dict[str, list[float]], affordable: set[str]) -> list[str]:
     """The kernels ``auto`` and ``fastest`` choose among: ``packed``, the dense family
     (``dense`` where its copy fits, else ``dequant``: the same bits, no copy), and the half
-    and integer kernels whose copies fit (those only where the mode names them)."""
+    and integer kernels whose copies fit (the integer ones timed only where the mode names
+    them or they are the format's own)."""
     dense_family = DENSE if DENSE in affordable and DENSE in times else DEQUANT
     held = [k for k in (*HALF_KERNELS, *INT_DOT_LEVELS) if k in affordable]
     return [k for k in (PACKED, dense_family, *held) if k in times]
@@ -239,54 +240,65 @@ def choose(
     affordable: set[str],
     model_best: list[float] | None = None,
     token_rows: bool = False,
-    format_kernels: Iterable[str] = (),
+    format_kernels: tuple[str, ...] = (),
 ) -> KernelPlan:
     """The plan from measured µs per bucket. A ranking takes the one kernel with the least
     mean over its batch sizes of time / ``model_best`` (the whole model's best linear time
-    at that size, so a group weighs by its share of the step; this group's own best
-    without it). ``auto`` ranks on ``GENERATED_BUCKETS``, and where the layers take the
-    step's ``token_rows``, gives prompt rows the winner on ``PROMPT_BUCKETS`` (relative to
-    this group's own best) if it differs;
-    ``throughput`` ranks on the batch sizes from ``THROUGHPUT_MIN_BATCH`` up.
+    at that size among the finer kernels, so a group weighs by its share of the step; this
+    group's own best without it). ``auto`` ranks on ``GENERATED_BUCKETS``, and where the
+    layers take the step's ``token_rows``, gives prompt rows the winner on
+    ``PROMPT_BUCKETS`` (relative to this group's own best) if it differs; ``throughput``
+    ranks on the batch sizes from ``THROUGHPUT_MIN_BATCH`` up.
 
-    Under ``auto``, a kernel among ``format_kernels`` (coarser arithmetic, the weight
-    format's own) serves generated tokens only where it is also no slower than the finer
-    kernels' choice at every batch size from ``THROUGHPUT_MIN_BATCH`` up: a kernel that
-    wins small batches alone would trade a server's throughput for batch-1 latency, and
-    numerics with it."""
+    A kernel among ``format_kernels`` (coarser arithmetic, the weight format's own) is
+    weighed against what ``precise`` chooses without it, on the same scale: it replaces
+    that choice where it ranks better, and for generated tokens only where it is also no
+    slower at every batch size from ``THROUGHPUT_MIN_BATCH`` up (a kernel that wins small
+    batches alone would trade a server's throughput for batch-1 latency, and numerics
+    with it)."""
     if mode in KERNELS:
         return KernelPlan.fixed(mode)
     names = candidates(times, affordable)
     if mode == "fastest":
         return KernelPlan(tuple(min(names, key=lambda k: times[k][i]) for i in range(len(BUCKETS))))
-    own_best = [min(times[k][i] for k in names) for i in range(len(BUCKETS))]
+    finer = [k for k in names if k not in format_kernels] or names
+    own_best = [min(times[k][i] for k in finer) for i in range(len(BUCKETS))]
 
-    def best_on(sizes: tuple[int, ...], scale: list[float], among: list[str] = names) -> str:
-        ranked = [BUCKETS.index(m) for m in sizes]
-        return min(among, key=lambda k: sum(times[k][i] / scale[i] for i in ranked))
+    def score(kernel: str, sizes: tuple[int, ...], scale: list[float]) -> float:
+        return sum(times[kernel][BUCKETS.index(m)] / scale[BUCKETS.index(m)] for m in sizes)
+
+    def best_on(sizes: tuple[int, ...], scale: list[float], batched: bool = False) -> str:
+        """The finer kernels' winner, unless a format kernel ranks better (and, with
+        ``batched``, is no slower than it at any batched size)."""
+        best = min(finer, key=lambda k: score(k, sizes, scale))
+        for kernel in (k for k in names if k not in finer):
+            better = score(kernel, sizes, scale) < score(best, sizes, scale)
+            if better and not (batched and any(times[kernel][i] > times[best][i] for i in _batched_indices())):
+                best = kernel
+        return best
 
     scale = model_best or own_best
     if mode == "throughput":
         return KernelPlan.fixed(best_on(tuple(m for m in BUCKETS if m >= THROUGHPUT_MIN_BATCH), scale))
-    generated = best_on(GENERATED_BUCKETS, scale)
-    finer = [k for k in names if k not in format_kernels]
-    if generated in format_kernels and finer:
-        precise = best_on(GENERATED_BUCKETS, scale, finer)
-        batched = [i for i, m in enumerate(BUCKETS) if m >= THROUGHPUT_MIN_BATCH]
-        if any(times[generated][i] > times[precise][i] for i in batched):
-            generated = precise
+    generated = best_on(GENERATED_BUCKETS, scale, batched=True)
     # Prefill sizes only: the group's own times decide, so the choice does not move with
     # what else the model plans (an offloaded MoE plans fewer expert layers than a resident one).
     prompt = best_on(PROMPT_BUCKETS, own_best) if token_rows else generated
     return KernelPlan.fixed(generated) if prompt == generated else KernelPlan.fixed(generated).with_prompt(prompt)
 
 
+def _batched_indices() -> list[int]:
+    return [i for i, m in enumerate(BUCKETS) if m >= THROUGHPUT_MIN_BATCH]
+
+
 def model_best_times(measured: list[tuple[LayerGroup, dict[str, list[float]], set[str]]]) -> list[float] | None:
-    """µs per bucket of every measured group's fastest candidate, times its layer count: the
-    best time of all the layers with a choice of kernels (what ``auto`` weighs a group by)."""
+    """µs per bucket of every measured group's fastest finer candidate (not its format's
+    own kernels), times its layer count: the best time of all the layers with a choice of
+    kernels as ``precise`` would plan them (what ``auto`` weighs a group by)."""
     best = [0.0] * len(BUCKETS)
     for group, times, affordable in measured:
         names = candidates(times, affordable)
+        names = [k for k in names if k not in group.format_kernels] or names
         if not names:
             return None
         for i in range(len(BUCKETS)):
@@ -323,6 +335,8 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
                 continue
             with clock:
                 times[kernel] = [round(time_cell(group, kernel, m, dtype), 1) for m in BUCKETS]
+            if table is not None:
+                table.record(group.key, kernel, times[kernel])
             if kernel in HELD_KERNELS:
                 group.drop(kernel)  # made again below if chosen: two copies at once may not fit
         measured.append((group, times, affordable))
@@ -362,7 +376,8 @@ def plan_cpu_kernels(modules: Iterable[nn.Module], dtype: torch.dtype, mode: str
 
 def _group_mode(mode: str, group: LayerGroup) -> str:
     """A kernel named for the whole model serves every group that runs it; a group that
-    does not (the int8 LM head under an int4 kernel, say) gets what auto would give it."""
+    does not (the int8 LM head under an int4 kernel, say) gets what auto would give it
+    among the kernels it was offered: no format's own (``layer_groups``), as ``precise``."""
     return mode if mode not in KERNELS or mode in group.kernels else "auto"
 
 
