@@ -87,6 +87,7 @@ PRECISE = "precise"
 CPU_KERNEL_MODES = ("auto", PRECISE, "throughput", "fastest", *KERNELS)
 # ``throughput`` ranks kernels as ``auto`` does, on the batch sizes from this one up only.
 THROUGHPUT_MIN_BATCH = 16
+BATCHED_BUCKETS = tuple(m for m in BUCKETS if m >= THROUGHPUT_MIN_BATCH)
 # What ``auto`` ranks the kernel of generated tokens' rows on (decode steps, batch 1 to a
 # full server's 256) and, for decoder projections, that of prompt tokens' rows (prefill chunks).
 GENERATED_BUCKETS = BUCKETS
@@ -273,22 +274,19 @@ def choose(
         best = min(finer, key=lambda k: score(k, sizes, scale))
         for kernel in (k for k in names if k not in finer):
             better = score(kernel, sizes, scale) < score(best, sizes, scale)
-            if better and not (batched and any(times[kernel][i] > times[best][i] for i in _batched_indices())):
+            slower = any(times[kernel][BUCKETS.index(m)] > times[best][BUCKETS.index(m)] for m in BATCHED_BUCKETS)
+            if better and not (batched and slower):
                 best = kernel
         return best
 
     scale = model_best or own_best
     if mode == "throughput":
-        return KernelPlan.fixed(best_on(tuple(m for m in BUCKETS if m >= THROUGHPUT_MIN_BATCH), scale))
+        return KernelPlan.fixed(best_on(BATCHED_BUCKETS, scale))
     generated = best_on(GENERATED_BUCKETS, scale, batched=True)
     # Prefill sizes only: the group's own times decide, so the choice does not move with
     # what else the model plans (an offloaded MoE plans fewer expert layers than a resident one).
     prompt = best_on(PROMPT_BUCKETS, own_best) if token_rows else generated
     return KernelPlan.fixed(generated) if prompt == generated else KernelPlan.fixed(generated).with_prompt(prompt)
-
-
-def _batched_indices() -> list[int]:
-    return [i for i, m in enumerate(BUCKETS) if m >= THROUGHPUT_MIN_BATCH]
 
 
 def model_best_times(measured: list[tuple[LayerGroup, dict[str, list[float]], set[str]]]) -> list[float] | None:
