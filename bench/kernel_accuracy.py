@@ -59,8 +59,7 @@ def main() -> None:
     results: dict[str, dict[str, tuple[float, list[int]]]] = {}
     for kernel in args.kernels:
         llm = LLM(cpu_kernels=kernel, enable_prefix_caching=False)
-        plans = [getattr(m, "cpu_plan", None) for m in llm.engine.model.modules()]
-        ran = {k for plan in plans if plan is not None for k in plan.kernels}
+        ran = {getattr(m, "cpu_kernel", None) for m in llm.engine.model.modules()} - {None}
         if kernel not in ran:
             print(f"{kernel}: not run here (the planner fell back to {sorted(ran)})")
             continue

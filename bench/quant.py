@@ -13,8 +13,7 @@ Tables:
    ignored: the time of a 1 + N token generation minus a 1-token one, over N, best of a
    few repeats); the median engine step of those decodes (the engine's StepTimings) and
    the LM head's own time on one row; prefill tokens/s for 4 fresh random prompts at once;
-   the CPU kernels the planner chose (engine/quantization/cpu_planner.py, whose log
-   line per layer group gives the times it chose by);
+   the CPU kernels the planner chose by rule (engine/quantization/cpu_planner.py);
 2. with ``--gptq``: perplexity of a 4-bit GPTQ checkpoint written by `cadence quantize`'s
    code, against round-to-nearest at the same single group size, and dense.
 """

@@ -16,7 +16,7 @@ engines cache prefixes, and a repeated set would measure the cache.
     bash bench/install_peers.sh /work/peers                   # installs the peers first
 
 ``--avx2-only`` stands in for a CPU without AVX-512 on one that has it: Cadence and vLLM
-run with torch, MKL, oneDNN, fbgemm and numba capped to AVX2 (``AVX2_ONLY_ENV``), and
+run with torch, MKL, oneDNN, fbgemm and numba capped to AVX2 (``cadence.tools.avx2_only``), and
 llama.cpp is the build install_peers.sh makes with AVX2 only (``build-avx2``). vLLM's own
 compiled CPU kernels pick their instructions themselves, so vLLM is only partly capped.
 Clocks, caches and memory stay those of the CPU it runs on: it approximates a CPU without
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import httpx
 
 from cadence.engine.default_model import default_model_gguf, resolve_model_path
+from cadence.tools.avx2_only import AVX2_ONLY_ENV
 from common.machine import Contention, machine_info, machine_line
 from common.served_engine import EngineSpec, ServedEngine
 from common.stream_load import LoadRun, run_load
@@ -55,21 +56,6 @@ LABELS = {
     "cadence-dense": "Cadence --quantization none (fp32)",
 }
 VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
-# What caps each library's kernels to AVX2: torch's own, oneDNN's, fbgemm's, and what numba
-# (so LLVM) compiles for; the CPU name alone would leave LLVM the host's AVX-512 features.
-AVX2_FEATURES = ",".join(
-    "+" + f
-    for f in "64bit avx avx2 bmi bmi2 cmov cx16 f16c fma fsgsbase lzcnt mmx movbe pclmul popcnt rdrnd "
-    "sse sse2 sse3 sse4.1 sse4.2 ssse3 xsave xsaveopt".split()
-)  # Haswell's, without any AVX-512 feature
-AVX2_ONLY_ENV = {
-    "ATEN_CPU_CAPABILITY": "avx2",
-    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
-    "NUMBA_CPU_NAME": "haswell",
-    "NUMBA_CPU_FEATURES": AVX2_FEATURES,
-}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -52,11 +52,9 @@ class EngineArgs:
     # Decode steps replay CUDA graphs on a GPU (engine/cuda_graphs.py); True launches
     # every kernel from Python instead, as vLLM's flag of the same name does.
     enforce_eager: bool = False
-    # CPU: how quantized layers pick their kernels (engine/quantization/cpu_planner.py):
-    # "auto" measures them where the engine runs and keeps greedy decoding batch invariant,
-    # "precise" does so without the weight format's own 8-bit activations (int8dot for a
-    # GGUF's Q4 blocks), "throughput" ranks on batched steps only, "fastest" picks per
-    # batch size, a kernel's name fixes it, or a .json path holds the measured table.
+    # CPU: the kernel quantized layers run (engine/quantization/cpu_planner.py): "auto"
+    # takes it by rule from the weight format and the instruction set, a kernel's name
+    # runs that one wherever it can.
     cpu_kernels: str = "auto"
     # Greedy tokens independent of the batch a request runs in (engine/batch_invariant.py):
     # on CUDA every linear and attention kernel keeps one configuration for every batch,
@@ -190,14 +188,34 @@ def kv_cache_bytes_per_block(args: EngineArgs, num_kv_heads: int, head_dim: int,
 
 def available_host_memory() -> int:
     """MemAvailable from /proc/meminfo, or a conservative guess where there is none."""
+    return _meminfo("MemAvailable:") or 4 * GiB
+
+
+def total_host_memory() -> int:
+    """The memory this process's machine has: MemTotal, or the cgroup's limit where that
+    is lower (a container's). A fact of the machine, unlike what is free at the moment."""
+    total = _meminfo("MemTotal:") or 4 * GiB
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
+
+
+def _meminfo(field: str) -> int | None:
+    """A /proc/meminfo field in bytes, or None where there is none."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 4 * GiB
+    return None
 
 
 def kv_cache_budget_bytes(args: EngineArgs, device: torch.device, max_useful_bytes: int) -> int:

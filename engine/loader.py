@@ -162,8 +162,8 @@ def load_model(
     row (engine/quantization/lm_head.py), with any `quantization` or none. None means:
     only under "gguf", and only when the file stores the head quantized.
 
-    On CPU, `cpu_kernels` says how quantized layers choose their kernels
-    (engine/quantization/cpu_planner.py; "auto" measures them).
+    On CPU, `cpu_kernels` says which kernel quantized layers run
+    (engine/quantization/cpu_planner.py; "auto" chooses by rule).
 
     `expert_offload` keeps a mixture-of-experts model's routed experts in host memory or
     on disk, with a few slots per layer in fast memory (engine/experts/); no expert is

@@ -31,8 +31,6 @@ from cadence.engine.kv_transfer.transport import KVTransport
 from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.models.moe import routes_on_host
 from cadence.engine.protocol import TokenLogprobs
-from cadence.engine.quantization.cpu_planner import splits_prompt_rows
-from cadence.engine.quantization.prompt_rows import row_runs, step_rows
 from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from cadence.engine.sampling_params import SamplingParams
 from cadence.kernels.kv_quant import KV_CACHE_DTYPES
@@ -142,9 +140,9 @@ class ModelRunner:
             )
             self.decode_graphs.capture()
         self.sampler = Sampler()
-        # Whether the CPU layers or attention run prompt tokens' rows apart, and so need each
-        # step's rows stated (and the prefix cache to keep generated tokens' blocks apart).
-        self.splits_prompt_rows = splits_prompt_rows(model.modules()) or self.backend.splits_generated_rows
+        # Whether attention runs prompt tokens' rows apart, and so needs each step's prompt
+        # lengths (and the prefix cache to keep generated tokens' blocks apart).
+        self.splits_prompt_rows = self.backend.splits_generated_rows
         # Both outlive a preemption (the rows do not), and go when the request finishes: a
         # seeded request's samples continue its own stream, and a recomputed prompt must
         # not report its logprobs twice.
@@ -204,9 +202,8 @@ class ModelRunner:
 
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         self.model.compute_logits(self.model(zero, zero, context(0)))  # as a generated token
-        if self.splits_prompt_rows:  # and once as a prompt token, for the prompt rows' kernels
-            with step_rows(row_runs([0], [1], [1])):
-                self.model(zero, zero, context(1))
+        if self.splits_prompt_rows:  # and once as a prompt token, for the prompt rows' attention
+            self.model(zero, zero, context(1))
 
     def _row_selector(self, rows: list[int]) -> slice | torch.Tensor:
         """``rows`` of the hidden states as a slice when they run consecutively, as in
@@ -242,11 +239,7 @@ class ModelRunner:
             prompt_lens=prompt_lens,
         )
         ctx = AttentionContext(self.backend, self.kv_caches, self.backend.build_metadata(batch))
-        input_ids = torch.from_numpy(step.input_ids).to(device)
-        if prompt_lens is None:
-            return self.model(input_ids, positions, ctx)
-        with step_rows(row_runs(step.context_lens, step.query_lens, prompt_lens)):
-            return self.model(input_ids, positions, ctx)
+        return self.model(torch.from_numpy(step.input_ids).to(device), positions, ctx)
 
     def _sample(self, states: list[RequestState], logits: torch.Tensor, result: ModelRunnerOutput) -> None:
         batch = self.input_batch

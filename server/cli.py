@@ -123,12 +123,11 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
     )
     flag(
         "--cpu-kernels",
-        metavar="auto|precise|throughput|fastest|packed|dequant|dense|fp16|bf16|bf16dot|int8x2dot|int8dot|TABLE.json",
-        help="CPU: how quantized layers pick kernels. auto (default) times them on this machine and keeps "
-        "greedy output batch invariant (a GGUF's Q4 blocks may run int8dot, llama.cpp's 8-bit activations, "
-        "where it is fastest); precise is auto without int8dot; throughput ranks them on batched steps only "
-        "(still invariant); fastest picks per batch size; packed/dequant/dense/fp16/bf16/bf16dot/int8x2dot/"
-        "int8dot fix one; a .json path keeps the measured table there",
+        metavar="auto|packed|dequant|dense|fp16|bf16|bf16dot|int8x2dot|int8dot",
+        help="CPU: the kernel quantized layers run. auto (default) takes, by rule, the finest arithmetic "
+        "this CPU makes fast (bf16dot with AVX512-BF16, else fp16), so answers never depend on timings; "
+        "a kernel's name runs it wherever it can (int8dot: llama.cpp's 8-bit activations for 4-bit "
+        "weights, faster on CPUs without AVX-512 and less accurate). Greedy output is batch invariant",
     )
 
 

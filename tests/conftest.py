@@ -4,7 +4,7 @@ marker's skip on machines without CUDA. Shared helpers live in helpers.py."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,24 +29,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def session_kernel_table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The CPU planner's timing table, for this session's in-process engines and the
-    servers tests start (server_harness passes it as --cpu-kernels), in a temporary folder
-    rather than ~/.cache/cadence: tests neither read times an earlier run left there nor
-    leave theirs behind. Tests that fake the timings also take a table of
-    their own (test_cpu_kernels.py), so theirs reach no other test. The first engine's
-    times are saved however busy the machine was: an engine that measured again could
-    choose other kernels at a near tie, and two engines a test compares must not."""
-    from cadence.engine.quantization import cpu_planner
-
-    path = str(tmp_path_factory.mktemp("cpu_kernels") / "cpu_kernels.json")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_planner, "default_table_path", lambda: path)
-        patch.setattr(cpu_planner, "MIN_CORE_SHARE", 0.0)
-        yield path
 
 
 @pytest.fixture(scope="session")

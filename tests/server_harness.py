@@ -12,7 +12,6 @@ import time
 import httpx
 
 from cadence.engine.process_name import ENGINE
-from cadence.engine.quantization import cpu_planner
 
 
 def free_port() -> int:
@@ -71,10 +70,6 @@ class ServerProcess:
         if model is not None:
             argv.append(model)
         argv += ["--host", host, "--port", str(self.port), "--log-level", "warning", *extra_args]
-        if command == "serve" and "--cpu-kernels" not in extra_args:
-            # The session's CPU kernel table (conftest), as in-process engines use: a server
-            # neither reads times an earlier run left in ~/.cache/cadence nor leaves its own.
-            argv += ["--cpu-kernels", cpu_planner.default_table_path()]
         self.log_path = f"/tmp/cadence-test-server-{self.port}.log"
         self._log = open(self.log_path, "w+b")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(

@@ -21,12 +21,10 @@ import pytest
 from cadence import LLM
 from cadence.engine.attention import cpu_paged_decode, invariant_sdpa
 from cadence.engine.protocol import EngineCoreRequest
-from cadence.engine.quantization import cpu_planner
 from cadence.engine.quantization.cpu_kernels import INT_DOT_LEVELS, KERNELS
-from cadence.engine.quantization.cpu_planner import splits_prompt_rows
 from cadence.kernels import batch_invariant, int8_dot
 from cadence.kernels.half_linear import FORMATS, available
-from helpers import fake_split_times, greedy, needs_smollm2, smollm2_path
+from helpers import greedy, needs_smollm2, smollm2_path
 
 MAX_TOKENS = 10
 # Long enough that decodes alone and beside longer rows run at different padded key lengths
@@ -133,57 +131,47 @@ def _needs_kernel(kernel: str) -> pytest.MarkDecorator:
         ("tied", None, "auto"),
         ("llama_bias", None, "auto"),
         ("mistral", None, "auto"),
-        # Quantized layers: the planner's own choice, and each kernel it can choose.
+        # Quantized layers: the rule's own choice, and each kernel a layer can run.
         *[
             pytest.param("llama", q, k, marks=_needs_kernel(k))
             for q in ("int8", "int4")
-            for k in ("auto", "throughput", *KERNELS)
+            for k in ("auto", *KERNELS)
             if q == "int4" or k not in INT_DOT_LEVELS  # they take 4-bit codes
         ],
-        # Prompt tokens' rows on a kernel of their own (here the dense family, generated
-        # tokens' on packed, from faked timings rather than measured ones), recomputation included.
-        *[("llama", q, "split") for q in ("int8", "int4")],
     ],
 )
 def test_greedy_request_is_the_same_in_any_batch(
-    tiny_model_dir, tmp_path, monkeypatch, kind: str, quantization: str | None, cpu_kernels: str
+    tiny_model_dir, kind: str, quantization: str | None, cpu_kernels: str
 ) -> None:
     path = tiny_model_dir(kind)
-    options = {**ENGINE, "quantization": quantization, "cpu_kernels": _shared_table(cpu_kernels, tmp_path, monkeypatch)}
+    options = {**ENGINE, "quantization": quantization, "cpu_kernels": cpu_kernels}
 
     def make(**overrides: object) -> LLM:
         return LLM(path, **{**options, **overrides})
 
-    if cpu_kernels == "split":  # the plan asked for, or the runs would show nothing
-        assert make().engine.runner.splits_prompt_rows
-    elif cpu_kernels in KERNELS:  # the kernel asked for runs, not a fallback
-        plans = [getattr(m, "cpu_plan", None) for m in make().engine.model.modules()]
-        assert any(plan is not None and cpu_kernels in plan.kernels for plan in plans), cpu_kernels
+    if cpu_kernels in KERNELS:  # the kernel asked for runs, not a fallback
+        kernels = [getattr(m, "cpu_kernel", None) for m in make().engine.model.modules()]
+        assert cpu_kernels in kernels, cpu_kernels
     target, others = _prompts(seed=len(kind), vocab=500)
     _assert_all_alike(_scenarios(make, target, others))
 
 
 @pytest.mark.parametrize(
     "kind,quantization,cpu_kernels",
-    [("llama", None, "dense"), ("tied", None, "dense"), ("llama", "int8", "dense"), ("llama", "int8", "split")],
+    [("llama", None, "dense"), ("tied", None, "dense"), ("llama", "int8", "dense")],
 )
 def test_cpu_engine_measures_its_invariant_shapes_at_start(
-    tiny_model_dir, tmp_path, monkeypatch, kind: str, quantization: str | None, cpu_kernels: str
+    tiny_model_dir, monkeypatch, kind: str, quantization: str | None, cpu_kernels: str
 ) -> None:
-    """What the invariant paths measure on first use (each weight's GEMM tiles, the attention
-    padding) is measured while the engine starts, not in the first request's time; with
-    prompt rows on a kernel of their own (here dense, whose tiles are measured on first
-    use), that kernel's too."""
+    """What the invariant paths check on first use (each weight's GEMM tiles, the attention
+    padding: which sizes give every row the same bits) is checked while the engine starts,
+    not in the first request's time."""
     monkeypatch.setattr(batch_invariant, "_plans", {})
     monkeypatch.setattr(invariant_sdpa, "_shapes", {})
-    table = _shared_table(cpu_kernels, tmp_path, monkeypatch)
-    llm = LLM(tiny_model_dir(kind), **{**ENGINE, "quantization": quantization, "cpu_kernels": table})
+    llm = LLM(tiny_model_dir(kind), **{**ENGINE, "quantization": quantization, "cpu_kernels": cpu_kernels})
     runner = llm.engine.runner
-    # The rows are stated where the linears split, or the attention's paged kernel serves.
-    assert runner.backend.splits_generated_rows == cpu_paged_decode.available()
-    linears_split = splits_prompt_rows(llm.engine.model.modules())
-    assert linears_split == (cpu_kernels == "split")
-    assert runner.splits_prompt_rows == (linears_split or cpu_paged_decode.available())
+    # The rows are stated where the attention's paged kernel serves generated tokens.
+    assert runner.splits_prompt_rows == runner.backend.splits_generated_rows == cpu_paged_decode.available()
     measured: list[str] = []
 
     def counted(name: str, measure: Callable[..., object]) -> Callable[..., object]:
@@ -201,31 +189,14 @@ def test_cpu_engine_measures_its_invariant_shapes_at_start(
     assert batch_invariant._plans and invariant_sdpa._shapes  # measured, and kept
 
 
-def _shared_table(cpu_kernels: str, tmp_path, monkeypatch) -> str:
-    """A measuring mode (``auto``, ``throughput``; ``split``: ``auto`` on faked timings) on
-    a table of this test's own that every engine of the test reads, measured by the first
-    and saved however busy the machine is (conftest): each engine here is a separate start,
-    and starts that measured apart could choose different kernels (as two server starts
-    could, unless the first saved its table)."""
-    if cpu_kernels == "split":
-        fake_split_times(monkeypatch)
-        cpu_kernels = "auto"
-    if cpu_kernels not in ("auto", "throughput"):
-        return cpu_kernels
-    table = str(tmp_path / "cpu_kernels.json")
-    monkeypatch.setattr(cpu_planner, "default_table_path", lambda: table)
-    return table if cpu_kernels == "auto" else cpu_kernels
-
-
 @pytest.mark.slow
 @needs_smollm2
-def test_default_model_greedy_request_is_the_same_in_any_batch(tmp_path, monkeypatch) -> None:
+def test_default_model_greedy_request_is_the_same_in_any_batch() -> None:
     """SmolLM2 as served by default (its GGUF's own int4/int8 blocks, an int8 head)."""
     smollm2_path()  # skips without the package
-    table = _shared_table("auto", tmp_path, monkeypatch)
 
     def make(**overrides: object) -> LLM:
-        return LLM(None, **{**ENGINE, "dtype": "auto", "cpu_kernels": table, **overrides})
+        return LLM(None, **{**ENGINE, "dtype": "auto", **overrides})
 
     # Shorter than the tiny models' runs: 30 layers of 576 wide on a CPU.
     target, others = _prompts(

@@ -15,18 +15,14 @@ pytestmark = [needs_smollm2, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def offline(session_kernel_table: str) -> LLM:
-    """`LLM()`, built before the server, its CPU kernel times saved in the session's table
-    (however busy the machine is: conftest's ``session_kernel_table``)."""
+def offline() -> LLM:
+    """`LLM()`, built before the server."""
     return LLM()
 
 
 @pytest.fixture(scope="module")
 def server(offline: LLM):
-    """The server reads the kernel table `offline` saved, as two starts on one machine share
-    ~/.cache/cadence's: starts that measured apart could choose differently where two
-    kernels are near a tie, and then give other greedy tokens."""
-    with ServerProcess(None) as process:  # on the session's table (server_harness)
+    with ServerProcess(None) as process:
         yield process
 
 

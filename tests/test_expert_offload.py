@@ -335,11 +335,11 @@ def test_slots_keep_no_copy_of_weights_a_load_replaces(tiny_model_dir) -> None:
     options = {"quantization": "int4", "cpu_kernels": "dense", "expert_offload": "disk"}
     tight = make_llm(path, max_num_seqs=16, expert_cache_size=1, **options)
     tokens = _generate(tight)
-    plans = [(m, m.cpu_plan) for m in tight.engine.model.modules() if isinstance(m, LinearLayer) and m.cpu_plan]
-    slots = [(m, plan) for m, plan in plans if not m.weights_fixed]
-    assert slots and any(m.weights_fixed and plan.kernels[0] == "dense" for m, plan in plans)
-    for layer, plan in slots:
-        assert not plan.all_kernels & set(HELD_KERNELS), layer.prefix
+    kernels = [(m, m.cpu_kernel) for m in tight.engine.model.modules() if isinstance(m, LinearLayer) and m.cpu_kernel]
+    slots = [(m, kernel) for m, kernel in kernels if not m.weights_fixed]
+    assert slots and any(m.weights_fixed and kernel == "dense" for m, kernel in kernels)
+    for layer, kernel in slots:
+        assert kernel not in HELD_KERNELS, layer.prefix
         assert layer.cpu_dense is None and not layer.cpu_half and not layer.cpu_int_dot
     roomy = make_llm(path, max_num_seqs=16, expert_cache_size=4, **options)
     assert _generate(roomy) == tokens

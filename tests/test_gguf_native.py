@@ -21,7 +21,6 @@ from gguf import GGMLQuantizationType as Q
 from cadence import LLM
 from cadence.engine.gguf_loader import SOURCE_FILE, convert_gguf
 from cadence.engine.loader import load_model
-from cadence.engine.quantization import cpu_planner
 from cadence.engine.quantization.cpu_kernels import INT8DOT
 from cadence.engine.quantization.gguf_native import decode_q4, decode_q8_0, int4_from_gguf, int8_from_q8_0
 from cadence.engine.quantization.linear import Int4Linear, Int4Method, Int8Method
@@ -158,39 +157,23 @@ def test_served_with_cpu_kernels_agrees_with_dense(tiny_mixed_gguf) -> None:
 
 
 @pytest.mark.skipif(not int8_dot.hardware_ready(), reason="int8dot needs AVX2")
-def test_auto_may_serve_the_q4_blocks_on_their_own_int8_arithmetic(tiny_mixed_gguf, tmp_path, monkeypatch) -> None:
-    """int8dot is llama.cpp's arithmetic for Q4_0/Q4_1 blocks, so auto (and the modes that
-    rank kernels) may choose it for them, timed as fastest here; precise never does, and
-    the Q8_0 and dense layers never get it."""
-    timed: list[str] = []
+def test_the_q4_blocks_run_llama_cpps_int8_arithmetic_only_when_named(tiny_mixed_gguf) -> None:
+    """int8dot is llama.cpp's arithmetic for Q4_0/Q4_1 blocks: --cpu-kernels int8dot runs it
+    on them (and never on the Q8_0 or dense layers); auto never does, however fast it is."""
 
-    def fake(group: cpu_planner.LayerGroup, name: str, m: int, dtype: torch.dtype) -> float:
-        timed.append(name)
-        return 1.0 if name == INT8DOT else 50.0
-
-    monkeypatch.setattr(cpu_planner, "time_cell", fake)
-    # A table of its own: these times are fake, and the session's table serves other tests.
-    monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "default.json"))
-    for mode in ("auto", "throughput", "fastest", str(tmp_path / "kernels.json"), "precise"):
+    def kernels(mode: str) -> dict[str, str]:
         model, _ = load_model(tiny_mixed_gguf, torch.float32, quantization="gguf", cpu_kernels=mode)
-        plans = {
-            name: m.cpu_plan
+        return {
+            name: m.cpu_kernel
             for name, m in model.named_modules()
-            if isinstance(m, LinearLayer) and m.cpu_plan is not None
+            if isinstance(m, LinearLayer) and m.cpu_kernel is not None
         }
-        q4 = {name for name in plans if name.startswith(("model.layers.0.", "model.layers.1."))}
-        assert len(q4) == 8, mode
-        on_int8 = {name for name, plan in plans.items() if INT8DOT in plan.all_kernels}
-        assert on_int8 == (set() if mode == "precise" else q4), mode
-    assert INT8DOT in timed
-    # Fastest at batch 1 and 4 only: a batched step would pay for it, so auto keeps the finer kernels.
-    monkeypatch.setattr(
-        cpu_planner, "time_cell", lambda group, name, m, dtype: (1.0 if m <= 4 else 60.0) if name == INT8DOT else 50.0
-    )
-    monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "small-batches.json"))
-    model, _ = load_model(tiny_mixed_gguf, torch.float32, quantization="gguf", cpu_kernels="auto")
-    kept = [m.cpu_plan for m in model.modules() if isinstance(m, LinearLayer) and m.cpu_plan is not None]
-    assert kept and not any(INT8DOT in plan.all_kernels for plan in kept)
+
+    named = kernels(INT8DOT)
+    q4 = {name for name in named if name.startswith(("model.layers.0.", "model.layers.1."))}
+    assert len(q4) == 8
+    assert {name for name, kernel in named.items() if kernel == INT8DOT} == q4
+    assert INT8DOT not in kernels("auto").values()
 
 
 def test_a_moved_gguf_still_serves_natively(tiny_mixed_gguf, tmp_path) -> None:

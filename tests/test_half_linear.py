@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.engine.quantization.cpu_kernels import KernelPlan
 from cadence.engine.quantization.cpu_planner import plan_cpu_kernels
 from cadence.engine.quantization.linear import Int8Linear
 from cadence.kernels.batch_invariant import cancellation_probe, measure_tiles
@@ -102,7 +101,8 @@ def test_the_planner_refuses_fp16_for_weights_beyond_its_range(caplog) -> None:
     layer = Int8Linear(*quantize_int8(weight))
     with caplog.at_level(logging.INFO, logger="cadence.engine.quantization.cpu_planner"):
         plan_cpu_kernels([layer], torch.float32, "fp16")
-    assert layer.cpu_plan == KernelPlan.fixed("packed") and not layer.cpu_half
+    # auto's choice instead, without fp16
+    assert layer.cpu_kernel == ("bf16dot" if available(BF16DOT) else "dense") and "fp16" not in layer.cpu_half
     assert "no fp16" in caplog.text and "fp16's range" in caplog.text
     x = torch.randn(4, 96)
     assert torch.isfinite(layer(x)).all()
@@ -110,9 +110,10 @@ def test_the_planner_refuses_fp16_for_weights_beyond_its_range(caplog) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_activations_are_not_offered_half_kernels(fmt: HalfFormat) -> None:
+    """The half kernels take fp32 activations: a bf16 model runs auto's choice, its dense copy in bf16."""
     layer = Int8Linear(*quantize_int8(torch.randn(64, 96)))
     plan_cpu_kernels([layer], torch.bfloat16, fmt.name)
-    assert layer.cpu_plan == KernelPlan.fixed("packed") and not layer.cpu_half
+    assert layer.cpu_kernel == "dense" and layer.cpu_dense_dtype == torch.bfloat16 and not layer.cpu_half
 
 
 def test_the_tile_check_sees_an_order_change_through_a_rounded_output() -> None:

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.engine.quantization import cpu_planner
-from cadence.engine.quantization.cpu_kernels import INT8DOT, INT8X2DOT, KernelPlan
+from cadence.engine.quantization.cpu_kernels import INT8DOT, INT8X2DOT
 from cadence.engine.quantization.linear import Int4Linear, Int4Method
 from cadence.engine.quantization.method import LinearLayer
 from cadence.kernels import int8_dot, int8_quantize
@@ -244,24 +243,15 @@ def test_an_int4_layer_on_an_integer_kernel_reads_its_own_codes(group_size: int,
 
 @needs_int8dot
 @pytest.mark.parametrize("kernel", [INT8X2DOT, INT8DOT])
-def test_only_a_user_who_names_an_integer_kernel_gets_it(tiny_model_dir, tmp_path, monkeypatch, kernel: str) -> None:
-    """However fast they time, auto, throughput and fastest neither time nor choose the
-    integer kernels; --cpu-kernels KERNEL runs it on every int4 projection."""
-    timed: list[str] = []
-
-    def fake(group: cpu_planner.LayerGroup, name: str, m: int, dtype: torch.dtype) -> float:
-        timed.append(name)
-        return 1.0 if name in (INT8X2DOT, INT8DOT) else 50.0
-
-    monkeypatch.setattr(cpu_planner, "time_cell", fake)
-    # A table of its own: these times are fake, and the session's table serves other tests.
-    monkeypatch.setattr(cpu_planner, "default_table_path", lambda: str(tmp_path / "default.json"))
-    for mode in ("auto", "precise", "throughput", "fastest", str(tmp_path / "kernels.json")):
-        model = load_llama(tiny_model_dir("llama"), torch.float32, "cpu", "int4", cpu_kernels=mode)
-        plans = [m.cpu_plan for m in model.modules() if isinstance(m, LinearLayer) and m.cpu_plan is not None]
-        assert plans and not any(plan.all_kernels & {INT8X2DOT, INT8DOT} for plan in plans), mode
-    assert timed and not {INT8X2DOT, INT8DOT} & set(timed)
+def test_only_a_user_who_names_an_integer_kernel_gets_it(tiny_model_dir, monkeypatch, kernel: str) -> None:
+    """auto neither offers the integer kernels (nor asks the hardware, which compiles them)
+    nor runs them; --cpu-kernels KERNEL runs it on every int4 projection."""
+    with monkeypatch.context() as patch:
+        patch.setattr(int8_dot, "hardware_ready", lambda: pytest.fail("auto compiled an integer kernel"))
+        model = load_llama(tiny_model_dir("llama"), torch.float32, "cpu", "int4", cpu_kernels="auto")
+    kernels = [m.cpu_kernel for m in model.modules() if isinstance(m, LinearLayer) and m.cpu_kernel is not None]
+    assert kernels and not {INT8X2DOT, INT8DOT} & set(kernels)
     model = load_llama(tiny_model_dir("llama"), torch.float32, "cpu", "int4", cpu_kernels=kernel)
-    layers = [m for m in model.modules() if isinstance(m, LinearLayer) and m.cpu_plan is not None]
+    layers = [m for m in model.modules() if isinstance(m, LinearLayer) and m.cpu_kernel is not None]
     assert len(layers) == 4 * len(model.model.layers)
-    assert all(m.cpu_plan == KernelPlan.fixed(kernel) and list(m.cpu_int_dot) == [kernel] for m in layers)
+    assert all(m.cpu_kernel == kernel and list(m.cpu_int_dot) == [kernel] for m in layers)

@@ -33,7 +33,6 @@ from cadence.engine.quantization import (
 )
 from cadence.engine.quantization import cpu_kernels as cpu_kernels_module
 from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_transposed, unpack_cpu_int4
-from cadence.engine.quantization.cpu_kernels import KernelPlan
 from cadence.kernels import int8_dot, w4a16
 from cadence.kernels.half_linear import BF16, FP16, available
 from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
@@ -59,7 +58,7 @@ def test_int8_linear_cpu_kernels_match_reference(path: str, bias: bool, monkeypa
     kernel = path.split()[0]
     lin = make_linear(96, 160, bias, seed=1)
     mod = Int8Linear.from_linear(lin)
-    mod.cpu_plan = KernelPlan.fixed(kernel)
+    mod.cpu_kernel = kernel
     assert isinstance(mod.method, Int8Method)
     if kernel == "dense":
         mod.method.hold_dense(mod, torch.float32)
@@ -79,7 +78,7 @@ def test_int8_linear_cpu_kernels_match_reference(path: str, bias: bool, monkeypa
     assert rel_err(out, ref) < (CPU_PATH_TOL if kernel == "packed" else 1e-6)
     assert rel_err(out, lin(x)) < 2e-2
     if kernel == "dense":  # the kept copy and the per-call one are the same bits
-        mod.cpu_plan = KernelPlan.fixed("dequant")
+        mod.cpu_kernel = "dequant"
         assert torch.equal(mod(x), out)
 
 
@@ -138,18 +137,18 @@ def test_int4_linear_cpu_dense_kernels_unpack_the_packed_bytes(
     assert method.cpu_kernels(mod) == ("packed", "dequant", "dense", "fp16", "bf16", "bf16dot", *integer)
     x = torch.randn(40, 256).to(dtype)
     packed = method.packed_matmul(mod, x) + lin.bias.to(dtype)
-    mod.cpu_plan = KernelPlan.fixed("dequant")
+    mod.cpu_kernel = "dequant"
     dequant = mod(x)
     assert dequant.dtype == dtype
     assert rel_err(dequant, packed) < CPU_PATH_TOL  # same weights; the packed op rounds x to bf16
     assert rel_err(dequant, lin(x.float())) < 0.2
     method.hold_dense(mod, dtype)
-    mod.cpu_plan = KernelPlan.fixed("dense")
+    mod.cpu_kernel = "dense"
     assert torch.equal(mod(x), dequant)
     if not available(FP16):
         return
     # fp16: the same unpacked values rounded to fp16, summed in fp32 (activations cast to fp32).
-    mod.cpu_plan = KernelPlan.fixed("fp16")
+    mod.cpu_kernel = "fp16"
     fp16 = mod(x)
     dense_fp32 = method.dense_chunk_maker(mod, torch.float32)(0, 192)
     bias = lin.bias.double()
@@ -162,7 +161,7 @@ def test_int4_linear_cpu_dense_kernels_unpack_the_packed_bytes(
     if not available(BF16):
         return
     # bf16: those values and the activations rounded to bf16, summed in fp32, rounded to bf16.
-    mod.cpu_plan = KernelPlan.fixed("bf16")
+    mod.cpu_kernel = "bf16"
     bf16 = mod(x)
     rounded = x.bfloat16().double() @ dense_fp32.bfloat16().double().t() + bias
     assert bf16.dtype == dtype and rel_err(bf16.double(), rounded) < 1e-2

@@ -24,8 +24,7 @@ may differ from its parent's, but every row in it is still computed alone.
 The kernel's bits differ from SDPA's, so a token's attention must not switch between the
 two with its batch: the backend runs this kernel for the rows of generated tokens
 (positions from the prompt's length on), in decode steps and in a recomputed prefill
-alike, and SDPA for prompt tokens' rows, as the CPU linears split their kernels
-(``quantization/prompt_rows.py``).
+alike, and SDPA for prompt tokens' rows.
 """
 
 from __future__ import annotations

@@ -249,7 +249,6 @@ class LlamaForCausalLM(nn.Module):
                 shard_names=(LM_HEAD,),
                 prefix=LM_HEAD,
             )
-            self.lm_head.token_rows = False  # it maps the sampled rows only
             if config.tie_word_embeddings and isinstance(head, Int8Method):
                 self.model.embed_tokens = Int8Embedding(self.lm_head)
 

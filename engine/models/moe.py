@@ -126,8 +126,6 @@ class SparseMoeBlock(nn.Module):
             self.intermediate_size,
             shard_names=self.expert_names,
         )
-        for layer in (mlp.gate_up_proj, mlp.down_proj):
-            layer.token_rows = False  # an expert sees the tokens routed to it, not the step's rows
         return mlp
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,10 @@
-"""The kernels a quantized linear layer can run on CPU, and the plan that picks one per batch size.
+"""The kernels a quantized linear layer can run on CPU.
 
 Eight ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
 
 * ``packed``: torch's packed op (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
-  with bf16 activations. It reads the quantized bytes directly, so it wins where a step is
-  bound by weight bytes (small M), and is compute-bound and slow at large M.
+  with bf16 activations. It reads the quantized bytes directly, so it is fast where a step
+  is bound by weight bytes (small M), and compute-bound and slow at large M.
 * ``dequant``: the weight is made dense in the activation dtype for this call only, a
   chunk of output rows at a time (``DEQUANT_CHUNK_ELEMENTS``), and multiplied with the
   dense BLAS matmul at batch-invariant tile sizes (``kernels/batch_invariant.py``, as
@@ -13,41 +13,36 @@ Eight ways to compute ``x @ W.T`` for an int8 or int4 weight on CPU:
   at the cost of the dense weight's memory.
 * ``fp16``: the same dense chunks rounded to fp16 once and kept for fbgemm's fp16 GEMM
   (``kernels/half_linear.py``), fp32 arithmetic at batch-invariant tile sizes: half the
-  bytes of ``dense`` to read at small M, and on some CPUs the fastest GEMM at large M.
-  Only with fp32 activations, on builds with fbgemm.
+  bytes of ``dense`` to read. Only with fp32 activations, on builds with fbgemm.
 * ``bf16``: the same chunks rounded to bf16 once and kept in oneDNN's blocked layout for
   its bf16 GEMM (``kernels/half_linear.py``), bf16 activations and output like
-  ``packed``: as few bytes to read as ``fp16``, and bf16 arithmetic. Only with fp32
-  activations, on CPUs with bf16 instructions.
+  ``packed``. Only with fp32 activations, on CPUs with bf16 instructions.
 * ``bf16dot``: the same bf16 rounding and dot products in Cadence's own GEMM
   (``kernels/bf16_dot.py``), each row summed in one fixed order at any M and an fp32
   output: no tiles, no padding of a batch-1 call. Only with fp32 activations, on CPUs with
   AVX512-BF16.
 * ``int8x2dot`` and ``int8dot``: for int4 weights, Cadence's own integer GEMM
   (``kernels/int8_dot.py``): the weight's own 4-bit codes, exact integer dot products
-  per block of 32, each row summed in one fixed order at any M. Three quarters of a byte
-  per weight to read (codes, and a scale and offset per 32) and four times the
-  multiply-adds of fp32 per instruction on AVX2. The
-  activations are quantized per block of 32 in two int8 levels (``int8x2dot``: finer
-  than bf16's rounding, twice the integer work) or one (``int8dot``, as llama.cpp does:
-  it changes some greedy tokens). Only with fp32 activations, on CPUs with AVX2, and
-  only where ``--cpu-kernels`` names them (``cpu_planner.OPT_IN_KERNELS``), or, for
-  ``int8dot``, where it is the weight format's own arithmetic (a GGUF's Q4 blocks:
-  ``QuantizedMethod.format_kernels``) and ``auto`` finds it fastest.
+  per block of 32, each row summed in one fixed order at any M. The activations are
+  quantized per block of 32 in two int8 levels (``int8x2dot``: finer than bf16's rounding)
+  or one (``int8dot``, as llama.cpp computes its 4-bit blocks: it changes some greedy
+  tokens). Only with fp32 activations, on CPUs with AVX2, and only where
+  ``--cpu-kernels`` names them.
 
 ``dense`` and ``dequant`` run the same matmul calls on bit-identical chunks, so they give
 the same bits; ``packed`` rounds activations to bf16, ``fp16`` weights to fp16,
 ``bf16`` and ``bf16dot`` both, and ``int8x2dot`` and ``int8dot`` quantize activations;
-each gives bits of its own. Which kernel serves which M is measured on the machine
-(``cpu_planner.py``) and held per layer as a ``KernelPlan``. A layer with no plan runs its
-format's first kernel at every M (``packed``; the int8 LM head, whose logits must not be
-rounded to bf16, has no ``packed``).
+each gives bits of its own. So which kernel a layer runs decides the model's numerics,
+and ``cpu_planner.py`` chooses it by rule, never by timing. A layer runs its one kernel
+for every row at any M (each sums a row in an order of its own that the batch does not
+change), so greedy output is batch invariant. A layer with no kernel chosen runs its
+format's first (``packed``; the int8 LM head, whose logits must not be rounded to bf16,
+has no ``packed``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -63,79 +58,10 @@ INT_DOT_LEVELS = {INT8X2DOT: 2, INT8DOT: 1}
 HALF_KERNELS = (FP16, BF16, BF16DOT)
 # The kernels that read a copy made once and kept (memory the planner budgets).
 HELD_KERNELS = (DENSE, *HALF_KERNELS, *INT_DOT_LEVELS)
-# The batch sizes the planner measures; a step's M takes the choice of the nearest one
-# (on a log scale), so a 2048-token prefill takes 256's, where the per-row cost has settled.
-BUCKETS = (1, 4, 16, 64, 256)
 # The per-call dense copy is made this many weights at a time (output rows in chunks): a
 # vocabulary-sized head dequantized whole is a temporary freshly mapped and page-faulted on
 # every call, several times slower than chunks of this size (bench/RESULTS.md).
 DEQUANT_CHUNK_ELEMENTS = 1 << 21
-
-
-# The kernels with numerics of their own; the rest (dequant, dense) share "dense".
-_NUMERICS = {
-    PACKED: "bf16-packed",
-    FP16: "fp16",
-    BF16: "bf16",
-    BF16DOT: "bf16dot",
-    INT8X2DOT: "int8x2",
-    INT8DOT: "int8",
-}
-
-
-def numerics(kernel: str) -> str:
-    """Kernels with the same numerics give the same bits for the same row."""
-    return _NUMERICS.get(kernel, "dense")
-
-
-@dataclass(frozen=True)
-class KernelPlan:
-    """The kernel for each batch size of one layer: ``kernels[i]`` serves the M nearest
-    ``BUCKETS[i]``. With ``prompt`` set, the rows of prompt tokens in a step run that kernel
-    instead, at any M (``prompt_rows.py``), and ``kernels`` serve the generated tokens' rows."""
-
-    kernels: tuple[str, ...]
-    prompt: str | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.kernels) != len(BUCKETS) or not set(self.kernels) <= set(KERNELS):
-            raise ValueError(f"a plan names one of {KERNELS} for each of the buckets {BUCKETS}: {self.kernels}")
-        if self.prompt is not None and self.prompt not in KERNELS:
-            raise ValueError(f"a prompt kernel is one of {KERNELS}, got {self.prompt!r}")
-
-    @classmethod
-    def fixed(cls, kernel: str) -> KernelPlan:
-        return cls((kernel,) * len(BUCKETS))
-
-    def with_prompt(self, kernel: str) -> KernelPlan:
-        return KernelPlan(self.kernels, kernel)
-
-    @property
-    def all_kernels(self) -> set[str]:
-        """Every kernel the plan runs, the prompt rows' included."""
-        return set(self.kernels) | ({self.prompt} if self.prompt else set())
-
-    def kernel_for(self, m: int) -> str:
-        for bound, kernel in zip(_BOUNDS, self.kernels):
-            if m <= bound:
-                return kernel
-        return self.kernels[-1]
-
-    @property
-    def batch_invariant(self) -> bool:
-        """Whether every M gets the same numerics, so a row's bits do not depend on its batch."""
-        return len({numerics(k) for k in self.kernels}) == 1
-
-    def describe(self) -> str:
-        if len(set(self.kernels)) == 1:
-            text = self.kernels[0]
-        else:
-            text = ", ".join(f"M~{b}: {k}" for b, k in zip(BUCKETS, self.kernels))
-        return text if self.prompt is None else f"{text}; prompt tokens {self.prompt}"
-
-
-# Upper M of each bucket but the last: the geometric midpoints between neighbours.
-_BOUNDS = tuple(int((a * b) ** 0.5) for a, b in zip(BUCKETS, BUCKETS[1:]))
 
 ChunkMaker = Callable[[int, int], torch.Tensor]  # (start, stop) -> W[start:stop], dense and contiguous
 

@@ -46,7 +46,6 @@ from cadence.engine.gguf_loader import (
 )
 from cadence.engine.models.weight_names import FUSED_SHARDS, fused_suffix
 from cadence.engine.quantization.checkpoint import concat_int4
-from cadence.engine.quantization.cpu_kernels import INT8DOT
 from cadence.engine.quantization.linear import Int4Method, Int8Method
 from cadence.engine.quantization.method import (
     DenseMethod,
@@ -231,11 +230,6 @@ class _FromFile(QuantMethod):
 
 class GgufInt4Method(_FromFile, Int4Method):
     """Q4_0/Q4_1 shards straight into the int4 layout (group 32), joined along N."""
-
-    # llama.cpp, the format's reference, multiplies Q4_0/Q4_1 blocks by activations
-    # quantized to int8 per block of 32 (Q8_0/Q8_1): int8dot's arithmetic, its block scales
-    # kept in fp32 where llama.cpp rounds them to fp16.
-    format_kernels = (INT8DOT,)
 
     def __init__(self, source: GgufSource, device: torch.device) -> None:
         super().__init__(BLOCK, symmetric=False)

@@ -5,9 +5,8 @@ Both hold the packed layouts of ``cadence.kernels.quant_formats`` as buffers on 
 ``LinearLayer`` and dispatch by device:
 
 * CUDA: the Triton GEMMs ``w8a16_matmul`` / ``w4a16_matmul``.
-* CPU: the torch kernels of ``cpu_kernels`` (packed op, per-call or held dense copy), one
-  per batch size as the layer's ``KernelPlan`` says (``cpu_planner`` measures), and one for
-  the step's prompt-token rows where the plan has it (``prompt_rows``), never the Triton
+* CPU: the kernels of ``cpu_kernels`` (packed op, per-call or held dense copy, the half
+  and integer GEMMs), the one ``cpu_planner`` chose by rule for every row, never the Triton
   interpreter, even when the test suite sets ``TRITON_INTERPRET=1``. ``Int4Method``
   converts a CPU weight once, after loading, into the layout ``_weight_int4pack_mm_for_cpu``
   reads and then drops the Cadence-layout copy, so the weight is held once, not twice.
@@ -26,7 +25,6 @@ import logging
 import torch
 from torch import nn
 
-from cadence.engine.quantization import prompt_rows
 from cadence.engine.quantization.cpu_int4_layout import (
     dequantize_cpu_int4_transposed,
     matching_block_n,
@@ -82,11 +80,6 @@ class QuantizedMethod(DenseMethod):
     the activation dtype, a kernel on CUDA and a torch path on CPU, bias added last.
     Loading stages a dense weight (``DenseMethod``) that ``process_after_loading`` quantizes."""
 
-    # Kernels whose arithmetic is the weight format's own: its reference implementation
-    # quantizes activations the same way, so ``--cpu-kernels auto`` may choose them where
-    # they are fastest (``precise`` never does).
-    format_kernels: tuple[str, ...] = ()
-
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, layer.in_features)
@@ -99,27 +92,9 @@ class QuantizedMethod(DenseMethod):
         raise NotImplementedError
 
     def cpu_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
-        plan = layer.cpu_plan
-        if plan is None:
-            return self.run_cpu_kernel(layer, x2, self.cpu_kernels(layer)[0])
-        prompt = plan.prompt if layer.token_rows else None
-        rows = prompt_rows.current() if prompt is not None else None
-        if prompt is None or rows is None:  # one kernel family, or no step stated (a warm-up)
-            return self.run_cpu_kernel(layer, x2, plan.kernel_for(x2.shape[0]))
-        if rows.num_rows != x2.shape[0]:
-            raise RuntimeError(f"{layer.prefix}: {x2.shape[0]} rows in a step of {rows.num_rows} tokens")
-        kernels = [
-            (start, stop, prompt if is_prompt else plan.kernel_for(stop - start))
-            for start, stop, is_prompt in rows.runs
-        ]
-        if len(kernels) == 1:  # a step of one kind of row: no output to assemble
-            return self.run_cpu_kernel(layer, x2, kernels[0][2])
-        out = torch.empty(x2.shape[0], layer.out_features, dtype=x2.dtype)
-        for start, stop, kernel in kernels:
-            out[start:stop] = self.run_cpu_kernel(layer, x2[start:stop], kernel)
-        return out
+        return self.run_cpu_kernel(layer, x2, layer.cpu_kernel or self.cpu_kernels(layer)[0])
 
-    # ---- the CPU kernels (cpu_kernels.py): what the planner times and the plan picks from
+    # ---- the CPU kernels (cpu_kernels.py): what the planner chooses from
 
     def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:
         """The kernels of ``cpu_kernels.py`` this layer can run, the one for a layer without a

@@ -29,7 +29,7 @@ from torch import nn
 from cadence.kernels.batch_invariant import invariant_linear
 
 if TYPE_CHECKING:
-    from cadence.engine.quantization.cpu_kernels import HeldHalf, KernelPlan
+    from cadence.engine.quantization.cpu_kernels import HeldHalf
     from cadence.kernels.int8_dot import DotWeight
 
 
@@ -103,14 +103,13 @@ class LinearLayer(nn.Module):
     cpu_group_size: int
     dense_dtype: torch.dtype  # the dtype the staged dense weight was loaded in
     pending: list[dict[str, torch.Tensor]]  # packed checkpoint tensors per shard, until processed
-    # CPU, quantized methods: which kernel serves each batch size (cpu_kernels.py; None:
-    # the format's first kernel at every M), and the dense copy the "dense" kernel reads, if held.
-    cpu_plan: KernelPlan | None
+    # CPU, quantized methods: the kernel every row runs (cpu_kernels.py, chosen by cpu_planner.py;
+    # None: the format's first), and the dense copy the "dense" kernel reads, if held.
+    cpu_kernel: str | None
     cpu_dense: Callable[[int, int], torch.Tensor] | None
     cpu_dense_dtype: torch.dtype | None
     cpu_half: dict[str, HeldHalf]  # the packed chunks of the half kernels ("fp16", "bf16") held
     cpu_int_dot: dict[str, DotWeight]  # the packed codes the integer kernels ("int8x2dot", "int8dot") held
-    token_rows: bool
     weights_fixed: bool
 
     def __init__(
@@ -136,13 +135,9 @@ class LinearLayer(nn.Module):
             self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device), requires_grad=False)
         method.create_weights(self, input_size, self.output_sizes, dtype, device)
         self.loaded: set[tuple[int, str]] = set()  # (shard, tensor name) seen while loading
-        self.cpu_plan, self.cpu_dense, self.cpu_dense_dtype = None, None, None
+        self.cpu_kernel, self.cpu_dense, self.cpu_dense_dtype = None, None, None
         self.cpu_half = {}
         self.cpu_int_dot = {}
-        # Whether the input holds the step's token rows in order (the decoder's projections),
-        # so that a CPU plan may run prompt tokens' rows on a kernel of their own; not so
-        # for the LM head (sampled rows) or routed experts (their tokens only).
-        self.token_rows = True
         # Whether the weights stay the layer's own for the model's life, so copies made from
         # them once (the CPU planner's held kernels) stay right; not so for an offloaded
         # expert slot, which takes another expert's weights at every load.
