@@ -31,10 +31,11 @@ def test_default_model_answers_a_chat_question(server) -> None:
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
     raw = client.chat.completions.with_raw_response.create(
         model="SmolLM2-135M-Instruct",
-        # Not the bare question: for this 135M model its first token is a near-tie ("The"
-        # 0.145 against "L" 0.139 in fp32), which llama.cpp's own arithmetic for these Q4_1
-        # blocks (int8dot, auto's choice with AVX2 only) tips into French; this one leads
-        # 0.54 to 0.12 under every CPU kernel.
+        # The README's question. The bare one's first token is a near-tie for this 135M
+        # model ("The" 0.145 against "L" 0.139 in fp32), which llama.cpp's arithmetic for
+        # these Q4_1 blocks (--cpu-kernels int8dot) tips into French; this one leads 0.54
+        # to 0.12 under every CPU kernel. The bare one, under auto's kernels:
+        # test_default_model_numerics.py.
         messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
         max_tokens=32,
         temperature=0,
