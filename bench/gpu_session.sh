@@ -3,7 +3,7 @@
 # limit), output under $OUT. Record what it prints in bench/RESULTS.md with the device name.
 #
 #   bash bench/gpu_session.sh tests     # the test files that hold CUDA tests (CPU CI skips those)
-#   bash bench/gpu_session.sh kernels   # bench/kernels.py quant + attention sections, quick sizes
+#   bash bench/gpu_session.sh kernels   # bench/gpu_kernels.py quant + attention sections, quick sizes
 #   bash bench/gpu_session.sh decode    # bench/gpu_decode.py at Llama-8B shapes, graphs only
 #   bash bench/gpu_session.sh invariant # what --batch-invariant costs at batch 1/16/64 (gpu_decode.py)
 #   bash bench/gpu_session.sh serve     # `cadence serve`, 8B-shaped: batch 1-256, graphs/eager, bf16/int8/int4
@@ -49,7 +49,7 @@ case "$stage" in
         ;;
     kernels)
         # M from 1 to 256 for the quantized GEMMs: the "never slower than dense" target's range.
-        python3 bench/kernels.py --only ceilings quant attention --quick --m 1 2 3 4 8 16 64 256 \
+        python3 bench/gpu_kernels.py --only ceilings quant attention --quick --m 1 2 3 4 8 16 64 256 \
             --budget-s "${KERNELS_BUDGET_S:-500}" --out "$out" 2>&1 \
             | tee "$out/kernels.log"
         ;;

@@ -22,7 +22,7 @@ from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize
 
 # Rows from which the wrappers take this path. Decode batches stay below it (CUDA graphs
 # capture at most 256 rows, and a transient weight inside a graph would pin its memory);
-# prefill chunks (typically 512-8192 tokens) take it. Not yet tuned on a GPU: bench/kernels.py
+# prefill chunks (typically 512-8192 tokens) take it. Not yet tuned on a GPU: bench/gpu_kernels.py
 # times both paths from M = 256.
 DEQUANT_MIN_M = 512
 BLOCK_N = 128

@@ -32,7 +32,7 @@ def as_rows(x: torch.Tensor, n: int, out: torch.Tensor | None) -> tuple[torch.Te
 # Llama-8B's o_proj and down_proj (N = 4096, BLOCK_N 64 or 128) are 32-64 programs: most
 # of an H100's 132 SMs sit idle and each program walks all of K alone. The split aims for
 # two programs per SM, one full wave. On an H100 it made int8 about twice as fast at
-# M = 3-16 (bench/kernels.py's "unsplit" columns); the target of two per SM has not been
+# M = 3-16 (bench/gpu_kernels.py's "unsplit" columns); the target of two per SM has not been
 # swept.
 TILED_PROGRAMS_PER_SM = 2
 # Each split writes its fp32 partials and the last program reads them back: 8 bytes per

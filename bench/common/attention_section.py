@@ -1,4 +1,4 @@
-"""bench/kernels.py's attention section: paged decode over fp16/int8/fp8 KV caches, split-KV against one split."""
+"""bench/gpu_kernels.py's attention section: paged decode over fp16/int8/fp8 KV caches, split-KV against one split."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""GPU timing for bench/kernels.py and bench/gpu_decode.py: CUDA-graph replays and the ceilings.
+"""GPU timing for bench/gpu_kernels.py and bench/gpu_decode.py: CUDA-graph replays and the ceilings.
 
-Nothing here imports triton at module level: kernels.py must set TRITON_INTERPRET (CPU
+Nothing here imports triton at module level: gpu_kernels.py must set TRITON_INTERPRET (CPU
 smoke runs) before triton loads.
 """
 

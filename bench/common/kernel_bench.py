@@ -1,4 +1,4 @@
-"""What every section of bench/kernels.py shares: the sizes, and check-then-time into the report."""
+"""What every section of bench/gpu_kernels.py shares: the sizes, and check-then-time into the report."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The rest of bench/kernels.py's machinery: importing cadence, checking, the report.
+"""The rest of bench/gpu_kernels.py's machinery: importing cadence, checking, the report.
 
-Kept apart so kernels.py holds only what is benchmarked. Nothing here imports triton at
-module level: kernels.py must set TRITON_INTERPRET (CPU smoke runs) before triton loads.
+Kept apart so gpu_kernels.py holds only what is benchmarked. Nothing here imports triton at
+module level: gpu_kernels.py must set TRITON_INTERPRET (CPU smoke runs) before triton loads.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""bench/kernels.py's moe section: fused MoE (dense / int8 / int4 experts) against a plain-torch per-expert loop."""
+"""bench/gpu_kernels.py's moe section: fused MoE (dense / int8 / int4 experts) against a plain-torch per-expert loop."""
 
 from __future__ import annotations
 

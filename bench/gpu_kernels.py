@@ -1,11 +1,11 @@
 """Benchmark Cadence's Triton kernels on a GPU against ceilings measured on the same device.
 
-    python bench/kernels.py --out DIR               # everything; --budget-s (540) keeps it in 10 min
-    python bench/kernels.py --quick --only quant    # fewer sizes, one section
-    TRITON_INTERPRET=1 python bench/kernels.py --smoke   # CPU: tiny shapes, checks only
+    python bench/gpu_kernels.py --out DIR               # everything; --budget-s (540) keeps it in 10 min
+    python bench/gpu_kernels.py --quick --only quant    # fewer sizes, one section
+    TRITON_INTERPRET=1 python bench/gpu_kernels.py --smoke   # CPU: tiny shapes, checks only
 
 On the lent GPU machine (no `pip install` there; the script imports this checkout itself):
-    set -o pipefail; PYTHONUNBUFFERED=1 python3 bench/kernels.py --out $OUT 2>&1 | tee $OUT/log
+    set -o pipefail; PYTHONUNBUFFERED=1 python3 bench/gpu_kernels.py --out $OUT 2>&1 | tee $OUT/log
 
 Sections (each case is checked against the kernel module's ``reference()`` on fresh
 random inputs, output pre-filled with NaN, before it is timed):
