@@ -15,6 +15,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The Python processes tests start (servers as `python -m cadence.server.cli`, snippets as
+# `python -c`) would put their working folder, the repository root, first on sys.path,
+# where our kernels/ hides the PyPI package `kernels` that transformers imports. With a
+# safe path they import only what is installed, as `cadence serve` does.
+os.environ["PYTHONSAFEPATH"] = "1"
+
 import pytest
 
 from tiny_models import make_tiny_model
