@@ -184,7 +184,7 @@ class EngineCore:
         )
 
     def close(self) -> None:
-        """Release what outlives the process: a KV transport's exported memory."""
+        """Stop exporting KV and release what the transport holds (memory, sockets, agents)."""
         if self.runner.kv_transport is not None:
             self.runner.kv_transport.close()
 

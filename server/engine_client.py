@@ -33,7 +33,6 @@ from transformers import PreTrainedTokenizerBase
 
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.kv_transfer.coordinator import Coordinator, NoEngineError
-from cadence.engine.kv_transfer.factory import discard_source
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
 from cadence.engine.protocol import (
@@ -341,8 +340,6 @@ class AsyncEngineClient:
             lost = list(self._in_flight)
         else:
             lost = self.coordinator.remove_engine(slot.name)
-            if slot.owns_process and slot.info is not None and slot.info.kv_source is not None:
-                discard_source(slot.info.kv_source)  # a killed engine could not
         self._fail(lost, EngineDeadError(reason))
 
     def on_ready(self, slot: Slot) -> None:

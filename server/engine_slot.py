@@ -47,7 +47,6 @@ class Slot(Protocol):
 
     name: str
     role: str  # "colocated", "prefill" or "decode"
-    owns_process: bool  # started here, so what it leaves behind is ours to clean up
     info: EngineReady | None
     stats: EngineStats
     counters: SlotCounters
@@ -100,8 +99,6 @@ class SlotCounters:
 
 class EngineSlot:
     """Runs one engine process at a time under `name`, restarting it by `policy`."""
-
-    owns_process = True
 
     def __init__(
         self,

@@ -69,8 +69,6 @@ def fetch_worker_info(url: str, timeout: float) -> dict:
 class RemoteSlot:
     """Drives the engine of the worker at `url`, whose role must be `role`."""
 
-    owns_process = False
-
     def __init__(
         self, url: str, role: str, context: zmq.asyncio.Context, listener: SlotListener, timing: LinkTiming
     ) -> None:

@@ -58,9 +58,12 @@ class ServerProcess:
         host: str = "127.0.0.1",
         port: int | None = None,
         wrapper: tuple[str, ...] = (),
+        new_group: bool = False,
     ) -> None:
         """`env` adds to (or overrides) this process's environment for the server;
-        `command` is the cadence subcommand; `wrapper` runs it (say, in a network namespace)."""
+        `command` is the cadence subcommand; `wrapper` runs it (say, in a network namespace);
+        `new_group` makes the server lead a process group of its own (with its engines), so
+        a test can signal all of it and nothing of pytest."""
         self.host = host
         self.port = port or free_port()
         # What /metrics needs: a server started with --protect-metrics wants the API key.
@@ -73,7 +76,11 @@ class ServerProcess:
         self.log_path = f"/tmp/cadence-test-server-{self.port}.log"
         self._log = open(self.log_path, "w+b")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=None if env is None else {**os.environ, **env}
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env},
+            start_new_session=new_group,
         )
         self._wait_healthy(startup_timeout)
 

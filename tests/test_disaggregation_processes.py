@@ -3,13 +3,13 @@
 The engines run the real engine loop (engine/core_process.py) behind ZMQ, and the
 `Coordinator` routes between them, as a router would. Greedy tokens must equal one
 colocated engine's, and stay equal when the prefill process is killed mid-flight: its
-prompts are then computed on the decode engine.
+prompts are then computed on the decode engine. Once the engines are gone, nothing holds
+their shared-memory KV.
 """
 
 from __future__ import annotations
 
 import asyncio
-import glob
 import os
 import signal
 import tempfile
@@ -20,16 +20,19 @@ import zmq.asyncio
 
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.kv_transfer.coordinator import Coordinator, Phase
-from cadence.engine.kv_transfer.factory import discard_source
 from cadence.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineDead, Message
 from cadence.server.engine_process import EngineDeadError, EngineProcess
+from shm_checks import dev_shm_files, holders
 from test_disaggregation import SETTINGS, Logprobs, Tokens, engine, workload
 
 pytestmark = pytest.mark.slow  # three engine processes start
 
 
-async def serve(model: str, requests: list[EngineCoreRequest], kill_prefill_at_step: int | None) -> Tokens:
-    """Run `requests` through one prefill and one decode process; the decode side's tokens."""
+async def serve(
+    model: str, requests: list[EngineCoreRequest], kill_prefill_at_step: int | None, pids: list[int]
+) -> Tokens:
+    """Run `requests` through one prefill and one decode process (their pids go to `pids`);
+    the decode side's tokens."""
     send_context, recv_context = zmq.Context(), zmq.asyncio.Context()
     processes: dict[str, EngineProcess] = {}
     with tempfile.TemporaryDirectory() as sockets:
@@ -38,6 +41,7 @@ async def serve(model: str, requests: list[EngineCoreRequest], kill_prefill_at_s
                 args = EngineArgs(model, **{**SETTINGS, "kv_role": role, "kv_transport": "shared-memory"})  # type: ignore[arg-type]
                 processes[f"{role}-0"] = EngineProcess(args, sockets, generation, send_context, recv_context)
             readies = {name: await process.wait_ready(120) for name, process in processes.items()}
+            pids.extend(p.process.pid for p in processes.values() if p.process.pid is not None)
 
             def send(engine_id: str, message: Message) -> None:
                 process = processes.get(engine_id)
@@ -88,9 +92,6 @@ async def serve(model: str, requests: list[EngineCoreRequest], kill_prefill_at_s
                     victim.process.join(10)
                     receivers.pop("prefill-0").cancel()
                     coordinator.remove_engine("prefill-0")
-                    source = readies["prefill-0"].kv_source
-                    assert source is not None
-                    discard_source(source)  # as the server does for an engine that could not
                     await victim.stop(1)
             for future in receivers.values():
                 future.cancel()
@@ -124,7 +125,9 @@ def colocated(model: str) -> Tokens:
 
 @pytest.mark.parametrize("kill_prefill_at_step", [None, 3])
 def test_engine_processes_match_colocated(model: str, colocated: Tokens, kill_prefill_at_step: int | None) -> None:
-    before = set(glob.glob("/dev/shm/cadence-kv-*"))
-    tokens = asyncio.run(serve(model, workload(), kill_prefill_at_step))
+    pids: list[int] = []
+    tokens = asyncio.run(serve(model, workload(), kill_prefill_at_step, pids))
     assert tokens == colocated
-    assert set(glob.glob("/dev/shm/cadence-kv-*")) <= before, "no engine's KV files outlive it"
+    assert len(pids) == 2 and not dev_shm_files(pids)
+    for pid in pids:
+        assert not holders(f"cadence-kv-{pid}-"), f"the KV memory of engine process {pid} outlived it"

@@ -1,25 +1,29 @@
-"""The shared-memory KV transport: caches in /dev/shm files, read by other processes.
+"""The shared-memory KV transport: caches in memfds, read by other processes.
 
 A load must copy exactly the blocks it names (every other byte of the reader's cache
-stays as it was), see writes the exporter made after the reader mapped its files, refuse
+stays as it was), see writes the exporter made after the reader mapped its memory, refuse
 a source laid out otherwise without writing anything, and report a source whose process
-closed as an error rather than raise or read stale files. No file may outlive `close`.
+closed its transport, ended or was killed as an error rather than raise, hang or read
+what the dead engine left. Nothing may stay behind: no descriptor after `close`, and no
+mapping of a dead exporter's memory after the reader's next load.
 Contents are random bytes compared as bytes, so any dtype (and NaN patterns) compare.
 """
 
 from __future__ import annotations
 
 import gc
-import glob
 import json
 import multiprocessing
 import os
+import signal
+import tempfile
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 
 import pytest
 import torch
 
+from cadence.engine.kv_transfer.process_identity import own_start_time
 from cadence.engine.kv_transfer.shared_memory import SharedMemoryTransport
 from cadence.engine.kv_transfer.transport import KVSource
 from cadence.engine.model_runner import TensorFactory, allocate_kv_cache
@@ -37,8 +41,9 @@ from kv_transport_checks import (
     snapshot,
     tensors,
 )
+from shm_checks import descriptors, holders, mappings
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a /dev/shm tmpfs")
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs Linux memfds")
 
 KV_CACHE_DTYPES = ("auto", "int8")
 
@@ -52,9 +57,9 @@ def plain_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def files_of(source: KVSource) -> list[str]:
-    address = json.loads(source.address.removeprefix("shm:"))
-    return glob.glob(os.path.join(address["directory"], address["prefix"] + "-*"))
+def prefix_of(source: KVSource) -> str:
+    """The name its memfds start with."""
+    return json.loads(source.address.removeprefix("shm:"))["prefix"]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
@@ -67,7 +72,7 @@ def test_a_load_copies_exactly_the_named_blocks(kv_cache_dtype: str) -> None:
     fill(target, seed=2)
     source = exporter.export(source_caches, layout(kv_cache_dtype))
     assert isinstance(source.address, str) and source.transport == "shared-memory"
-    assert len(files_of(source)) == len(tensors(source_caches))
+    assert descriptors(os.getpid(), prefix_of(source)) == len(tensors(source_caches))
 
     expected = expect_copied(snapshot(target), source_caches, [7, 2, 11], [0, 5, 9])
     reader.start_load(KVLoad("a", source, [7, 2, 11], [0, 5, 9]), target)
@@ -83,10 +88,17 @@ def test_a_load_copies_exactly_the_named_blocks(kv_cache_dtype: str) -> None:
     assert reader.poll() == [KVLoadResult("b", 1)]
     assert_bytes(target, expected)
 
+    # A transport closed in a process that lives on is gone for its readers all the same.
     exporter.close()
+    assert descriptors(os.getpid(), prefix_of(source)) == 0
+    before = snapshot(target)
+    reader.start_load(KVLoad("c", source, [4], [1]), target)
+    [result] = reader.poll()
+    assert result.num_blocks_loaded == 0 and "closed" in str(result.error), result
+    assert_bytes(target, before)
     reader.close()
-    assert not files_of(source) and not glob.glob(f"/dev/shm/{reader.prefix}-*")
-    fill(source_caches, seed=4)  # the exporter's own tensors outlive its files
+    assert descriptors(os.getpid(), reader.prefix) == 0
+    fill(source_caches, seed=4)  # the exporter's own tensors outlive its memfds
 
 
 @pytest.mark.parametrize(
@@ -113,35 +125,60 @@ def test_a_source_that_does_not_fit_is_refused_unwritten(kv_cache_dtype: str, op
     exporter.close()
 
 
+def address_of(pid: int, start: int, fd: int) -> str:
+    """An address that names one float32 tensor of 4 in descriptor `fd` of process `pid`."""
+    prefix = f"cadence-kv-{pid}-{'0' * 32}"
+    data = {"pid": pid, "start": start, "prefix": prefix, "tensors": [[0, fd, "float32", [4]]]}
+    return "shm:" + json.dumps(data)
+
+
 def test_foreign_addresses_and_devices_are_refused() -> None:
     transport = SharedMemoryTransport()
     target = make_caches(plain_zeros, "auto")
     layout_ = layout("auto")
-    for address in ["in-process:x", 'shm:{"directory":"/etc","prefix":"passwd","tensors":[]}', "shm:{"]:
-        transport.start_load(KVLoad("r", KVSource("shared-memory", address, layout_), [0], [0]), target)
+    read, write = os.pipe()  # opening a pipe's read end would wait for a writer
+    with tempfile.TemporaryFile() as plain:
+        addresses = [
+            "in-process:x",
+            'shm:{"pid":1,"start":0,"prefix":"passwd","tensors":[]}',
+            "shm:{",
+            # This live process, but not as started: a reused pid is another process.
+            address_of(os.getpid(), own_start_time() + 1, plain.fileno()),
+            # This very process, and descriptors that are not memfds of ours.
+            address_of(os.getpid(), own_start_time(), plain.fileno()),
+            address_of(os.getpid(), own_start_time(), read),
+        ]
+        for address in addresses:
+            transport.start_load(KVLoad("r", KVSource("shared-memory", address, layout_), [0], [0]), target)
+    os.close(read)
+    os.close(write)
     transport.start_load(KVLoad("r", "not a source", [0], [0]), target)
     results = transport.poll()
-    assert [r.num_blocks_loaded for r in results] == [0] * 4 and all(r.error for r in results)
+    assert [r.num_blocks_loaded for r in results] == [0] * 7 and all(r.error for r in results)
+    assert "ended" in str(results[3].error)
     with pytest.raises(ValueError, match="CPU"):
         transport.zeros((2, 3), torch.float32, torch.device("cuda"))
     with pytest.raises(ValueError, match="allocated"):
         transport.export(target, layout_)
 
 
-def test_files_go_with_a_dropped_transport() -> None:
+def test_memfds_close_with_a_dropped_transport() -> None:
     transport = SharedMemoryTransport()
     tensor = transport.zeros((4, 4), torch.float32, CPU)
-    pattern = f"/dev/shm/{transport.prefix}-*"
-    assert len(glob.glob(pattern)) == 1
+    prefix = transport.prefix
+    assert descriptors(os.getpid(), prefix) == 1
     del transport
     gc.collect()
-    assert not glob.glob(pattern)
+    assert descriptors(os.getpid(), prefix) == 0
     tensor += 1  # still mapped
+    del tensor
+    gc.collect()
+    assert mappings(os.getpid(), prefix) == 0  # and then the kernel frees it
 
 
 def export_in_child(sources: Queue, done: Event) -> None:
     """A prefill engine's half in another process: known contents in a plain and a
-    quantized cache, exported, held until told."""
+    quantized cache, exported, held until told (or killed)."""
     transports = []
     for kv_cache_dtype in KV_CACHE_DTYPES:
         transport = SharedMemoryTransport()
@@ -149,21 +186,25 @@ def export_in_child(sources: Queue, done: Event) -> None:
         fill(caches, seed=7)
         sources.put((kv_cache_dtype, transport.export(caches, layout(kv_cache_dtype))))
         transports.append(transport)
-    done.wait(30)
+    done.wait(300)
     for transport in transports:
         transport.close()
 
 
-def test_loads_across_processes_and_from_a_closed_source() -> None:
+@pytest.mark.parametrize("ending", ["close", "kill"])
+def test_a_source_whose_exporter_ended_is_an_error_and_its_memory_goes(ending: str) -> None:
     # One child for both cache kinds: a spawned child spends seconds importing torch.
     context = multiprocessing.get_context("spawn")
     queue, done = context.Queue(), context.Event()
     child = context.Process(target=export_in_child, args=(queue, done), daemon=True)
     child.start()
+    assert child.pid is not None
+    theirs = f"cadence-kv-{child.pid}-"
     reader = SharedMemoryTransport()
     loaded = {}
+    ended = False
     try:
-        sources: dict[str, KVSource] = dict(queue.get(timeout=60) for _ in KV_CACHE_DTYPES)
+        sources: dict[str, KVSource] = dict(queue.get(timeout=120) for _ in KV_CACHE_DTYPES)
         for kv_cache_dtype, source in sources.items():
             known = make_caches(plain_zeros, kv_cache_dtype)
             fill(known, seed=7)
@@ -174,17 +215,33 @@ def test_loads_across_processes_and_from_a_closed_source() -> None:
             assert reader.poll() == [KVLoadResult(kv_cache_dtype, 3)]
             assert_bytes(target, expected)
             loaded[kv_cache_dtype] = (source, target, expected)
+        # The child holds its memfds open; the reader maps them and keeps no descriptor.
+        assert holders(theirs) == {child.pid, os.getpid()}
+        assert descriptors(os.getpid(), theirs) == 0
+        if ending == "kill":
+            os.kill(child.pid, signal.SIGKILL)
+        else:
+            done.set()  # never after a kill: setting waits for the killed waiter to wake
+        ended = True
     finally:
-        done.set()
-        child.join(30)
-    assert child.exitcode == 0
+        if not ended:  # a failure above: leave no child behind
+            child.kill()
+        child.join(60)
+    assert child.exitcode == (0 if ending == "close" else -signal.SIGKILL)
+    # The reader's mapping is all that keeps the memory now, until its next load from any source.
+    assert holders(theirs) == {os.getpid()}
+    live = SharedMemoryTransport()
+    live_source = live.export(make_caches(live.zeros, "auto"), layout("auto"))
+    reader.start_load(KVLoad("live", live_source, [0], [0]), make_caches(plain_zeros, "auto"))
+    assert reader.poll() == [KVLoadResult("live", 1)]
+    assert holders(theirs) == set(), "the kernel frees the memory once nothing holds it"
+    live.close()
     fresh = SharedMemoryTransport()  # one that never mapped the source finds nothing either
     for source, target, expected in loaded.values():
-        assert not files_of(source)
-        for transport, reason in ((reader, "gone"), (fresh, "cannot open")):
+        for transport in (reader, fresh):
             transport.start_load(KVLoad("late", source, [1], [1]), target)
             [result] = transport.poll()
-            assert result.num_blocks_loaded == 0 and reason in str(result.error), result
+            assert result.num_blocks_loaded == 0 and "ended" in str(result.error), result
             assert_bytes(target, expected)
 
 
@@ -217,4 +274,4 @@ def test_engines_over_shared_memory_match_colocated(tiny_model_dir) -> None:
     for core in (prefill, decode):
         assert core.runner.kv_transport is not None
         core.runner.kv_transport.close()
-    assert not files_of(prefill.kv_source)
+    assert descriptors(os.getpid(), prefix_of(prefill.kv_source)) == 0

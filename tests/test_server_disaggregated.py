@@ -38,7 +38,8 @@ def server(model_dir: str) -> Iterator[ServerProcess]:
     flags += ["--served-model-name", MODEL]
     with ServerProcess(model_dir, *flags) as running:
         yield running
-    # A killed prefill engine's files are removed by the server, a stopped one's by itself.
+    # KV is shared through memfds, never named in /dev/shm (that they go with their
+    # processes, killed or not, is test_server_disaggregated_crash.py's).
     assert set(glob.glob("/dev/shm/cadence-kv-*")) <= before, "KV files outlived their engines"
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cadence.engine.kv_transfer.transport import KVSource, KVTransport
+from cadence.engine.kv_transfer.transport import KVTransport
 
 KV_TRANSPORTS = ("in-process", "shared-memory", "nixl", "tcp")
 
@@ -32,11 +32,3 @@ def create_kv_transport(name: str, exporting: bool, host: str = "127.0.0.1") -> 
     from cadence.engine.kv_transfer.in_process import InProcessTransport
 
     return InProcessTransport()
-
-
-def discard_source(source: KVSource) -> None:
-    """Free what a dead exporter left behind that outlives its process."""
-    if source.transport == "shared-memory":
-        from cadence.engine.kv_transfer.shared_memory import remove_source_files
-
-        remove_source_files(source)

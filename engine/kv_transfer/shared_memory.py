@@ -1,36 +1,44 @@
-"""KV transfer between engine processes on one host, through files in /dev/shm.
+"""KV transfer between engine processes on one host, through anonymous shared memory.
 
-The prefill engine's KV tensors live in files of a tmpfs, mapped shared: the engine
-computes into them as into any tensor, and a decode engine in another process maps the
-same files read-only and copies the blocks it is told to. Nothing is sent per load but
-block ids; the bytes are read straight out of the page cache both processes share. A
-reader keeps its mappings, and before each load checks that the files are still the ones
-it mapped (a stat each): a mapping outlives its file, so without the check a source whose
-engine closed would go on being read instead of reported gone.
+The prefill engine's KV tensors live in memfds (`os.memfd_create`: memory files with no
+name in any file system), mapped shared: the engine computes into them as into any
+tensor, and a decode engine in another process maps the same memory read-only and copies
+the blocks it is told to. Nothing is sent per load but block ids.
 
-Files are named `<directory>/cadence-kv-<pid>-<uuid>-<n>` (one per tensor, `n` counting
-from 0 in allocation order). `close()`, object finalization and a normal interpreter exit
-unlink them; a prefill process that is SIGKILLed (or ends by a signal Python does not
-handle, or by `os._exit` as in a forked multiprocessing child) leaves them behind. They
-can be found by that pattern and removed once process `<pid>` is gone; they take memory
-until then, since tmpfs pages are RAM.
+Why memfds and not files in /dev/shm: a tmpfs file lives until someone unlinks it, and a
+process killed by SIGKILL (the OOM killer, a node drain) unlinks nothing, so each crash
+left its KV cache's size of RAM behind for good. The kernel frees a memfd when its last
+descriptor and mapping go, so once every process that used one has ended, in whatever
+way, nothing is left. (Nor does the size of /dev/shm, small in many containers, bound
+the cache.)
 
-Only CPU caches can be shared this way. Only an exporting (prefill) engine's transport
-allocates its caches in the tmpfs, so the tmpfs must hold the caches of the prefill
-engines on the host (container runtimes often mount a small /dev/shm: its size bounds
-their KV cache). `remove_source_files` removes a dead exporter's files, given its source.
+How a reader reaches the memory: the exporter keeps each memfd open, and its address
+names the exporter's pid and start time and, per tensor, the descriptor's number and the
+memfd's name (`cadence-kv-<pid>-<uuid>-<n>`: unique, so it identifies the memfd). A reader
+opens `/proc/<pid>/fd/<fd>`, which Linux allows a process of the same user that sees the
+exporter's pid (one host, and one container or a shared pid namespace), checks that what
+it opened is that memfd, maps it and closes the descriptor.
+
+A mapping outlives its exporter: the memory stays readable, and allocated, while a reader
+maps it. So before each load a reader checks that the exporter is still the same live
+process (pid and start time: a reused pid is another process) and still holds those
+memfds (closing the transport closes them); otherwise the load is an error, never a read
+of what a dead engine left. Mappings of exporters that ended are dropped at every load, so
+their memory goes at the reader's next load from any source, or when it ends.
+
+Only CPU caches can be shared this way, and only an exporting (prefill) engine's caches
+are memfds; a reader's own caches are plain tensors.
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import math
-import mmap
 import os
 import re
 import uuid
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -38,6 +46,8 @@ import torch
 
 from cadence.engine.attention.backend import KVCache, QuantizedKVCache, split_kv_cache
 from cadence.engine.kv_transfer.layout import KVLayout
+from cadence.engine.kv_transfer.process_identity import own_start_time, start_time
+from cadence.engine.kv_transfer.read_only_mapping import map_read_only
 from cadence.engine.kv_transfer.transport import KVSource, SynchronousTransport, copy_blocks
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
 
@@ -46,22 +56,45 @@ _PREFIX = re.compile(r"cadence-kv-\d+-[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
-class _TensorFile:
-    """One exported tensor: the file it lies in, whole and contiguous, and how to read it."""
+class _Exported:
+    """One tensor this transport allocated: its memfd (number in the name, descriptor)."""
 
-    path: str
+    number: int
+    fd: int
     dtype: torch.dtype
     shape: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class _RemoteTensor:
+    """One exported tensor as a reader finds it: the exporter's descriptor for it, the
+    memfd's name, and how to read its bytes."""
+
+    path: str  # /proc/<pid>/fd/<fd>
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def is_named_by(self, link: str) -> bool:
+        """Whether a /proc fd link is this memfd (a memfd has no path: /proc shows its name)."""
+        return link in (f"/memfd:{self.name} (deleted)", f"/memfd:{self.name}")
+
+
+@dataclass(frozen=True)
+class _Address:
+    """A decoded address: which process exported the tensors, and the tensors."""
+
+    pid: int
+    start: int
+    tensors: tuple[_RemoteTensor, ...]
+
+
 @dataclass
 class _Mapping:
-    """A source's files as this process mapped them, and which files they were: a file
-    unlinked or replaced since means its engine closed or died."""
+    """A source as this process mapped it, and the address it came from."""
 
-    files: list[_TensorFile]
+    address: _Address
     tensors: list[torch.Tensor]
-    identities: list[tuple[int, int]]  # (st_dev, st_ino) per file
 
 
 class _LoadError(Exception):
@@ -73,126 +106,154 @@ def _flat(kv_caches: list[KVCache]) -> list[torch.Tensor]:
     return [tensor for cache in kv_caches for tensor in split_kv_cache(cache) if tensor is not None]
 
 
-def _unlink_all(paths: list[str]) -> None:
-    """Remove the files (a mapping of one stays valid until it is dropped)."""
-    for path in paths:
+def _close_all(fds: list[int]) -> None:
+    """Close the memfds (our own mappings of them stay valid; readers find them gone)."""
+    for fd in fds:
         try:
-            os.unlink(path)
-        except FileNotFoundError:
+            os.close(fd)
+        except OSError:
             pass
-    paths.clear()
+    fds.clear()
 
 
-def encode_address(directory: str, prefix: str, files: list[tuple[int, torch.dtype, tuple[int, ...]]]) -> str:
-    """`shm:` and compact JSON: the folder, the prefix, and per tensor its file number,
-    dtype and shape. A plain str, so it crosses processes in any message."""
-    tensors = [[n, str(dtype).removeprefix("torch."), list(shape)] for n, dtype, shape in files]
-    return _SCHEME + json.dumps({"directory": directory, "prefix": prefix, "tensors": tensors}, separators=(",", ":"))
+def encode_address(pid: int, start: int, prefix: str, tensors: list[_Exported]) -> str:
+    """`shm:` and compact JSON: the exporting process, the memfds' name prefix, and per
+    tensor its number, descriptor, dtype and shape. A plain str, so it crosses processes
+    in any message."""
+    described = [[t.number, t.fd, str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
+    data = {"pid": pid, "start": start, "prefix": prefix, "tensors": described}
+    return _SCHEME + json.dumps(data, separators=(",", ":"))
 
 
-def decode_address(address: str) -> list[_TensorFile]:
-    """The files of an address, refusing anything that is not one of ours (an address
-    names paths this process will open)."""
+def decode_address(address: str) -> _Address:
+    """The tensors of an address, refusing anything that is not one of ours (an address
+    names descriptors this process will open)."""
     try:
         if not address.startswith(_SCHEME):
             raise ValueError(f"not a {_SCHEME} address")
         data = json.loads(address.removeprefix(_SCHEME))
-        directory, prefix = str(data["directory"]), str(data["prefix"])
-        if not _PREFIX.fullmatch(prefix):
-            raise ValueError(f"unexpected file prefix {prefix!r}")
-        files = []
-        for n, dtype_name, shape in data["tensors"]:
+        pid, start, prefix = int(data["pid"]), int(data["start"]), str(data["prefix"])
+        if pid <= 0 or not _PREFIX.fullmatch(prefix):
+            raise ValueError(f"unexpected process {pid} or name prefix {prefix!r}")
+        tensors = []
+        for number, fd, dtype_name, shape in data["tensors"]:
             dtype = getattr(torch, str(dtype_name), None)
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"unknown dtype {dtype_name!r}")
-            files.append(_TensorFile(os.path.join(directory, f"{prefix}-{int(n)}"), dtype, tuple(map(int, shape))))
-        return files
+            if int(fd) < 0 or int(number) < 0:
+                raise ValueError(f"bad descriptor {fd} or number {number}")
+            path = f"/proc/{pid}/fd/{int(fd)}"
+            tensors.append(_RemoteTensor(path, f"{prefix}-{int(number)}", dtype, tuple(map(int, shape))))
+        return _Address(pid, start, tuple(tensors))
     except (ValueError, KeyError, TypeError) as error:
         raise _LoadError(f"unreadable shared-memory address {address[:80]!r}: {error}") from error
 
 
-def _map_read_only(file: _TensorFile) -> tuple[torch.Tensor, tuple[int, int]]:
-    """The file as a tensor over a read-only shared mapping, and the file's identity.
+def _gone(address: _Address) -> str | None:
+    """Why the source can no longer be read, or None: its exporter ended (a live process
+    with its pid and another start time is not it), or closed its transport."""
+    if start_time(address.pid) != address.start:
+        return f"the exporting process {address.pid} has ended"
+    for tensor in address.tensors:
+        try:
+            link = os.readlink(tensor.path)
+        except OSError:
+            link = ""
+        if not tensor.is_named_by(link):
+            return f"process {address.pid} no longer holds {tensor.name}: its transport closed"
+    return None
+
+
+def _map_source_tensor(tensor: _RemoteTensor) -> torch.Tensor:
+    """The memfd as a tensor over a read-only shared mapping.
 
     Shared (not private) so that blocks written after the mapping was made are seen;
     read-only so that nothing here can write into another engine's cache (a stray write
-    faults instead of corrupting it) and a missing file is not created."""
-    with open(file.path, "rb") as handle:
-        stat = os.fstat(handle.fileno())
-        nbytes = file.dtype.itemsize * math.prod(file.shape)
-        if stat.st_size != nbytes:
-            raise _LoadError(f"{file.path} holds {stat.st_size} bytes, its address says {nbytes}")
-        buffer = mmap.mmap(handle.fileno(), nbytes, access=mmap.ACCESS_READ)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "not writable": that is the point
-        raw = torch.frombuffer(buffer, dtype=torch.uint8)  # keeps the mapping alive
-    return raw.view(file.dtype).view(file.shape), (stat.st_dev, stat.st_ino)
+    faults instead of corrupting it). Opened without blocking, and then checked by what
+    this process holds (not the exporter's path again, which could have changed since):
+    a descriptor that is not the memfd is never mapped."""
+    nbytes = tensor.dtype.itemsize * math.prod(tensor.shape)
+    fd = os.open(tensor.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not tensor.is_named_by(os.readlink(f"/proc/self/fd/{fd}")):
+            raise _LoadError(f"{tensor.path} is not {tensor.name}")
+        size = os.fstat(fd).st_size
+        if size != nbytes:
+            raise _LoadError(f"{tensor.name} holds {size} bytes, its address says {nbytes}")
+        raw = map_read_only(fd, nbytes)
+    finally:
+        os.close(fd)  # the mapping holds the memory by itself
+    return raw.view(tensor.dtype).view(tensor.shape)
 
 
 class SharedMemoryTransport(SynchronousTransport):
-    """KV caches in tmpfs files that engine processes on one host map and read."""
+    """KV caches in memfds that engine processes on one host map and read."""
 
     name = "shared-memory"
 
-    def __init__(self, directory: str = "/dev/shm", exporting: bool = True) -> None:
-        self.directory = directory
+    def __init__(self, exporting: bool = True) -> None:
         self.exporting = exporting
         self.prefix = f"cadence-kv-{os.getpid()}-{uuid.uuid4().hex}"
-        # Our files, by the address of their tensor's first byte (how `export` finds them).
-        self._files: dict[int, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        # Our memfds, by the address of their tensor's first byte (how `export` finds them).
+        self._exported: dict[int, _Exported] = {}
         self._numbers = itertools.count()
-        self._paths: list[str] = []  # still to unlink
+        self._fds: list[int] = []  # still open
         self._mappings: dict[str, _Mapping] = {}  # sources read from, by address
         super().__init__()
-        # Also at exit or when the transport is collected: the list, not `self`, is held.
-        self._finalizer = weakref.finalize(self, _unlink_all, self._paths)
+        # A dropped transport closes its memfds too: the list, not `self`, is held.
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed tensor in a new file of the tmpfs, mapped shared.
+        """A zeroed tensor in a new memfd, mapped shared.
 
-        The file's pages are reserved before it is mapped: a full tmpfs is an error here,
-        where a sparse file would have killed the process with SIGBUS on a later write."""
+        Its pages are reserved before it is mapped: too little memory is an error here,
+        not a SIGBUS at some later write."""
         if torch.device(device).type != "cpu":
             raise ValueError(f"the shared-memory KV transport holds CPU caches only, not {device}")
         if not self.exporting:  # a reader's caches are its own business
             return torch.zeros(shape, dtype=dtype, device=device)
+        if not hasattr(os, "memfd_create"):
+            raise OSError("the shared-memory KV transport needs Linux (memfd_create and /proc)")
         numel = math.prod(shape)
         if numel == 0:
             raise ValueError("an empty KV tensor cannot be shared")
-        n = next(self._numbers)
-        path = os.path.join(self.directory, f"{self.prefix}-{n}")
+        number = next(self._numbers)
         nbytes = numel * dtype.itemsize
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # a new file: zeros
-        self._paths.append(path)
+        fd = os.memfd_create(f"{self.prefix}-{number}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            if hasattr(os, "posix_fallocate"):
+            try:
                 os.posix_fallocate(fd, 0, nbytes)
-            else:
-                os.ftruncate(fd, nbytes)
-        except OSError as error:
-            _unlink_all([self._paths.pop()])
-            raise OSError(
-                error.errno, f"cannot reserve {nbytes} bytes for a KV tensor in {self.directory}: {error.strerror}"
-            ) from error
-        finally:
+            except OSError as error:
+                raise OSError(
+                    error.errno, f"cannot reserve {nbytes} bytes of shared memory for a KV tensor: {error.strerror}"
+                ) from error
+            # Its size is fixed for good: a reader's mapping of a file that shrank would
+            # fault on read, and a reader trusts the size it checked once.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            # Mapped through a path of its own: `mmap.mmap` would keep a second descriptor.
+            tensor = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=dtype)
+        except BaseException:
             os.close(fd)
-        tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
-        self._files[tensor.data_ptr()] = (n, dtype, tuple(shape))
-        return tensor
+            raise
+        self._fds.append(fd)
+        self._exported[tensor.data_ptr()] = _Exported(number, fd, dtype, tuple(shape))
+        return tensor.view(shape)
 
     def export(self, kv_caches: list[KVCache], layout: KVLayout) -> KVSource:
-        files = []
+        tensors = []
         for tensor in _flat(kv_caches):
-            entry = self._files.get(tensor.data_ptr())
-            if entry is None or entry[2] != tuple(tensor.shape) or entry[1] != tensor.dtype:
+            entry = self._exported.get(tensor.data_ptr())
+            if entry is None or entry.shape != tuple(tensor.shape) or entry.dtype != tensor.dtype:
                 raise ValueError("a KV tensor to export was not allocated whole by this transport's zeros()")
-            files.append(entry)
-        return KVSource(self.name, encode_address(self.directory, self.prefix, files), layout)
+            tensors.append(entry)
+        address = encode_address(os.getpid(), own_start_time(), self.prefix, tensors)
+        return KVSource(self.name, address, layout)
 
     def start_load(self, load: KVLoad, kv_caches: list[KVCache]) -> None:
         try:
             if not isinstance(load.source, KVSource) or load.source.transport != self.name:
                 raise _LoadError(f"not a {self.name} source: {load.source!r}")
+            self._drop_ended()
             source = self._source(load.source.address)
             self._check(source, kv_caches, load)
         except _LoadError as error:
@@ -201,27 +262,33 @@ class SharedMemoryTransport(SynchronousTransport):
         copy_blocks(_like(kv_caches, source), kv_caches, load.remote_block_ids, load.local_block_ids)
         self._results.append(KVLoadResult(load.request_id, len(load.local_block_ids)))
 
-    def _source(self, address: str) -> list[torch.Tensor]:
-        """The source's tensors, mapped on first use; refused once its files are gone."""
-        mapping = self._mappings.get(address)
-        if mapping is None:
-            files = decode_address(address)
-            try:
-                mapped = [_map_read_only(file) for file in files]
-            except (OSError, ValueError) as error:
-                raise _LoadError(f"cannot open the source's files (its engine closed or died?): {error}") from error
-            mapping = _Mapping(files, [tensor for tensor, _ in mapped], [identity for _, identity in mapped])
-            self._mappings[address] = mapping
-            return mapping.tensors
-        for file, identity in zip(mapping.files, mapping.identities):
-            try:
-                stat = os.stat(file.path)
-            except OSError:
-                stat = None
-            if stat is None or (stat.st_dev, stat.st_ino) != identity:
+    def _drop_ended(self) -> None:
+        """Unmap every source whose exporter ended: this process may be the last holder
+        of its memory, and no load will read it again."""
+        for address, mapping in list(self._mappings.items()):
+            if start_time(mapping.address.pid) != mapping.address.start:
                 del self._mappings[address]
-                raise _LoadError(f"the source's files are gone ({file.path}): its engine closed or died")
-        return mapping.tensors
+
+    def _source(self, address: str) -> list[torch.Tensor]:
+        """The source's tensors, mapped on first use; refused once its exporter is gone."""
+        mapping = self._mappings.get(address)
+        if mapping is not None:
+            reason = _gone(mapping.address)
+            if reason is not None:
+                del self._mappings[address]
+                raise _LoadError(f"the source is gone: {reason}")
+            return mapping.tensors
+        parsed = decode_address(address)
+        # Checked before anything is opened: another process's descriptors are not ours to open.
+        reason = _gone(parsed)
+        if reason is not None:
+            raise _LoadError(f"cannot open the source: {reason}")
+        try:
+            tensors = [_map_source_tensor(tensor) for tensor in parsed.tensors]
+        except (OSError, ValueError) as error:
+            raise _LoadError(f"cannot open the source's memory (its engine closed or died?): {error}") from error
+        self._mappings[address] = _Mapping(parsed, tensors)
+        return tensors
 
     @staticmethod
     def _check(source: list[torch.Tensor], kv_caches: list[KVCache], load: KVLoad) -> None:
@@ -243,8 +310,9 @@ class SharedMemoryTransport(SynchronousTransport):
                 raise _LoadError(f"{side} block ids out of range 0..{tensors[0].shape[1] - 1}: {ids}")
 
     def close(self) -> None:
-        """Unlink our files (our own tensors stay usable) and drop the sources' mappings."""
-        _unlink_all(self._paths)
+        """Close our memfds (our own tensors stay usable; readers find the source gone)
+        and unmap the sources we read."""
+        _close_all(self._fds)
         self._mappings.clear()
 
 
@@ -260,14 +328,3 @@ def _like(kv_caches: list[KVCache], flat: list[torch.Tensor]) -> list[KVCache]:
             caches.append(flat[position])
             position += 1
     return caches
-
-
-def remove_source_files(source: KVSource) -> None:
-    """Remove the files of a source whose engine died without closing its transport (a
-    SIGKILL): tmpfs pages are memory until their files go. Readers that mapped them report
-    the source gone at their next load."""
-    try:
-        files = decode_address(source.address)
-    except _LoadError:
-        return
-    _unlink_all([file.path for file in files])
