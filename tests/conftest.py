@@ -18,8 +18,10 @@ if not torch.cuda.is_available():
 # The Python processes tests start (servers as `python -m cadence.server.cli`, snippets as
 # `python -c`) would put their working folder, the repository root, first on sys.path,
 # where our kernels/ hides the PyPI package `kernels` that transformers imports. With a
-# safe path they import only what is installed, as `cadence serve` does.
+# safe path they import only what is installed, as `cadence serve` does, and tests/ by
+# name, for the scripts tests run by path that import their neighbours (synthetic_server.py).
 os.environ["PYTHONSAFEPATH"] = "1"
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))
 
 import pytest
 
