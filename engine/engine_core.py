@@ -23,6 +23,7 @@ from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineReady, EngineStats
 from cadence.engine.step_stats import StepRecorder, mark_first_scheduled
+from cadence.engine.weights_memory import host_weights_bytes
 from cadence.scheduler.output import SchedulerOutput
 from cadence.scheduler.remote_kv import KVLoadOutcome, KVPrefilled, KVReservation, RemoteKV
 from cadence.scheduler.request import Request, StopConditions
@@ -100,7 +101,9 @@ class EngineCore:
         bytes_per_block = (
             kv_cache_bytes_per_block(args, spec.num_kv_heads, spec.head_dim, self.dtype) * config.num_hidden_layers
         )
-        num_blocks = resolve_num_blocks(args, self.device, bytes_per_block, self.max_model_len, args.max_num_seqs)
+        num_blocks = resolve_num_blocks(
+            args, self.device, bytes_per_block, self.max_model_len, args.max_num_seqs, host_weights_bytes(self.model)
+        )
         self.num_kv_blocks = num_blocks
         transport = None
         if args.kv_role != "colocated":
@@ -259,6 +262,7 @@ class EngineCore:
                     priority=request.priority,
                     sampling_params=child_params,
                     fork_parent_id=ids[0] if index else None,
+                    client_request_id=request.request_id,
                     skip_prefix_cache=child_params.prompt_logprobs is not None,
                     # Only the first sequence loads; the others fork its prompt as usual.
                     remote_kv=RemoteKV(request.remote_kv) if request.remote_kv and not index else None,

@@ -5,11 +5,14 @@ GGUF is dequantized with the `gguf` package, its tensors renamed to HF names, an
 llama.cpp row permutation of the Q/K projections undone. The folder is cached under
 `<cache_root>/<file stem>-<key>/`, keyed on the file's size, mtime and header bytes so an
 edited or replaced file converts again, and published with one atomic rename so a crash
-never leaves a folder that a later start would trust.
+never leaves a folder that a later start would trust. A checksum of every converted file,
+written last, is checked at every start: a folder changed since it was written is
+converted again, never served.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -25,7 +28,9 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from cadence.engine.cache_checksums import checksum_problem, record_checksum, write_checksums
 from cadence.engine.gguf_tokenizer import save_tokenizer
+from cadence.engine.model_files_error import CACHE_HINT, ModelFilesError
 
 logger = logging.getLogger(__name__)
 
@@ -77,22 +82,45 @@ def cached_folder(gguf_path: str, cache_root: str = DEFAULT_CACHE_ROOT) -> str:
     """Where `convert_gguf` puts (or finds) the converted folder for this file."""
     stem = os.path.basename(gguf_path)
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", stem[: -len(".gguf")] if stem.lower().endswith(".gguf") else stem)
-    return os.path.join(os.path.expanduser(cache_root), f"{stem}-{cache_key(gguf_path)}")
+    return os.path.join(os.path.abspath(os.path.expanduser(cache_root)), f"{stem}-{cache_key(gguf_path)}")
 
 
-def convert_gguf(gguf_path: str, cache_root: str = DEFAULT_CACHE_ROOT) -> str:
+def convert_gguf(gguf_path: str, cache_root: str | None = None) -> str:
     """Return an HF folder with the GGUF's weights, config and tokenizer, converting on a miss.
 
-    Raises FileNotFoundError for a missing file and ValueError for a GGUF that is not a
-    llama-architecture model or holds tensors we cannot map or dequantize.
+    A cached folder is used only when every file matches the checksums written last by
+    its conversion (engine/cache_checksums.py); one that does not is converted again, with
+    a warning. `cache_root` None means DEFAULT_CACHE_ROOT.
+
+    Raises FileNotFoundError for a missing file, ValueError for a GGUF that is not a
+    llama-architecture model or holds tensors we cannot map or dequantize, and
+    ModelFilesError (one line, naming the folder and what to do) where the cache cannot be
+    written or a corrupt folder in it cannot be replaced.
     """
     gguf_path = os.path.abspath(os.path.expanduser(gguf_path))
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    final = cached_folder(gguf_path, cache_root)
-    if os.path.isdir(final):  # only ever created by the rename below, so it is complete
-        _point_source_at(final, gguf_path)
-        return final
+    final = cached_folder(gguf_path, cache_root or DEFAULT_CACHE_ROOT)
+    parent = os.path.dirname(final)
+    try:
+        if os.path.isdir(final):
+            problem = checksum_problem(final)
+            if problem is None:
+                _point_source_at(final, gguf_path)
+                return final
+            _set_aside(final, problem)
+        return _convert_into(gguf_path, final)
+    except OSError as error:
+        if isinstance(error, ModelFilesError) or not _is_cache_write_failure(error, parent):
+            raise
+        raise ModelFilesError(
+            f"cannot write the converted model into {parent} ({error.strerror or error}); {CACHE_HINT} "
+            "that is writable and has room for it"
+        ) from error
+
+
+def _convert_into(gguf_path: str, final: str) -> str:
+    """Convert into a partial folder beside `final`, then publish it with one rename."""
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
     _remove_orphaned_partials(final)
@@ -101,6 +129,7 @@ def convert_gguf(gguf_path: str, cache_root: str = DEFAULT_CACHE_ROOT) -> str:
     logger.info("converting %s once into %s", gguf_path, final)
     try:
         write_hf_folder(gguf_path, partial)
+        write_checksums(partial)  # last: a folder without it is never trusted
         try:
             os.replace(partial, final)
         except OSError:
@@ -111,6 +140,37 @@ def convert_gguf(gguf_path: str, cache_root: str = DEFAULT_CACHE_ROOT) -> str:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return final
+
+
+def _set_aside(final: str, problem: str) -> None:
+    """Take a folder that failed its checksums out of the way of the conversion that replaces it.
+
+    It is renamed like a partial conversion of this process, so that if we die before it
+    is deleted, the next start deletes it (`_remove_orphaned_partials`).
+    """
+    doomed = f"{final}{_PARTIAL}{os.getpid()}-corrupt-{os.urandom(4).hex()}"
+    try:
+        os.rename(final, doomed)
+    except FileNotFoundError:
+        return  # another start set it aside first
+    except OSError as error:
+        raise ModelFilesError(
+            f"the cached model {final} cannot be trusted: {problem}; it cannot be converted again there "
+            f"({error.strerror or error}): delete that folder, or {CACHE_HINT}"
+        ) from error
+    logger.warning("the cached model %s cannot be trusted: %s; converting it again", final, problem)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _is_cache_write_failure(error: OSError, cache_parent: str) -> bool:
+    """Whether an OSError came from writing the cache (not from reading the GGUF): a
+    read-only or full disk, or a path in the cache or on the way to it."""
+    if error.errno in (errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+        return True
+    if not isinstance(error.filename, str):
+        return False
+    name = os.path.abspath(error.filename)
+    return os.path.commonpath([name, cache_parent]) in (name, cache_parent)
 
 
 def _point_source_at(folder: str, gguf_path: str) -> None:
@@ -126,6 +186,7 @@ def _point_source_at(folder: str, gguf_path: str) -> None:
     partial = f"{marker}{_PARTIAL}{os.getpid()}"
     _write_json(partial, {**source, "gguf_path": gguf_path})
     os.replace(partial, marker)
+    record_checksum(folder, SOURCE_FILE)
 
 
 def _remove_orphaned_partials(final: str) -> None:

@@ -84,6 +84,9 @@ class Request:
     sampling_params: Any = None  # opaque to the scheduler; the model runner reads it
     # The request whose prompt KV this one will share (n > 1); None once forked.
     fork_parent_id: str | None = None
+    # The client request this sequence is one of (its own id unless n > 1): the n
+    # sequences of one client request share one request's part (scheduler/fair_share.py).
+    client_request_id: str = ""
     skip_prefix_cache: bool = False  # prompt logprobs need every prompt position computed
     remote_kv: RemoteKV | None = None  # set when the prompt's KV crosses engines
 
@@ -114,6 +117,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.client_request_id = self.client_request_id or self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -136,6 +140,11 @@ class Request:
         """How many tokens end up computed here: all, or for a prompt sent to another
         engine all but the last, which that engine computes to sample from."""
         return self.num_tokens - 1 if self.remote_kv is RemoteKV.SEND else self.num_tokens
+
+    @property
+    def num_tokens_left(self) -> int:
+        """How many of its tokens are still to compute here."""
+        return self.num_tokens_to_compute - self.num_computed_tokens
 
     @property
     def sort_key(self) -> tuple[int, int]:

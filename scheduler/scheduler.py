@@ -4,7 +4,9 @@ Each step, running requests are served first (oldest and most important first), 
 waiting requests are admitted in (priority, arrival) order while the token budget, the
 sequence limit and free KV blocks allow. A request that does not fit in the remaining
 budget is chunked. When blocks run out, the newest lowest-priority running request is
-preempted: its blocks are freed and it is recomputed later.
+preempted: its blocks are freed and it is recomputed later. Seats and budget are shared
+between client requests, not sequences (scheduler/fair_share.py), so that one request's
+n sequences or long prompt cannot crowd out the others.
 
 Each step's `SchedulerOutput` (scheduler/output.py) tells the model runner only what
 changed; the scheduler keeps the step's `Request` objects to itself for `update`.
@@ -16,6 +18,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from cadence.scheduler.fair_share import FairShare
 from cadence.scheduler.kv_cache_manager import BlockCopy, CacheConfig, KVCacheManager, cdiv
 from cadence.scheduler.output import NewRequestData, SchedulerOutput, describe
 from cadence.scheduler.remote_kv import (
@@ -27,7 +30,7 @@ from cadence.scheduler.remote_kv import (
     RemoteKV,
 )
 from cadence.scheduler.request import Request, RequestStatus
-from cadence.scheduler.step_chunks import StepChunks
+from cadence.scheduler.step_chunks import ScheduledRequest, StepChunks
 
 
 @dataclass(frozen=True)
@@ -46,14 +49,6 @@ class SchedulerConfig:
             raise ValueError(f"invalid scheduler limits: {self}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must not be negative: {self}")
-
-
-@dataclass
-class ScheduledRequest:
-    """`num_new_tokens` tokens of `request`, from position `request.num_computed_tokens`."""
-
-    request: Request
-    num_new_tokens: int
 
 
 @dataclass
@@ -211,7 +206,7 @@ class Scheduler:
             return False
         if self.kv_cache.allocate_slots(request, request.num_tokens - num_cached, cached_prefix) is None:
             return None
-        self.waiting.pop(0)
+        self.waiting.remove(request)
         self.kv_cache.count_lookup(request, num_cached)
         request.num_cached_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_KV
@@ -272,32 +267,37 @@ class Scheduler:
         preempted_now = False
 
         chunks = StepChunks(self.config.long_prefill_token_threshold)
-
-        self.running.sort(key=lambda r: r.sort_key)
+        fair = FairShare(self.running, self.waiting, self.config.max_num_seqs)
+        for victim in fair.seats_to_free(self.running):
+            self._preempt(victim, scheduled)
+        self.running.sort(key=fair.turn_key)
+        fair.share_tokens(self.running, chunks, budget, self.config.max_num_seqs - len(self.running))
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            remaining = request.num_tokens_to_compute - request.num_computed_tokens
-            if chunks.used_up(request, remaining):  # the share went to an earlier capped prompt
+            remaining = request.num_tokens_left
+            num_new = min(chunks.size(request, remaining, budget), fair.grant(request))
+            # Its share went to an earlier capped prompt, or to the other requests.
+            if chunks.used_up(request, remaining) or num_new == 0:
                 index += 1
                 continue
-            num_new = chunks.size(request, remaining, budget)
             while True:
                 new_copies = self.kv_cache.allocate_slots(request, num_new)
                 if new_copies is not None:
                     break
                 if self._reclaim_waiting_blocks():
                     continue
-                victim = self.running[-1]  # the newest of the lowest priority
+                victim = fair.victim(self.running[index:])  # never one that has its tokens already
                 budget += self._preempt(victim, scheduled)
                 preempted_now = True
                 if victim is request:
                     break
             if new_copies is None:
-                break  # the request itself was preempted; everything after it already was
+                continue  # the request itself was preempted; the next one now stands at `index`
             copies.extend(new_copies)
             scheduled[request.request_id] = ScheduledRequest(request, num_new)
             chunks.took(request, remaining, num_new)
+            fair.took(request, num_new)
             budget -= num_new
             index += 1
 
@@ -305,9 +305,10 @@ class Scheduler:
         # with no share left wait a step, without holding up those behind them.
         passed_over: list[Request] = []
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if chunks.used_up(request, request.num_tokens_to_compute - request.num_computed_tokens):
-                passed_over.append(self.waiting.pop(0))
+            position = fair.next_waiting(self.waiting)
+            request = self.waiting[position]
+            if chunks.used_up(request, request.num_tokens_left):
+                passed_over.append(self.waiting.pop(position))
                 continue
             if request.remote_kv is RemoteKV.LOAD:
                 parked = self._reserve_for_remote_kv(request)
@@ -329,7 +330,7 @@ class Scheduler:
                 if self._reclaim_waiting_blocks():
                     continue
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(position)
             self.kv_cache.count_lookup(request, len(cached_prefix) * self.kv_cache.block_size)
             if request.num_preemptions == 0 and cached_prefix:
                 request.num_cached_tokens = len(cached_prefix) * self.kv_cache.block_size
@@ -339,10 +340,13 @@ class Scheduler:
             copies.extend(new_copies)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            fair.admitted(request)
             scheduled[request.request_id] = ScheduledRequest(request, num_new)
             chunks.took(request, remaining, num_new)
             budget -= num_new
-        self.waiting[:0] = passed_over
+        for request in passed_over:
+            bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+        copies.extend(fair.pass_on(self.running, scheduled, budget, self.kv_cache))
 
         output = SchedulerOutput(
             num_scheduled_tokens={request_id: item.num_new_tokens for request_id, item in scheduled.items()},

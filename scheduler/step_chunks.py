@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from cadence.scheduler.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """`num_new_tokens` tokens of `request`, from position `request.num_computed_tokens`."""
+
+    request: Request
+    num_new_tokens: int
 
 
 class StepChunks:

@@ -16,8 +16,6 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 
 from cadence.engine.sampling_params import FLOAT32_MAX, INT64_MAX, MAX_LOGPROBS
 
-# Enough for any sane use, small enough that one request cannot fill the server alone.
-MAX_N = 128
 # Stop strings are checked on every new token of every choice; bound that work.
 MAX_STOPS = 64
 MAX_STOP_LENGTH = 512
@@ -78,7 +76,7 @@ class SamplingFields(_Lenient):
     """Fields shared by completions and chat, including vLLM's sampling extensions."""
 
     model: Text | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)  # at most --max-n-sequences (server/request_limits.py)
     temperature: NonNegativeFloat | None = None
     top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)

@@ -24,8 +24,10 @@ from cadence.server.errors import APIError, install_error_handlers, unavailable
 from cadence.server.guards import install_guards
 from cadence.server.metrics import build_registry, render
 from cadence.server.prompts import PromptBuilder
+from cadence.server.request_limits import RequestLimits
 from cadence.server.serving_chat import ChatHandler
 from cadence.server.serving_completions import CompletionHandler
+from cadence.server.shutdown_deadline import CancelledAfterDeadline, ShutdownDeadline
 from cadence.server.topology import LinkTiming, Topology, WorkerList
 from cadence.server.worker_link import tcp_address
 
@@ -40,6 +42,7 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting: int = 1024
     max_request_body_bytes: int = 16 << 20
+    request_limits: RequestLimits = field(default_factory=RequestLimits)  # n and n x max_tokens
     engine_start_timeout: float = 600.0
     engine_stop_timeout: float = 10.0
     # Routes that need the API key when one is set; health and version stay open so
@@ -72,11 +75,17 @@ class Serving:
     chat: ChatHandler
 
 
-def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+def build_app(
+    engine_args: EngineArgs,
+    config: ServerConfig,
+    on_fatal: Callable[[str], None] | None = None,
+    shutdown: ShutdownDeadline | None = None,
+) -> FastAPI:
     """The app for one model; the engine process starts when the app does.
 
     `on_fatal` is called when the engine cannot be started again: the server should stop
-    and exit non-zero, so that its supervisor notices.
+    and exit non-zero, so that its supervisor notices. When `shutdown`'s deadline passes,
+    every request still in flight ends with a 503 (an error event, for a stream).
     """
     restart = RestartPolicy(enabled=config.engine_restart, max_failures=config.engine_restart_limit)
     client = AsyncEngineClient(config.max_waiting, restart, on_fatal, config.topology)
@@ -102,9 +111,12 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
             if config.topology.role != "colocated":
                 client.open_link(tcp_address(config.link_host, config.link_port), config.link_timing)
             prompts = PromptBuilder(tokenizer, info.max_model_len, info.vocab_size)
+            limits = config.request_limits
             serving.append(
                 Serving(
-                    prompts, CompletionHandler(client, prompts, model_name), ChatHandler(client, prompts, model_name)
+                    prompts,
+                    CompletionHandler(client, prompts, model_name, limits),
+                    ChatHandler(client, prompts, model_name, limits),
                 )
             )
             yield
@@ -121,6 +133,9 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, on_fatal: Callable[
 
     protected = config.protected_prefixes + (("/metrics",) if config.protect_metrics else ())
     install_guards(app, config.api_key, protected, config.max_request_body_bytes)
+    if shutdown is not None:
+        shutdown.on_expiry(lambda: client.end_all_requests(lambda: unavailable("the server is shutting down")))
+        app.add_middleware(CancelledAfterDeadline, deadline=shutdown)  # outermost: nothing inside logs it
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in config.served_model_names:

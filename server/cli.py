@@ -13,6 +13,7 @@ import logging
 import re
 import signal
 import sys
+from typing import NoReturn
 
 from cadence.engine.engine_args import ENGINE_OPTIONS, EngineArgs, engine_args_for
 from cadence.engine.log_format import LOG_FORMATS, configure_logging
@@ -49,6 +50,7 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
     ones `LLM(...)` gets."""
     group = serve.add_argument_group("engine options", "as LLM(...) takes them; unset ones keep the engine's defaults")
     flag = functools.partial(group.add_argument, default=None)
+    add_download_dir_flag(group)
     flag("--max-model-len", type=int)
     flag("--max-num-seqs", type=int)
     flag("--max-num-batched-tokens", type=int)
@@ -156,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="failed engine starts in a row after which the server exits with status 1",
     )
     add_disaggregation_flags(serve)
-    add_router_command(commands, add_http_flags)
+    add_download_dir_flag(add_router_command(commands, add_http_flags))  # its tokenizer: the model's folder
     add_quantize_command(commands)
     return parser
 
@@ -183,7 +185,26 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         "--max-waiting", type=int, default=1024, help="sequences that may wait beyond max-num-seqs before 429s"
     )
     parser.add_argument("--max-request-body-bytes", type=parse_size, default=16 << 20)
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
+    parser.add_argument(
+        "--max-n-sequences",
+        type=at_least_one,
+        default=128,
+        help="the most completions (n) one request may ask for; more is a 400",
+    )
+    parser.add_argument(
+        "--max-request-output-tokens",
+        type=at_least_one,
+        default=65536,
+        help="the most tokens one request may ask to generate, n x max_tokens over all its prompts; more is a "
+        "400, and a request that sets no max_tokens gets at most its share of this",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM (or SIGHUP, SIGINT) waits for requests in flight; then a stream still open ends "
+        "with an error event and [DONE], any other request with 503",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
         "--log-format", default="text", choices=LOG_FORMATS, help="json: one JSON object per line, for log collectors"
@@ -226,6 +247,7 @@ def add_quantize_command(commands: argparse._SubParsersAction) -> None:
         "--damping", type=float, default=0.01, help="Hessian dampening, a fraction of its mean diagonal"
     )
     quantize.add_argument("--seed", type=int, default=0)
+    add_download_dir_flag(quantize)
     quantize.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     quantize.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -235,7 +257,10 @@ def quantize(args: argparse.Namespace) -> None:
     from cadence.tools.gptq_model import quantize_checkpoint
 
     configure_logging(args.log_level.upper(), getattr(args, "log_format", "text"))
-    source = resolve_model_path(args.model)
+    try:
+        source = resolve_model_path(args.model, args.download_dir)
+    except OSError as error:
+        exit_refused(args.command, error)
     done = quantize_checkpoint(
         source,
         args.output,
@@ -251,6 +276,24 @@ def quantize(args: argparse.Namespace) -> None:
     logger.info("wrote %s: %s; serve it with `cadence serve %s`", args.output, done, args.output)
 
 
+def add_download_dir_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--download-dir",
+        default=None,
+        metavar="DIR",
+        help="where a .gguf model (the default model is one) is converted once and cached, checked against "
+        "its checksums at every start (default: ~/.cache/cadence); name another folder when that one is "
+        "read-only or full",
+    )
+
+
+def exit_refused(command: str, error: Exception) -> NoReturn:
+    """Exit with one line a user can act on (which value or path, and what to do); the
+    traceback is for us, at debug level."""
+    logger.debug("cadence %s cannot start", command, exc_info=error)
+    raise SystemExit(f"cadence {command}: {error}") from error
+
+
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     """The engine's arguments for `cadence serve`: the flags given, through the same front
     door as `LLM(...)`."""
@@ -264,20 +307,24 @@ def serve(args: argparse.Namespace) -> None:
 
     from cadence.server.api_server import ServerConfig, build_app
     from cadence.server.cli_disaggregation import kv_host_for, topology_from, worker_list_from
+    from cadence.server.draining_server import DrainingServer
+    from cadence.server.request_limits import RequestLimits
+    from cadence.server.shutdown_deadline import ShutdownDeadline
     from cadence.server.topology import LinkTiming
 
     configure_logging(args.log_level.upper(), getattr(args, "log_format", "text"))
     args.kv_host = kv_host_for(args)
     try:
         engine_args = engine_args_from(args)
-    except ValueError as error:  # an option's value: say which, without a traceback
-        raise SystemExit(f"cadence {args.command}: {error}") from error
+    except (ValueError, OSError) as error:  # an option's value, or a model file or cache folder
+        exit_refused(args.command, error)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     config = ServerConfig(
         served_model_names=names,
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         max_request_body_bytes=args.max_request_body_bytes,
+        request_limits=RequestLimits(args.max_n_sequences, args.max_request_output_tokens),
         protect_metrics=args.protect_metrics,
         metrics_prefix=args.metrics_prefix,
         log_prompts=args.log_prompts,
@@ -298,7 +345,8 @@ def serve(args: argparse.Namespace) -> None:
         if server is not None:
             server.should_exit = True  # drain, stop the engine, then exit 1 below
 
-    app = build_app(engine_args, config, on_fatal)
+    deadline = ShutdownDeadline(args.shutdown_timeout)
+    app = build_app(engine_args, config, on_fatal, deadline)
     logger.info(
         "serving %s as %s on http://%s:%d (quantization: %s)",
         engine_args.model,
@@ -307,9 +355,11 @@ def serve(args: argparse.Namespace) -> None:
         args.port,
         engine_args.quantization or "none",
     )
-    # uvicorn drains on SIGTERM, then re-raises it under the handler it found; make that a clean exit.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server = uvicorn.Server(
+    # uvicorn drains on SIGTERM and SIGINT, then raises the signal again under the handler it
+    # found; make that a clean exit, not a KeyboardInterrupt traceback after Ctrl-C.
+    for drained in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(drained, lambda *_: sys.exit(0))
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=args.host,
@@ -317,8 +367,9 @@ def serve(args: argparse.Namespace) -> None:
             log_level=args.log_level,
             # JSON: uvicorn's own loggers go through the root handler instead of its text ones.
             log_config=None if args.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
+            timeout_graceful_shutdown=deadline.server_timeout,
+        ),
+        deadline,
     )
     server.run()
     if not server.started:

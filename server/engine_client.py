@@ -21,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -45,6 +43,8 @@ from cadence.engine.protocol import (
 )
 from cadence.server.engine_process import EngineDeadError
 from cadence.server.engine_slot import EngineSlot, RestartPolicy, Slot
+from cadence.server.ipc_addresses import address_prefix
+from cadence.server.leftover_sockets import remove_dead_socket_folders
 from cadence.server.remote_slot import RemoteSlot
 from cadence.server.request_log import log_finished
 from cadence.server.request_metrics import RequestMetrics
@@ -147,13 +147,17 @@ class AsyncEngineClient:
         self.workers: WorkerList | None = None  # a router's: it drives engines elsewhere
         self._link_timing = LinkTiming()
         self._decode_ready = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()  # workers no longer listed, being let go
+        # Work shutdown waits for: workers no longer listed, being let go; the sweep of
+        # dead servers' socket folders.
+        self._tasks: set[asyncio.Task[None]] = set()
         self._follow_task: asyncio.Task[None] | None = None
         self._in_flight: dict[str, _InFlight] = {}
         self._num_sequences = 0
-        self._socket_dir = tempfile.mkdtemp(prefix="cadence-")
+        self._address_prefix = address_prefix()
         self._contexts = (zmq.Context(), zmq.asyncio.Context())
         self._stopping = False
+        # Past the shutdown deadline: makes the error every request gets instead of an answer.
+        self._refusal: Callable[[], Exception] | None = None
 
     # ----- lifecycle -----------------------------------------------------------------
     def spawn(self, args: EngineArgs) -> None:
@@ -165,11 +169,18 @@ class AsyncEngineClient:
         cpus = split_cpus(list(engines))
         for name, engine_args in engines.items():
             policy = self.restart_policy
-            slot = EngineSlot(name, engine_args, self._socket_dir, self._contexts, policy, self, cpus[name])
+            slot = EngineSlot(name, engine_args, self._address_prefix, self._contexts, policy, self, cpus[name])
             self.slots[name] = slot
             slot.spawn()
+        # While the engines load: the sweep pauses a moment when it finds a suspect.
+        self._start_task(self._remove_leftovers(), "cadence-remove-leftovers")
         if self.topology.disaggregated:
             self.coordinator = Coordinator(self._send, self.topology.placement)
+
+    @staticmethod
+    async def _remove_leftovers() -> None:
+        """Remove the socket folders of dead servers of older versions (this one leaves none)."""
+        await asyncio.to_thread(remove_dead_socket_folders)
 
     def connect(self, workers: WorkerList, timing: LinkTiming) -> None:
         """Be a router: drive the engines of workers on other hosts, and follow their list.
@@ -234,7 +245,6 @@ class AsyncEngineClient:
         await asyncio.gather(*self._tasks, *(slot.shutdown(timeout) for slot in self.slots.values()))
         for context in self._contexts:
             context.destroy(linger=0)
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
         self._fail(list(self._in_flight), EngineDeadError("the server is shutting down"))
 
     def _serving_slots(self) -> list[Slot]:
@@ -416,6 +426,9 @@ class AsyncEngineClient:
         self, request: EngineCoreRequest, prompt: str | None, changed: asyncio.Event | None = None
     ) -> RequestStream:
         """Queue a request; raise EngineDeadError or EngineOverloadedError instead of queuing."""
+        if self._refusal is not None:
+            self.metrics.rejected("unavailable")
+            raise self._refusal()
         if not self.is_healthy:
             self.metrics.rejected("unavailable")
             raise EngineDeadError(self.unavailable_reason)
@@ -487,6 +500,18 @@ class AsyncEngineClient:
             if self.coordinator is not None and entry.stream.output.finished:
                 self.coordinator.finished(request_id)
         return entry
+
+    def end_all_requests(self, make_error: Callable[[], Exception]) -> None:
+        """Abort every request in flight, failing each with an error of `make_error`, and
+        refuse new ones so: the server's shutdown deadline has passed, and each client
+        should hear why."""
+        self._refusal = make_error
+        if self._in_flight:
+            count = len(self._in_flight)
+            logger.warning("requests in flight at the shutdown deadline: %d; each ends: %s", count, make_error())
+        for request_id, entry in list(self._in_flight.items()):
+            self.abort(request_id)
+            entry.stream._notify(make_error())
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
         for request_id in request_ids:

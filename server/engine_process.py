@@ -2,7 +2,8 @@
 
 Each start of the engine gets sockets of its own (the generation is in their names), so
 nothing a dead engine left queued can reach its successor, and nothing sent to the dead
-one is mistaken for the new one's.
+one is mistaken for the new one's. The addresses are abstract names (server/ipc_addresses.py):
+nothing of them outlives the sockets.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
-import os
 
 import zmq
 import zmq.asyncio
@@ -20,6 +20,7 @@ from cadence.engine.core_process import EngineAddresses, run_engine_core
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.log_format import current_log_format
 from cadence.engine.protocol import EngineDead, EngineReady, Message, Shutdown, decode, encode
+from cadence.server.ipc_addresses import bind_for_this_user
 
 
 class EngineDeadError(RuntimeError):
@@ -32,14 +33,13 @@ class EngineProcess:
     def __init__(
         self,
         args: EngineArgs,
-        socket_dir: str,
+        address_prefix: str,
         generation: int,
         send_context: zmq.Context,
         recv_context: zmq.asyncio.Context,
         cpus: list[int] | None = None,
     ) -> None:
-        self._paths = [os.path.join(socket_dir, f"{name}-{generation}") for name in ("inputs", "outputs")]
-        addresses = EngineAddresses(*(f"ipc://{path}" for path in self._paths))
+        addresses = EngineAddresses(*(f"ipc://{address_prefix}-{name}-{generation}" for name in ("inputs", "outputs")))
         # A plain (blocking-API) socket for sends: with no high-water mark a send never
         # waits, and an error is raised right here instead of in a Future nobody reads.
         self._inputs = send_context.socket(zmq.PUSH)
@@ -57,8 +57,8 @@ class EngineProcess:
             daemon=True,
         )
         try:
-            self._inputs.bind(addresses.inputs)
-            self._outputs.bind(addresses.outputs)
+            bind_for_this_user(self._inputs, addresses.inputs)
+            bind_for_this_user(self._outputs, addresses.outputs)
             self.process.start()
         except Exception:
             self._close_sockets()
@@ -103,7 +103,8 @@ class EngineProcess:
                 raise EngineDeadError(f"the engine did not start within {timeout:.0f} s")
 
     async def stop(self, timeout: float) -> None:
-        """Ask the engine to stop, wait for it, kill it if it will not; then close the sockets."""
+        """Ask the engine to stop, wait for it, kill it if it will not; then close the sockets
+        (which frees their names)."""
         loop = asyncio.get_running_loop()
         if self.process.is_alive():
             with contextlib.suppress(EngineDeadError):
@@ -117,8 +118,3 @@ class EngineProcess:
     def _close_sockets(self) -> None:
         self._inputs.close(linger=0)
         self._outputs.close(linger=0)
-        for path in self._paths:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,7 +103,7 @@ class EngineSlot:
         self,
         name: str,
         args: EngineArgs,
-        socket_dir: str,
+        address_prefix: str,
         contexts: tuple[zmq.Context, zmq.asyncio.Context],
         policy: RestartPolicy,
         listener: SlotListener,
@@ -114,8 +113,7 @@ class EngineSlot:
         self.args = args
         self.role = args.kv_role
         self.draining = False  # a local engine is stopped with the server, never drained
-        self.socket_dir = os.path.join(socket_dir, name)
-        os.makedirs(self.socket_dir, exist_ok=True)
+        self.address_prefix = f"{address_prefix}-{name}"
         self.contexts = contexts
         self.policy = policy
         self.listener = listener
@@ -142,7 +140,7 @@ class EngineSlot:
     def _new_engine(self) -> EngineProcess:
         self._generation += 1
         send_context, recv_context = self.contexts
-        return EngineProcess(self.args, self.socket_dir, self._generation, send_context, recv_context, self.cpus)
+        return EngineProcess(self.args, self.address_prefix, self._generation, send_context, recv_context, self.cpus)
 
     async def wait_ready(self, timeout: float) -> EngineReady:
         """Wait for the first start's EngineReady, then start reading outputs."""
@@ -176,7 +174,6 @@ class EngineSlot:
                 pass
         if self.engine is not None:
             await self._retire(self.engine, timeout)
-        os.rmdir(self.socket_dir)
 
     @property
     def is_healthy(self) -> bool:

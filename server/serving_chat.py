@@ -19,6 +19,7 @@ from cadence.server.api_responses import (
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.logprobs_format import chat_logprobs
 from cadence.server.prompts import PromptBuilder
+from cadence.server.request_limits import RequestLimits
 from cadence.server.serving import (
     ChoiceCursor,
     ChunkWriter,
@@ -34,20 +35,22 @@ from cadence.server.serving import (
 class ChatHandler:
     """Serves one model's chat completions endpoint."""
 
-    def __init__(self, client: AsyncEngineClient, prompts: PromptBuilder, model_name: str) -> None:
+    def __init__(
+        self, client: AsyncEngineClient, prompts: PromptBuilder, model_name: str, limits: RequestLimits
+    ) -> None:
         self.client = client
         self.prompts = prompts
         self.model_name = model_name
+        self.limits = limits
 
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
+        requested_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        most = self.limits.tokens_per_sequence(body.n, 1, body.requested_max_tokens, requested_param)
         prompt = await self.prompts.from_messages(body.messages, body.add_generation_prompt)
-        # Chat has no default cap: the answer may use whatever context is left.
+        # Chat has no default length of its own: the answer may use whatever context is
+        # left, up to what the server allows a request.
         max_tokens = self.prompts.max_tokens(
-            prompt,
-            body.requested_max_tokens,
-            None,
-            prompt_param="messages",
-            requested_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+            prompt, body.requested_max_tokens, most, prompt_param="messages", requested_param=requested_param
         )
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.prompts.sampling_params(body, max_tokens, top_logprobs)

@@ -17,6 +17,7 @@ from cadence.server.api_responses import (
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.logprobs_format import completion_logprobs
 from cadence.server.prompts import Prompt, PromptBuilder
+from cadence.server.request_limits import RequestLimits
 from cadence.server.serving import (
     ChoiceCursor,
     ChunkWriter,
@@ -35,19 +36,25 @@ DEFAULT_MAX_TOKENS = 16
 class CompletionHandler:
     """Serves one model's legacy completions endpoint."""
 
-    def __init__(self, client: AsyncEngineClient, prompts: PromptBuilder, model_name: str) -> None:
+    def __init__(
+        self, client: AsyncEngineClient, prompts: PromptBuilder, model_name: str, limits: RequestLimits
+    ) -> None:
         self.client = client
         self.prompts = prompts
         self.model_name = model_name
+        self.limits = limits
 
     async def create(self, body: CompletionRequest, raw_request: Request) -> Response:
-        prompts = [await self.prompts.from_completion_prompt(p) for p in body.prompts()]
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
+        # Checked before tokenizing: refusing costs nothing then.
+        most = self.limits.tokens_per_sequence(body.n, len(body.prompts()), requested, "max_tokens")
+        prompts = [await self.prompts.from_completion_prompt(p) for p in body.prompts()]
         # Echo with logprobs scores the prompt too, as OpenAI does.
         prompt_logprobs = body.logprobs if body.echo else None
+        default = min(DEFAULT_MAX_TOKENS, most)
         params = [
             self.prompts.sampling_params(
-                body, self.prompts.max_tokens(p, requested, DEFAULT_MAX_TOKENS), body.logprobs, prompt_logprobs
+                body, self.prompts.max_tokens(p, requested, default), body.logprobs, prompt_logprobs
             )
             for p in prompts
         ]

@@ -42,9 +42,13 @@ class Topology:
         if not self.disaggregated:
             return {"engine": args}
         engines = {}
+        # They share this host's memory: each sizes its KV cache as one of them.
+        on_host = self.num_prefill + self.num_decode
         for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for index in range(count):
-                engines[f"{role}-{index}"] = replace(args, kv_role=role, kv_transport=self.kv_transport)
+                engines[f"{role}-{index}"] = replace(
+                    args, kv_role=role, kv_transport=self.kv_transport, engines_per_host=on_host
+                )
         return engines
 
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -43,6 +44,30 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `condition` until it holds; fail with `what` past `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
 
 
 class ServerProcess:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,7 +18,7 @@ import pytest
 
 from disaggregation_checks import FLAGS, complete, prompts, texts_of
 from server_checks import MODEL
-from server_harness import ServerProcess, pid_alive
+from server_harness import ServerProcess, group_members, pid_alive, wait_until
 from shm_checks import dev_shm_files, holders
 
 pytestmark = [
@@ -33,29 +31,6 @@ SERVER_FLAGS = [
     *FLAGS,
     *("--served-model-name", MODEL),
 ]
-
-
-def group_members(pgid: int) -> list[int]:
-    """The live processes of process group `pgid`, from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(int(entry))
-    return found
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def transfers(server: ServerProcess) -> float:

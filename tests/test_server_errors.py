@@ -40,6 +40,11 @@ def model_dir(tiny_model_dir) -> str:
     return tiny_model_dir("llama")
 
 
+# One request's most sequences and generated tokens (n x max_tokens) on the strict server.
+STRICT_MAX_N = 8
+STRICT_MAX_OUTPUT = 2 * STRICT_MAX_MODEL_LEN
+
+
 @pytest.fixture(scope="module")
 def strict(model_dir: str) -> Iterator[ServerProcess]:
     with ServerProcess(
@@ -52,6 +57,10 @@ def strict(model_dir: str) -> Iterator[ServerProcess]:
         API_KEY,
         "--max-request-body-bytes",
         "4KiB",
+        "--max-n-sequences",
+        str(STRICT_MAX_N),
+        "--max-request-output-tokens",
+        str(STRICT_MAX_OUTPUT),
     ) as server:
         yield server
 
@@ -73,6 +82,26 @@ BAD_REQUESTS = [
     ("cmpl-stream-not-bool", CMPL, {"model": MODEL, "prompt": "hi", "stream": "sometimes"}, "stream"),
     ("cmpl-n-0", CMPL, {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
     ("chat-n-0", CHAT, {"model": MODEL, "messages": MESSAGES, "n": 0}, "n"),
+    ("cmpl-n-over-max", CMPL, {"model": MODEL, "prompt": "hi", "n": STRICT_MAX_N + 1}, "n"),
+    ("chat-n-over-max", CHAT, {"model": MODEL, "messages": MESSAGES, "n": STRICT_MAX_N + 1}, "n"),
+    (
+        "cmpl-n-times-max-tokens-over-max",
+        CMPL,
+        {"model": MODEL, "prompt": "hi", "n": STRICT_MAX_N, "max_tokens": STRICT_MAX_OUTPUT // STRICT_MAX_N + 1},
+        "max_tokens",
+    ),
+    (
+        "cmpl-prompts-times-n-times-max-tokens-over-max",
+        CMPL,
+        {"model": MODEL, "prompt": ["hi", "there"], "n": 4, "max_tokens": STRICT_MAX_OUTPUT // 8 + 1},
+        "max_tokens",
+    ),
+    (
+        "chat-n-times-max-completion-tokens-over-max",
+        CHAT,
+        {"model": MODEL, "messages": MESSAGES, "n": 2, "max_completion_tokens": STRICT_MAX_OUTPUT // 2 + 1},
+        "max_completion_tokens",
+    ),
     ("cmpl-max-tokens-0", CMPL, {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("cmpl-negative-temperature", CMPL, {"model": MODEL, "prompt": "hi", "temperature": -0.5}, "temperature"),
     ("chat-negative-temperature", CHAT, {"model": MODEL, "messages": MESSAGES, "temperature": -1}, "temperature"),
@@ -217,6 +246,30 @@ def test_prompt_plus_max_tokens_over_context(strict: ServerProcess) -> None:
     assert_error(
         response, 400, type="invalid_request_error", param="max_completion_tokens", code="context_length_exceeded"
     )
+
+
+def test_request_size_limits_with_the_openai_sdk(strict: ServerProcess) -> None:
+    """Past --max-n-sequences or --max-request-output-tokens the SDK raises BadRequestError
+    naming the field; at them the request is served, and a request that names no
+    max_tokens gets its share of the tokens."""
+    client = openai.OpenAI(base_url=f"{strict.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="hi", n=STRICT_MAX_N + 1, max_tokens=1)
+    assert caught.value.param == "n" and str(STRICT_MAX_N) in caught.value.message
+    per_sequence = STRICT_MAX_OUTPUT // STRICT_MAX_N
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, n=STRICT_MAX_N, max_completion_tokens=per_sequence + 1
+        )
+    assert caught.value.param == "max_completion_tokens" and str(STRICT_MAX_OUTPUT) in caught.value.message
+    ignore_eos = {"ignore_eos": True}
+    served = client.completions.create(
+        model=MODEL, prompt="hi", n=STRICT_MAX_N, max_tokens=per_sequence, extra_body=ignore_eos
+    )
+    assert served.usage is not None and served.usage.completion_tokens == STRICT_MAX_OUTPUT
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=STRICT_MAX_N, extra_body=ignore_eos)
+    assert chat.usage is not None and chat.usage.completion_tokens == STRICT_MAX_OUTPUT
+    assert {choice.finish_reason for choice in chat.choices} == {"length"}
 
 
 def test_unknown_fields_are_ignored(strict: ServerProcess) -> None:
