@@ -195,7 +195,7 @@ def test_errors_carry_the_server_body(client) -> None:
     assert error.body is not None and error.body.error.type == "invalid_request_error"
     assert error.request_id
     with pytest.raises(BadRequestError) as caught:
-        client.completions("x", max_tokens=100000)
+        client.completions("x", max_tokens=5000)  # beyond the context, within --max-request-output-tokens
     assert caught.value.code == "context_length_exceeded"
     with pytest.raises(NotFoundError) as missing:
         client.completions("x", model="nope")
