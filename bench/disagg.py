@@ -113,7 +113,7 @@ def configs(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def measure(config: str, flags: list[str], args: argparse.Namespace) -> list[RateRun]:
-    command = [sys.executable, "-m", "cadence.server.cli", "serve", "--port", "{port}", "--max-model-len", "2048"]
+    command = [sys.executable, "-P", "-m", "cadence.server.cli", "serve", "--port", "{port}", "--max-model-len", "2048"]
     spec = EngineSpec(config, command + flags, env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     runs = []
     with ServedEngine(spec) as server:

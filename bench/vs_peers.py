@@ -106,7 +106,7 @@ def f16_gguf(args: argparse.Namespace, hf_folder: str) -> str:
 def engine_spec(name: str, args: argparse.Namespace, hf_folder: str) -> EngineSpec:
     """How to start `name`; FileNotFoundError when the peer is not installed."""
     if name.startswith("cadence"):
-        serve = [sys.executable, "-m", "cadence.server.cli", "serve", "--host", "127.0.0.1", "--port", "{port}"]
+        serve = [sys.executable, "-P", "-m", "cadence.server.cli", "serve", "--host", "127.0.0.1", "--port", "{port}"]
         serve += shlex.split(args.cadence_args)
         label = f"{LABELS[name]} {args.cadence_args}".rstrip()
         env = AVX2_ONLY_ENV if args.avx2_only else {}

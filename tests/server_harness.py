@@ -94,7 +94,9 @@ class ServerProcess:
         # What /metrics needs: a server started with --protect-metrics wants the API key.
         self.metrics_headers: dict[str, str] = {}
         self.base_url = f"http://{host}:{self.port}"
-        argv = [*wrapper, sys.executable, "-m", "cadence.server.cli", command]
+        # -P keeps the working directory off sys.path: run from the checkout root, its
+        # kernels/ folder would shadow the PyPI package `kernels` that transformers imports.
+        argv = [*wrapper, sys.executable, "-P", "-m", "cadence.server.cli", command]
         if model is not None:
             argv.append(model)
         argv += ["--host", host, "--port", str(self.port), "--log-level", "warning", *extra_args]

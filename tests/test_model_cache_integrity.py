@@ -74,7 +74,7 @@ def count_conversions(monkeypatch) -> list[str]:
 
 def run_cli(*argv: str, wrapper: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*wrapper, sys.executable, "-m", "cadence.server.cli", *argv],
+        [*wrapper, sys.executable, "-P", "-m", "cadence.server.cli", *argv],
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT,
@@ -234,7 +234,7 @@ def test_cli_refuses_a_read_only_home_cache_in_one_line(tiny_gguf, tmp_path) -> 
     (home / ".cache").mkdir(parents=True)
     wrapper = read_only_wrapper(str(home / ".cache"))
     result = subprocess.run(
-        [*wrapper, sys.executable, "-m", "cadence.server.cli", "serve", tiny_gguf],
+        [*wrapper, sys.executable, "-P", "-m", "cadence.server.cli", "serve", tiny_gguf],
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT,
