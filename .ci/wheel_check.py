@@ -33,11 +33,6 @@ from pathlib import Path, PurePosixPath
 from types import FrameType
 from typing import Any, NoReturn
 
-# Top-level folders of the repository that are not part of the package `cadence` (setup.py leaves the same
-# ones out). Hidden folders (.ci/, .git/) are never packages. A new top-level folder is a subpackage unless
-# it is added here and to setup.py.
-NOT_PACKAGE_FOLDERS = frozenset({"tests", "bench", "deploy", "docs"})
-
 # Imports the wheel's dependencies do not provide: a module that needs one of these is importable only
 # where it is installed. Any other import error fails the check.
 OPTIONAL_IMPORTS = {
@@ -74,17 +69,14 @@ def source_files(repo: Path) -> list[PurePosixPath]:
 
 
 def package_files(sources: list[PurePosixPath]) -> list[PurePosixPath]:
-    """The source files that must be in the wheel. In the root folder (the package `cadence` itself) only
-    modules count: README.md and pyproject.toml belong to the project. Inside a package folder every file
-    counts: a data file there is read at run time, so it must ship (as package data) or live elsewhere."""
-    shipped = []
-    for path in sources:
-        if len(path.parts) == 1:
-            if path.suffix == ".py" and path.name != "setup.py":
-                shipped.append(path)
-        elif path.parts[0] not in NOT_PACKAGE_FOLDERS and not path.parts[0].startswith("."):
-            shipped.append(path)
-    return shipped
+    """The source files that must be in the wheel: everything under src/ (the package `cadence`). A data
+    file there is read at run time, so it must ship (as package data) or live elsewhere."""
+    return [path for path in sources if path.parts[0] == "src" and len(path.parts) > 2]
+
+
+def in_wheel(path: PurePosixPath) -> str:
+    """A source file's name in the wheel: its path under src/."""
+    return str(path.relative_to("src"))
 
 
 def folders_without_init(paths: list[PurePosixPath], sources: list[PurePosixPath]) -> list[str]:
@@ -94,7 +86,7 @@ def folders_without_init(paths: list[PurePosixPath], sources: list[PurePosixPath
     missing = set()
     for path in paths:
         for folder in path.parents:
-            if folder != PurePosixPath(".") and folder / "__init__.py" not in have:
+            if folder not in (PurePosixPath("."), PurePosixPath("src")) and folder / "__init__.py" not in have:
                 missing.add(f"{folder}/")
     return sorted(missing)
 
@@ -103,7 +95,7 @@ def check_wheel_files(wheel: Path, sources: list[PurePosixPath]) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = {name for name in archive.namelist() if not name.endswith("/")}
     expected = package_files(sources)
-    missing = [path for path in expected if f"cadence/{path}" not in names]
+    missing = [path for path in expected if in_wheel(path) not in names]
     problems = []
     if missing:
         problems.append("missing from the wheel: " + ", ".join(map(str, missing)))
@@ -113,7 +105,7 @@ def check_wheel_files(wheel: Path, sources: list[PurePosixPath]) -> None:
         data = [str(path) for path in missing if path.suffix != ".py"]
         if data:
             problems.append("a data file ships only if [tool.setuptools.package-data] names it: " + ", ".join(data))
-    wanted = {f"cadence/{path}" for path in expected}
+    wanted = {in_wheel(path) for path in expected}
     stray = sorted(name for name in names if name not in wanted and not name.split("/")[0].endswith(".dist-info"))
     if stray:
         problems.append("in the wheel but not part of the package: " + ", ".join(stray))

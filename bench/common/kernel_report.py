@@ -6,7 +6,6 @@ module level: gpu_kernels.py must set TRITON_INTERPRET (CPU smoke runs) before t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import platform
@@ -30,22 +29,16 @@ def import_cadence_from_repo() -> None:
     """Make `import cadence` mean this checkout, installed or not.
 
     The device machine gets a bare copy of the tree (no `pip install -e .`), and on this
-    machine an installed cadence could point at another worktree: either way, map the
-    package onto the repository root exactly as pyproject's package-dir does.
+    machine an installed cadence could point at another worktree: this checkout's src/
+    goes first on sys.path. Call it before anything imports cadence.
     """
+    source = str(ROOT / "src")
     loaded = sys.modules.get("cadence")
-    if loaded is not None and Path(loaded.__file__ or "").resolve().parent == ROOT:
+    if loaded is not None:
+        if Path(loaded.__file__ or "").resolve().parent != ROOT / "src" / "cadence":
+            raise RuntimeError(f"cadence was imported from {loaded.__file__} before this checkout's {source}")
         return
-    spec = importlib.util.find_spec("cadence")
-    if spec is not None and spec.origin and Path(spec.origin).resolve().parent == ROOT:
-        return
-    spec = importlib.util.spec_from_file_location(
-        "cadence", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cadence"] = module
-    spec.loader.exec_module(module)
+    sys.path.insert(0, source)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -20,7 +20,7 @@ from cadence.server import metric_series as S
 from cadence.tools.generated_file import write_or_check
 from cadence.tools.grafana_dashboard import name
 
-OUTPUT = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "alerts.yml"
+OUTPUT = Path(__file__).resolve().parents[3] / "deploy" / "prometheus" / "alerts.yml"
 WINDOW = "5m"
 
 

@@ -23,7 +23,7 @@ from grafana_foundation_sdk.models.dashboard import DataSourceRef
 from cadence.server import metric_series as S
 from cadence.tools.generated_file import write_or_check
 
-OUTPUT = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "cadence.json"
+OUTPUT = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "cadence.json"
 PREFIX = "cadence"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${DS_PROMETHEUS}")
 MODEL = 'model_name="$model_name"'
