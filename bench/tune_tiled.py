@@ -9,7 +9,7 @@ the kernel's torch reference, and is timed from CUDA-graph replays over rotated 
 copies (``common.gpu_timing``). Printed per kernel and M: dense bf16, the current
 default launch, the dequantize-then-matmul path, and the best configurations, as µs summed
 over the four shapes and as a ratio to dense. The kernels' own defaults are then set from
-these tables by hand, with the run recorded in bench/HISTORY.md.
+these tables by hand, with the run recorded in bench/RESULTS.md.
 
 Compiling hundreds of configurations one after another would take most of a device call,
 so worker processes compile them first (Triton's on-disk cache), each on the same GPU,

@@ -332,7 +332,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's first largest index, as ``argmax(dim=-1)`` gives it (ties and NaN alike).
 
     ``max(dim=-1).indices`` because on CPU it is faster than ``argmax`` over a vocabulary-wide
-    row (bench/HISTORY.md has the measurement).
+    row (`git show 90ba143:bench/HISTORY.md` has the measurement).
     """
     return x.max(dim=-1).indices
 

@@ -2,7 +2,7 @@
 
 At prefill-sized M a weight-only GEMM is compute-bound: the weight bytes it saves are a
 small share of the time, and our tiled Triton kernels ran well below the dense fp16
-matmul at M = 64-256 on a GPU (bench/HISTORY.md). So from ``DEQUANT_MIN_M`` rows,
+matmul at M = 64-256 on a GPU (``git show 90ba143:bench/HISTORY.md``). So from ``DEQUANT_MIN_M`` rows,
 ``w8a16_matmul`` and ``w4a16_matmul`` dequantize the weight into a transient dense
 matrix and hand it to torch.matmul (cuBLAS), as vLLM's AWQ layer does from 256 tokens.
 The dense copy lives for that one call, so the memory saving of the quantized weight

@@ -1,7 +1,7 @@
 """Launch configurations of the tiled W8A16 and W4A16 GEMMs, by the number of rows M.
 
 Chosen from ``bench/tune_tiled.py`` on an H100 (bf16, Llama-8B's four projections summed,
-CUDA-graph replays; bench/HISTORY.md has the sweep). What it found, in order of effect:
+CUDA-graph replays; ``git show 90ba143:bench/HISTORY.md`` has the sweep). What it found, in order of effect:
 
 * BLOCK_K 128 instead of 64: half the loop trips and twice the bytes in flight per step.
   W8A16 at M = 2-16 went from 113-163 µs to 96-99 (dense bf16: 164), which also beats its

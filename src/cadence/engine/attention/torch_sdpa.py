@@ -372,7 +372,7 @@ class TorchSDPABackend(AttentionBackend):
             # rows ([rows, kv_heads, heads per kv head, D]), not through enable_gqa: each
             # row attends to the same keys under the same mask, and the CPU flash kernel
             # then reads each K/V block once per KV head rather than once per query head
-            # (bench/HISTORY.md has the comparison). Query head h maps to KV head
+            # (`git show 90ba143:bench/HISTORY.md` has the comparison). Query head h maps to KV head
             # h // group size, as enable_gqa (and transformers' repeat_kv) map it.
             decoded = F.scaled_dot_product_attention(
                 query[group.start : group.end].view(rows, num_kv_heads, -1, head_dim),
