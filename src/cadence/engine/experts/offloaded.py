@@ -28,7 +28,7 @@ from cadence.engine.experts.stats import ExpertStats
 from cadence.engine.experts.store import ExpertSource, slot_tensors
 from cadence.engine.experts.transfer import ExpertTransfers, Ticket
 from cadence.engine.models.causal_lm import CausalLM
-from cadence.engine.quantization.method import LinearLayer
+from cadence.engine.quantization.linear_layer import LinearLayer
 
 # (hidden states [T, hidden]) -> routed expert ids [T, top_k]: a layer's router.
 Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -15,7 +15,7 @@ from cadence.engine.model_config import ModelConfig
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; requires-python allows 3.10
 
-    from cadence.engine.quantization.method import QuantConfig
+    from cadence.engine.quantization.linear_layer import QuantConfig
 
 
 class CausalLM(Protocol):

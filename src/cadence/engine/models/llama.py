@@ -21,14 +21,14 @@ from cadence.engine.models.fused_ops import rms_norm, silu_and_mul
 from cadence.engine.models.rotary import PositionedRotary, RotaryEmbedding
 from cadence.engine.models.weight_names import FUSED_SHARDS, LM_HEAD, expert_target, fused_target
 from cadence.engine.quantization.linear import Int8Method
-from cadence.engine.quantization.lm_head import Int8Embedding
-from cadence.engine.quantization.method import (
+from cadence.engine.quantization.linear_layer import (
     DenseConfig,
     DenseMethod,
     LinearLayer,
     QuantConfig,
     batch_invariant_dense,
 )
+from cadence.engine.quantization.lm_head import Int8Embedding
 from cadence.kernels.batch_invariant import invariant_linear
 
 

@@ -28,7 +28,7 @@ from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.models.llama import MLP, LlamaForCausalLM, dense_mlp
 from cadence.engine.models.weight_names import ours_from_mixtral
-from cadence.engine.quantization.method import DenseMethod, LinearLayer, QuantConfig
+from cadence.engine.quantization.linear_layer import DenseMethod, LinearLayer, QuantConfig
 
 if TYPE_CHECKING:
     from cadence.engine.experts.offloaded import OffloadedExperts
