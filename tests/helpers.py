@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from cadence import LLM, SamplingParams
 from cadence.engine.loader import load_model
 from cadence.engine.models.llama import LlamaForCausalLM
-from cadence.engine.quantization.method import LinearLayer
+from cadence.engine.quantization.linear_layer import LinearLayer
 
 # Where the kernel tests put their tensors: a GPU when there is one (the kernels compile
 # for real), else the CPU, where conftest.py turns the Triton interpreter on.

@@ -29,7 +29,7 @@ def _attend_one(
 
 
 class VarlenSdpaContext:
-    """Duck-typed AttentionContext: prefill-only, each sequence attends only to itself."""
+    """Duck-typed ForwardContext: prefill-only, each sequence attends only to itself."""
 
     def __init__(self, spec: AttentionSpec, seq_lens: list[int]) -> None:
         self.spec, self.seq_lens = spec, seq_lens
@@ -45,7 +45,7 @@ class VarlenSdpaContext:
 
 
 class CachedSdpaContext:
-    """Duck-typed AttentionContext for one sequence that keeps a growing K/V cache."""
+    """Duck-typed ForwardContext for one sequence that keeps a growing K/V cache."""
 
     def __init__(self, spec: AttentionSpec, num_layers: int) -> None:
         self.spec = spec

@@ -18,7 +18,7 @@ import torch
 from cadence import LLM
 from cadence.engine.attention.backend import AttentionSpec
 from cadence.engine.attention.selector import create_attention_backend
-from cadence.engine.quantization.method import LinearLayer
+from cadence.engine.quantization.linear_layer import LinearLayer
 from cadence.kernels import paged_attention as pa
 from cadence.kernels.batch_invariant_gemm import batch_invariant_linear, reference
 from cadence.kernels.fp8_format import quantize_fp8_weight

@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from cadence.engine.attention.backend import AttentionBackend, AttentionContext, AttentionSpec
+from cadence.engine.attention.backend import AttentionBackend, AttentionSpec
 from cadence.engine.cuda_graphs import DecodeGraphs
+from cadence.engine.forward_context import ForwardContext
 from cadence.engine.input_batch import InputBatch, StepInputs
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.protocol import decode, encode
@@ -91,7 +92,7 @@ class _NoForwardModel(nn.Module):
     config: ModelConfig  # never read
     batch_invariant = False
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         raise AssertionError("no forward in this test")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

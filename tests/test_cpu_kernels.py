@@ -18,8 +18,8 @@ from cadence.engine.models.llama import LlamaForCausalLM
 from cadence.engine.quantization import cpu_planner
 from cadence.engine.quantization.cpu_planner import group_summary, plan_cpu_kernels, validate_cpu_kernels
 from cadence.engine.quantization.linear import Int8Linear
+from cadence.engine.quantization.linear_layer import LinearLayer
 from cadence.engine.quantization.lm_head import Int8HeadMethod
-from cadence.engine.quantization.method import LinearLayer
 from cadence.kernels.half_linear import BF16, BF16DOT, FP16, available
 from cadence.kernels.quant_formats import quantize_int8
 from cadence.server.cli import build_parser, engine_args_from

@@ -14,7 +14,7 @@ import torch
 
 from cadence.engine.quantization.cpu_kernels import INT8DOT, INT8X2DOT
 from cadence.engine.quantization.linear import Int4Linear, Int4Method
-from cadence.engine.quantization.method import LinearLayer
+from cadence.engine.quantization.linear_layer import LinearLayer
 from cadence.kernels import int8_dot, int8_quantize
 from helpers import bits_after_fork, bits_at_threads, load_llama
 

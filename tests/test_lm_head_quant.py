@@ -25,8 +25,8 @@ from cadence.engine.models.llama import LlamaForCausalLM
 from cadence.engine.quantization import lm_head
 from cadence.engine.quantization.gguf_native import open_source_gguf
 from cadence.engine.quantization.linear import Int4Method, Int8Method
+from cadence.engine.quantization.linear_layer import LinearLayer
 from cadence.engine.quantization.lm_head import Int8Embedding
-from cadence.engine.quantization.method import LinearLayer
 from cadence.kernels.quant_formats import dequantize_int8, quantize_int8
 from cadence.tools import gptq_model
 from gguf_writer import write_tiny_gguf_in

@@ -13,7 +13,7 @@ from cadence.engine.loader import load_model
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.moe import MoEForCausalLM, SparseMoeBlock, routes_on_host
 from cadence.engine.quantization.linear import Int8Method
-from cadence.engine.quantization.method import DenseMethod
+from cadence.engine.quantization.linear_layer import DenseMethod
 from helpers import greedy, hf_greedy, make_llm, rel_err
 from sdpa_contexts import VarlenSdpaContext
 from tiny_models import MOE_KINDS

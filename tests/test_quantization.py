@@ -396,7 +396,7 @@ def test_quantize_model_frees_each_dense_layer_as_it_goes(tiny_model_dir, method
 
 
 def test_int4_group_size_must_be_a_power_of_two() -> None:
-    from cadence.engine.quantization.apply import group_size_for
+    from cadence.engine.quantization.load_time_config import group_size_for
 
     assert group_size_for(576, 128) == 64
     for bad in (96, 16, 100):

@@ -28,7 +28,7 @@ auto``; there the switch only matters for the Triton backend under the interpret
 from __future__ import annotations
 
 from cadence.engine.models.causal_lm import CausalLM
-from cadence.engine.quantization.method import LinearLayer
+from cadence.engine.quantization.linear_layer import LinearLayer
 
 
 def make_batch_invariant(model: CausalLM) -> None:

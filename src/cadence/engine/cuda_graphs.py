@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cadence.engine.attention.backend import AttentionBackend, AttentionContext, DecodeGraphInputs, KVCache
+from cadence.engine.attention.backend import AttentionBackend, DecodeGraphInputs, KVCache
+from cadence.engine.forward_context import ForwardContext
 from cadence.engine.input_batch import StepInputs
 from cadence.engine.models.causal_lm import CausalLM
 
@@ -146,7 +147,7 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: batch + 1],
             max_seq_len=self.max_model_len,
         )
-        ctx = AttentionContext(self.backend, self.kv_caches, self.backend.graph_metadata(inputs, variant))
+        ctx = ForwardContext(self.backend, self.kv_caches, self.backend.graph_metadata(inputs, variant))
         return lambda: self.model(ids, positions, ctx)
 
     # ----- each step -------------------------------------------------------------------

@@ -101,7 +101,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         # Imported here so building EngineArgs (the CLI does, early) stays light.
-        from cadence.engine.quantization.apply import validate_quantization
+        from cadence.engine.quantization.load_time_config import validate_quantization
         from cadence.kernels.kv_quant import KV_CACHE_DTYPES
 
         self.quantization = validate_quantization(self.quantization)

@@ -16,12 +16,12 @@ from cadence.engine.experts.options import ExpertOffloadOptions
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models import get_model_class
 from cadence.engine.models.causal_lm import CausalLM
-from cadence.engine.quantization.apply import LoadTimeConfig, validate_quantization
 from cadence.engine.quantization.checkpoint import CheckpointConfig
 from cadence.engine.quantization.cpu_planner import plan_cpu_kernels
 from cadence.engine.quantization.gguf_native import GGUF_NATIVE, GgufNativeConfig
+from cadence.engine.quantization.linear_layer import DenseConfig, LinearLayer, QuantConfig
 from cadence.engine.quantization.lm_head import Int8HeadMethod
-from cadence.engine.quantization.method import DenseConfig, LinearLayer, QuantConfig
+from cadence.engine.quantization.load_time_config import LoadTimeConfig, validate_quantization
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -180,10 +180,6 @@ class ModelConfig:
     def architecture(self) -> str:
         return self.architectures[0]
 
-    @property
-    def attention_bias(self) -> bool:
-        return self.qkv_bias or self.o_bias
-
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = list(raw.get("architectures") or [])

@@ -16,7 +16,6 @@ import torch
 
 from cadence.engine.attention.backend import (
     AttentionBackend,
-    AttentionContext,
     KVCache,
     QuantizedKVCache,
     StepBatch,
@@ -25,6 +24,7 @@ from cadence.engine.attention.backend import (
 from cadence.engine.attention.selector import create_attention_backend
 from cadence.engine.batch_invariant import make_batch_invariant
 from cadence.engine.cuda_graphs import DecodeGraphs
+from cadence.engine.forward_context import ForwardContext
 from cadence.engine.host_memory import zeroed_pages
 from cadence.engine.input_batch import InputBatch, RequestState, StepInputs
 from cadence.engine.kv_transfer.transport import KVTransport
@@ -188,7 +188,7 @@ class ModelRunner:
         request's own token has replaced it."""
         device = self.device
 
-        def context(prompt_len: int) -> AttentionContext:
+        def context(prompt_len: int) -> ForwardContext:
             batch = StepBatch(
                 query_starts=[0],
                 query_lens=[1],
@@ -198,7 +198,7 @@ class ModelRunner:
                 slot_mapping=torch.zeros(1, dtype=torch.int64, device=device),
                 prompt_lens=[prompt_len],
             )
-            return AttentionContext(self.backend, self.kv_caches, self.backend.build_metadata(batch))
+            return ForwardContext.for_step(self.backend, self.kv_caches, batch)
 
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         self.model.compute_logits(self.model(zero, zero, context(0)))  # as a generated token
@@ -238,7 +238,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
             prompt_lens=prompt_lens,
         )
-        ctx = AttentionContext(self.backend, self.kv_caches, self.backend.build_metadata(batch))
+        ctx = ForwardContext.for_step(self.backend, self.kv_caches, batch)
         return self.model(torch.from_numpy(step.input_ids).to(device), positions, ctx)
 
     def _sample(self, states: list[RequestState], logits: torch.Tensor, result: ModelRunnerOutput) -> None:

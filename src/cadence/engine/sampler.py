@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cadence.engine.sampling_params import SamplingParams
-from cadence.engine.truncation import BLOCK, Scratch, shifted_mass, top_k_top_p_thresholds
+from cadence.engine.top_k_top_p import BLOCK, Scratch, shifted_mass, top_k_top_p_thresholds
 
 
 def _pad(rows: list[list[int]], pad: list[int], device: torch.device) -> torch.Tensor:
@@ -236,7 +236,7 @@ def apply_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 
 # How many tokens the blocks around a top_p row's crossing bin may hold before the row is
-# sorted whole (engine/truncation.py): only a dense cluster of distinct values gets there.
+# sorted whole (engine/top_k_top_p.py): only a dense cluster of distinct values gets there.
 _TOP_P_WINDOW = 16384
 
 
@@ -244,7 +244,7 @@ def top_k_top_p_threshold(
     logits: torch.Tensor, md: SamplingMetadata, scratch: Scratch | None = None, mass: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """Per-row logit threshold [B] for top_k then top_p (-inf for rows with neither), or None
-    when no row uses them. A row's threshold depends on that row alone (engine/truncation.py).
+    when no row uses them. A row's threshold depends on that row alone (engine/top_k_top_p.py).
     mass: the logits' ``shifted_mass``, if the caller has it."""
     if md.top_k is None and md.top_p is None:
         return None
@@ -268,7 +268,7 @@ def apply_top_k_top_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
 
 def _mass(logits: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     """exp(logit - row max) ([B, V], a scratch buffer): the softmax without its per-row
-    normalizer, which neither truncation nor sampling needs (``truncation.shifted_mass``)."""
+    normalizer, which neither truncation nor sampling needs (``top_k_top_p.shifted_mass``)."""
     return shifted_mass(logits, logits.amax(dim=-1, keepdim=True), scratch.take("probs", logits))
 
 

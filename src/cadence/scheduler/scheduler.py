@@ -245,10 +245,6 @@ class Scheduler:
             KVPrefilled(request.request_id, request.block_ids[:num_blocks], request.num_tokens_to_compute)
         )
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

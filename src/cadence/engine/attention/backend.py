@@ -3,10 +3,10 @@
 A step's batch is flattened: T new tokens from many sequences, no padding. Sequences
 that add exactly one token (decodes) come first, then the multi-token chunks (prefills).
 Each backend turns the backend-neutral `StepBatch` into its own metadata once per step,
-and every layer then calls `AttentionContext.attend` with that metadata. A backend whose
-step needs no host sync can also describe a pure-decode step over static buffers, which
-engine/cuda_graphs.py captures and replays (`graph_variants`, `pick_graph_variant`,
-`graph_metadata`).
+which the step's `ForwardContext` (engine/forward_context.py) hands to every layer. A
+backend whose step needs no host sync can also describe a pure-decode step over static
+buffers, which engine/cuda_graphs.py captures and replays (`graph_variants`,
+`pick_graph_variant`, `graph_metadata`).
 """
 
 from __future__ import annotations
@@ -150,18 +150,3 @@ class AttentionBackend(ABC):
         """Metadata for a decode forward that reads nothing but `inputs`' buffers, so that a
         captured graph stays valid as they are rewritten."""
         raise NotImplementedError(f"{type(self).__name__} has no CUDA-graph support")
-
-
-class AttentionContext:
-    """What a model's attention layers need for one step: backend, caches and metadata.
-
-    It is passed to the model's forward explicitly, so no step state lives in globals.
-    """
-
-    def __init__(self, backend: AttentionBackend, kv_caches: list[KVCache], metadata: Any) -> None:
-        self.backend = backend
-        self.kv_caches = kv_caches
-        self.metadata = metadata
-
-    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        return self.backend.forward(query, key, value, self.kv_caches[layer_idx], self.metadata)

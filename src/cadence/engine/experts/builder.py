@@ -34,7 +34,7 @@ from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.models.llama import MLP
 from cadence.engine.models.moe import SparseMoeBlock
 from cadence.engine.models.weight_names import expert_target, ours_from_mixtral
-from cadence.engine.quantization.method import DenseMethod, LinearLayer
+from cadence.engine.quantization.linear_layer import DenseMethod, LinearLayer
 
 logger = logging.getLogger(__name__)
 Item = torch.Tensor | MappedTensor

@@ -1,10 +1,9 @@
 """One MoE layer's routed experts, offloaded: a pool of slots in fast memory (cache slots
 then two stream buffers), the store the experts come from, and the step that runs them.
 
-A step groups its (token, expert) pairs by expert with the resident path's own
-``moe.RoutedPairs``, then
-follows ``cache.step_actions``: loads go to the transfer queue, runs wait for their
-slot's load. When the step routes more distinct experts than ``stream_threshold``, it
+A step groups its (token, expert) pairs by expert with ``RoutedPairs``, as the resident
+path does, then follows ``cache.step_actions``: loads go to the transfer queue, runs wait
+for their slot's load. When the step routes more distinct experts than ``stream_threshold``, it
 streams: the routed experts that are not cached pass through the two stream buffers in
 turn (each loaded while the one before computes), and the cache keeps what it holds;
 otherwise the misses take cache slots, evicting by the policy, in waves when they
@@ -24,12 +23,12 @@ from torch import nn
 
 from cadence.engine.experts.cache import ExpertCache, Load, StreamBuffers, prefetch_actions, step_actions
 from cadence.engine.experts.cost_model import CpuComputeCost
+from cadence.engine.experts.routed_pairs import RoutedPairs
 from cadence.engine.experts.stats import ExpertStats
 from cadence.engine.experts.store import ExpertSource, slot_tensors
 from cadence.engine.experts.transfer import ExpertTransfers, Ticket
 from cadence.engine.models.causal_lm import CausalLM
-from cadence.engine.models.moe import RoutedPairs
-from cadence.engine.quantization.method import LinearLayer
+from cadence.engine.quantization.linear_layer import LinearLayer
 
 # (hidden states [T, hidden]) -> routed expert ids [T, top_k]: a layer's router.
 Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

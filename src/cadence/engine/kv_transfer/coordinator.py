@@ -176,10 +176,6 @@ class Coordinator:
         if route is not None and route.phase is not Phase.DECODING:
             self._drop(route)
 
-    def engine_of(self, request_id: str) -> str | None:
-        route = self.routes.get(request_id)
-        return None if route is None else route.decode
-
     # ----- what engines report ------------------------------------------------------
     def on_outputs(self, engine_id: str, outputs: EngineCoreOutputs) -> None:
         self.engine_stats[engine_id] = outputs.stats

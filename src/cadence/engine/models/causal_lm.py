@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from cadence.engine.attention.backend import AttentionContext, AttentionSpec
+from cadence.engine.attention.backend import AttentionSpec
+from cadence.engine.forward_context import ForwardContext
 from cadence.engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; requires-python allows 3.10
 
-    from cadence.engine.quantization.method import QuantConfig
+    from cadence.engine.quantization.linear_layer import QuantConfig
 
 
 class CausalLM(Protocol):
@@ -31,9 +32,9 @@ class CausalLM(Protocol):
     # GEMM; the engine sets it with every LinearLayer's flag (engine/batch_invariant.py).
     batch_invariant: bool
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor: ...
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor: ...
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 

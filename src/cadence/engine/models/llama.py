@@ -1,10 +1,11 @@
 """Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm), SmolLM2.
 
 Works on a flattened varlen batch: `input_ids` and `positions` are [T] with tokens from
-many sequences back to back; only attention (behind `AttentionContext`) mixes tokens.
-q/k/v and gate/up are each one fused ``LinearLayer`` (``weight_names.FUSED_SHARDS``), so
-every layer runs three big GEMMs plus the output projection instead of seven small ones.
-Each projection's weight format comes from the ``QuantConfig`` the model is built with.
+many sequences back to back; only attention (through the step's `ForwardContext`) mixes
+tokens. q/k/v and gate/up are each one fused ``LinearLayer``
+(``weight_names.FUSED_SHARDS``), so every layer runs three big GEMMs plus the output
+projection instead of seven small ones. Each projection's weight format comes from the
+``QuantConfig`` the model is built with.
 """
 
 from __future__ import annotations
@@ -15,20 +16,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.engine.attention.backend import AttentionContext, AttentionSpec
+from cadence.engine.attention.backend import AttentionSpec
+from cadence.engine.forward_context import ForwardContext
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.fused_ops import rms_norm, silu_and_mul
 from cadence.engine.models.rotary import PositionedRotary, RotaryEmbedding
 from cadence.engine.models.weight_names import FUSED_SHARDS, LM_HEAD, expert_target, fused_target
 from cadence.engine.quantization.linear import Int8Method
-from cadence.engine.quantization.lm_head import Int8Embedding
-from cadence.engine.quantization.method import (
+from cadence.engine.quantization.linear_layer import (
     DenseConfig,
     DenseMethod,
     LinearLayer,
     QuantConfig,
     batch_invariant_dense,
 )
+from cadence.engine.quantization.lm_head import Int8Embedding
 from cadence.kernels.batch_invariant import invariant_linear
 
 
@@ -100,7 +102,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, rope: PositionedRotary, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, rope: PositionedRotary, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -181,7 +183,7 @@ class DecoderLayer(nn.Module):
         self.mlp = feed_forward(config, layer_idx, quant)
 
     def forward(
-        self, rope: PositionedRotary, x: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext
+        self, rope: PositionedRotary, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope` is RoPE prepared for the pass's positions (``RotaryEmbedding.at``), once
         for all layers."""
@@ -210,7 +212,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.at(positions)
         for layer in self.layers:
@@ -267,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
             sliding_window=c.sliding_window,
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Weight formats behind one interface: each ``LinearLayer`` is created, loaded, finalised
-and applied by its ``QuantMethod`` (``method.py``), chosen while the model is built by a
+and applied by its ``QuantMethod`` (``linear_layer.py``), chosen while the model is built by a
 ``QuantConfig``:
 
 * ``DenseConfig``: dense projections (``DenseMethod``);
@@ -14,16 +14,6 @@ paths (``cpu_planner.py`` measures which). GPTQ calibration (``cadence quantize`
 is a tool, in ``cadence.tools``, outside the serving path.
 """
 
-from cadence.engine.quantization.apply import (
-    DEFAULT_GROUP_SIZE,
-    QUANTIZATION_METHODS,
-    TARGET_LAYERS,
-    LoadTimeConfig,
-    QuantizationSummary,
-    group_size_for,
-    quantize_model,
-    validate_quantization,
-)
 from cadence.engine.quantization.checkpoint import (
     CheckpointQuantization,
     parse_quantization_config,
@@ -35,12 +25,22 @@ from cadence.engine.quantization.linear import (
     Int8Linear,
     Int8Method,
 )
-from cadence.engine.quantization.method import (
+from cadence.engine.quantization.linear_layer import (
     DenseConfig,
     DenseMethod,
     LinearLayer,
     QuantConfig,
     QuantMethod,
+)
+from cadence.engine.quantization.load_time_config import (
+    DEFAULT_GROUP_SIZE,
+    QUANTIZATION_METHODS,
+    TARGET_LAYERS,
+    LoadTimeConfig,
+    QuantizationSummary,
+    group_size_for,
+    quantize_model,
+    validate_quantization,
 )
 
 __all__ = [

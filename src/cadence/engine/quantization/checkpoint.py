@@ -30,7 +30,7 @@ import torch
 
 from cadence.engine.models.weight_names import SHARD_OF
 from cadence.engine.quantization.linear import Int4Method
-from cadence.engine.quantization.method import (
+from cadence.engine.quantization.linear_layer import (
     LinearLayer,
     QuantConfig,
     QuantMethod,

@@ -56,7 +56,7 @@ from cadence.engine.quantization.cpu_kernels import (
     PACKED,
 )
 from cadence.engine.quantization.linear import QuantizedMethod, dense_bytes
-from cadence.engine.quantization.method import LinearLayer
+from cadence.engine.quantization.linear_layer import LinearLayer
 from cadence.kernels import int8_dot
 from cadence.kernels.half_linear import FORMATS, available
 

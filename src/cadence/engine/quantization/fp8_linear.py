@@ -34,7 +34,7 @@ from torch import nn
 
 from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.engine.quantization.linear import QuantizedMethod, _ready_tensors, check_shape
-from cadence.engine.quantization.method import LinearLayer, take_dense_weight
+from cadence.engine.quantization.linear_layer import LinearLayer, take_dense_weight
 from cadence.kernels.batch_invariant import invariant_linear
 from cadence.kernels.fp8_format import (
     FP8_DTYPE,

@@ -47,7 +47,7 @@ from cadence.engine.gguf_loader import (
 from cadence.engine.models.weight_names import FUSED_SHARDS, fused_suffix
 from cadence.engine.quantization.checkpoint import concat_int4
 from cadence.engine.quantization.linear import Int4Method, Int8Method
-from cadence.engine.quantization.method import (
+from cadence.engine.quantization.linear_layer import (
     DenseMethod,
     LinearLayer,
     QuantConfig,

@@ -43,7 +43,7 @@ from cadence.engine.quantization.cpu_kernels import (
     held_chunks,
     held_half,
 )
-from cadence.engine.quantization.method import (
+from cadence.engine.quantization.linear_layer import (
     DenseMethod,
     LinearLayer,
     take_dense_weight,

@@ -20,7 +20,7 @@ from torch import nn
 
 from cadence.engine.quantization.cpu_kernels import DENSE, DEQUANT, FP16
 from cadence.engine.quantization.linear import Int8Method
-from cadence.engine.quantization.method import LinearLayer
+from cadence.engine.quantization.linear_layer import LinearLayer
 from cadence.kernels.quant_formats import quantize_int8
 
 # Vocabulary rows quantized at a time: the fp32 temporaries of a whole 128k-row head

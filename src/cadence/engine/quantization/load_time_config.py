@@ -11,7 +11,7 @@ from torch import nn
 
 from cadence.engine.quantization.fp8_linear import Fp8Method
 from cadence.engine.quantization.linear import Int4Method, Int8Method
-from cadence.engine.quantization.method import (
+from cadence.engine.quantization.linear_layer import (
     DenseMethod,
     LinearLayer,
     QuantConfig,

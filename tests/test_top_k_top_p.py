@@ -1,4 +1,4 @@
-"""Tests for cadence.engine.truncation (top_k / top_p thresholds without a full sort) and the
+"""Tests for cadence.engine.top_k_top_p (top_k / top_p thresholds without a full sort) and the
 sampler's two-step block sampling: both against plain references written here."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadence.engine import truncation
+from cadence.engine import top_k_top_p
 from cadence.engine.sampler import Sampler, SamplingMetadata, _sample_by_block
 from cadence.engine.sampling_params import SamplingParams
-from cadence.engine.truncation import BLOCK, top_k_top_p_thresholds
+from cadence.engine.top_k_top_p import BLOCK, top_k_top_p_thresholds
 
 NEG_INF = float("-inf")
 WINDOW = 16384
@@ -71,13 +71,13 @@ def test_thresholds_match_full_sort_reference(vocab: int) -> None:
 def _count_histogram_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one entry per row the top_p histogram is run on."""
     rows: list[int] = []
-    histogram = truncation._top_p_thresholds
+    histogram = top_k_top_p._top_p_thresholds
 
     def counted(logits: torch.Tensor, *args: object) -> torch.Tensor:
         rows.extend(range(logits.shape[0]))
         return histogram(logits, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(truncation, "_top_p_thresholds", counted)
+    monkeypatch.setattr(top_k_top_p, "_top_p_thresholds", counted)
     return rows
 
 
@@ -86,13 +86,13 @@ def test_sparse_rows_of_a_wide_vocabulary_take_the_candidate_search(monkeypatch:
     # candidate tokens; a vocabulary that is not whole blocks.
     histogram_rows = _count_histogram_rows(monkeypatch)
     gathered: list[int] = []
-    gather = truncation._gather_blocks
+    gather = top_k_top_p._gather_blocks
 
     def counted_gather(rows: torch.Tensor, *args: object) -> torch.Tensor:
         gathered.append(rows.shape[0])
         return gather(rows, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(truncation, "_gather_blocks", counted_gather)
+    monkeypatch.setattr(top_k_top_p, "_gather_blocks", counted_gather)
     g = torch.Generator().manual_seed(12)
     rows, vocab = 8, 49152 + 37
     logits = torch.randn(rows, vocab, generator=g) * 4
@@ -122,19 +122,19 @@ def test_shifted_mass_of_a_row_does_not_depend_on_the_batch(vocab: int) -> None:
     g = torch.Generator().manual_seed(13)
     logits = torch.randn(8, vocab, generator=g) * 5
     top = logits.amax(dim=-1, keepdim=True)
-    together = truncation.shifted_mass(logits, top, torch.empty_like(logits))
+    together = top_k_top_p.shifted_mass(logits, top, torch.empty_like(logits))
     for batch in range(1, 8):
-        part = truncation.shifted_mass(logits[:batch].clone(), top[:batch], torch.empty(batch, vocab))
+        part = top_k_top_p.shifted_mass(logits[:batch].clone(), top[:batch], torch.empty(batch, vocab))
         assert torch.equal(part, together[:batch]), batch
 
 
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.99])
-@pytest.mark.parametrize("candidates", [truncation._CANDIDATE_TOKENS, 1])  # 1: nearly every row by histogram
+@pytest.mark.parametrize("candidates", [top_k_top_p._CANDIDATE_TOKENS, 1])  # 1: nearly every row by histogram
 def test_language_model_rows_match_reference(top_p: float, candidates: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # A Gumbel bulk with a few dozen strong tokens per row, from peaked to flat: some rows'
     # nucleus lies within the candidate tokens (found in the blocks gathered around them),
     # the others' beyond it (found by the histogram).
-    monkeypatch.setattr(truncation, "_CANDIDATE_TOKENS", candidates)
+    monkeypatch.setattr(top_k_top_p, "_CANDIDATE_TOKENS", candidates)
     histogram_rows = _count_histogram_rows(monkeypatch)
     g = torch.Generator().manual_seed(11)
     rows, vocab = 16, 49152
@@ -148,7 +148,7 @@ def test_language_model_rows_match_reference(top_p: float, candidates: int, monk
         assert kept == int((logits[i] >= reference_threshold(logits[i], 0, top_p)).sum()), i
         sizes.append(kept)
     if top_p == 0.5:
-        assert min(sizes) <= truncation._CANDIDATE_TOKENS < max(sizes), sizes  # both ways were taken
+        assert min(sizes) <= top_k_top_p._CANDIDATE_TOKENS < max(sizes), sizes  # both ways were taken
     assert len(histogram_rows) == sum(size > candidates for size in sizes)  # the others were resolved before it
 
 

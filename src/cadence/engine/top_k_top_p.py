@@ -233,10 +233,6 @@ def _stretched_bins(rows: torch.Tensor, top: torch.Tensor, low: torch.Tensor, sc
     return _exp2_rows(bins.clamp_(min=_EXP2_FLOOR, max=0.0))
 
 
-def _bin_of(weights: torch.Tensor) -> torch.Tensor:
-    return torch.bitwise_right_shift(weights.view(torch.int32), _SHIFT)
-
-
 def _histogram(bins: torch.Tensor, mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """([R, _BINS] float64 mass per bin, [R, V] int32 bin of each token plus its row's offset).
     Each row has its own bins, and each bin's copies are filled in the row's own order.
