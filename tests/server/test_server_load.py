@@ -192,14 +192,12 @@ WIDE = 64
 
 
 def _assert_aborted(server: ServerProcess, generated_at_hang_up: float, finished_before: float, budget: int) -> None:
-    """The engine dropped the request: idle soon, and few tokens generated after the hang-up.
+    """The engine dropped the request: idle, and few tokens generated after the hang-up.
 
     Counted from the hang-up, not from the request's start, so that the bound does not
     depend on how fast this machine generates.
     """
-    started = time.monotonic()
-    assert_idle(server, timeout=5.0)
-    assert time.monotonic() - started < 5.0
+    assert_idle(server)
     generated = server.metric(GENERATED)
     time.sleep(0.5)
     assert server.metric(GENERATED) == generated, "tokens are still being generated"

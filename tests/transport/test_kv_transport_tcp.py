@@ -248,9 +248,9 @@ def test_a_source_that_never_answers_fails_at_the_deadline(make_transport, monke
     try:
         started = time.monotonic()
         reader.start_load(KVLoad("s", at(source, f"tcp://127.0.0.1:{port}"), [1], [1]), target)
-        [result] = wait_for(reader, 1, seconds=5)
+        [result] = wait_for(reader, 1, seconds=30)
         assert result.num_blocks_loaded == 0 and "deadline" in str(result.error)
-        assert 0.3 <= time.monotonic() - started < 2
+        assert time.monotonic() - started >= 0.3, "failed before its deadline"
         assert silent.poll(1000), "the read was sent"
     finally:
         silent.close(linger=0)
@@ -263,7 +263,9 @@ def native_threads() -> set[str]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_close_is_prompt_and_leaves_no_threads() -> None:
+def test_close_is_prompt_and_leaves_no_threads(monkeypatch) -> None:
+    # Load "b" below never gets an answer: with no deadline in sight, only close can end it.
+    monkeypatch.setattr(tcp, "_TIMEOUT_S", 3600.0)
     make_caches("auto")  # whatever torch starts on first use is not ours
     threads, native = set(threading.enumerate()), native_threads()
     exporter, reader = TcpTransport(), TcpTransport(exporting=False)
@@ -276,11 +278,11 @@ def test_close_is_prompt_and_leaves_no_threads() -> None:
     silent_source = silent.export(make_caches("auto"), layout("auto"))
     silent.close()
     reader.start_load(KVLoad("b", at(source, json.loads(silent_source.address)["endpoint"]), [1], [1]), target)
-    started = time.monotonic()
     exporter.close()
     reader.close()
     reader.close()  # twice is once
-    assert time.monotonic() - started < 0.5
+    # Prompt: close returned because its threads ended, not because its joins gave up on them.
+    assert set(threading.enumerate()) <= threads, "close left its threads running"
     assert [r.request_id for r in reader.poll()] in ([], ["b"])  # failed, or ended by close
     reader.start_load(KVLoad("late", source, [1], [1]), target)
     [result] = reader.poll()
@@ -304,7 +306,7 @@ def export_in_child(sources: Queue) -> None:
     time.sleep(60)
 
 
-def test_loads_across_processes_and_from_a_killed_source(make_transport) -> None:
+def test_loads_across_processes_and_from_a_killed_source(make_transport, monkeypatch) -> None:
     # One child for both cache kinds: a spawned child spends seconds importing torch.
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
@@ -324,19 +326,20 @@ def test_loads_across_processes_and_from_a_killed_source(make_transport) -> None
             assert wait_for(reader, 1) == [KVLoadResult(kv_cache_dtype, 3)]
             assert_bytes(target, expected)
 
-        # The exporting engine dies: its readers see the connection go, not a deadline.
+        # The exporting engine dies: its readers see the connection go, not a deadline (an
+        # hour away from here on, so that only the socket can end these loads in time).
         os.kill(child.pid or 0, signal.SIGKILL)
         child.join(10)
-        started = time.monotonic()
+        monkeypatch.setattr(tcp, "_TIMEOUT_S", 3600.0)
         readers["fresh"] = make_transport(exporting=False)  # meets the source only after it died
         targets["fresh"] = make_caches("auto")
         for kv_cache_dtype, source in [*sources.items(), ("fresh", sources["auto"])]:
             before = snapshot(targets[kv_cache_dtype])
             readers[kv_cache_dtype].start_load(KVLoad("late", source, [1, 2], [1, 2]), targets[kv_cache_dtype])
-            [result] = wait_for(readers[kv_cache_dtype], 1, seconds=tcp._TIMEOUT_S + 1)
+            [result] = wait_for(readers[kv_cache_dtype], 1, seconds=30)
             assert result.request_id == "late" and result.num_blocks_loaded == 0 and result.error
+            assert "deadline" not in result.error, "a dead source is seen by its socket, before any deadline"
             assert_bytes(targets[kv_cache_dtype], before)
-        assert time.monotonic() - started < 1, "a dead source is seen by its socket, before any deadline"
     finally:
         child.kill()
         child.join()

@@ -251,13 +251,14 @@ def test_a_silent_router_is_dropped_and_its_requests_aborted(monkeypatch) -> Non
     async def scenario(context, link, engine) -> None:
         raw = context.socket(zmq.DEALER)
         raw.connect(link.address)
+        # Before the hello: the link can have heard from this router no earlier than this.
+        started = asyncio.get_running_loop().time()
         await raw.send(encode(LinkHello("quiet")))
         assert isinstance(decode(await raw.recv()), EngineReady)
         await raw.send(encode(request("q1")))
         await eventually(lambda: len(engine) == 1)
-        started = asyncio.get_running_loop().time()
-        await eventually(lambda: len(engine) == 2, timeout=5 * FAST.timeout)
-        assert asyncio.get_running_loop().time() - started >= FAST.timeout * 0.8
+        await eventually(lambda: len(engine) == 2, timeout=30.0)
+        assert asyncio.get_running_loop().time() - started >= FAST.timeout, "dropped before a timeout of silence"
         assert engine[1] == AbortRequests(["q1"]) and not link.sessions
         raw.close(linger=0)
 
@@ -310,10 +311,9 @@ def test_a_worker_that_goes_away_is_noticed_before_the_timeout(monkeypatch) -> N
         slot = RemoteSlot("http://127.0.0.1:1", "decode", context, listener, PATIENT)
         slot.spawn()
         await slot.wait_ready(5.0)
-        started = asyncio.get_running_loop().time()
         await link.close()
-        await eventually(lambda: bool(listener.dead), timeout=5.0)
-        assert asyncio.get_running_loop().time() - started < 5.0
+        # Noticed as a closed link: silence could end the session only after PATIENT's 30 s.
+        await eventually(lambda: bool(listener.dead), timeout=PATIENT.timeout)
         assert "closed its link" in listener.dead[0]
         await slot.shutdown(1.0)
 

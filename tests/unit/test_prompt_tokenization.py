@@ -203,6 +203,7 @@ def test_pool_keeps_the_event_loop_turning(tiny_model_dir: Callable[[str], str])
     assert with_special == tokenizer.encode(long_text, add_special_tokens=True)
     assert without == tokenizer.encode(long_text, add_special_tokens=False)
     assert short == tokenizer.encode("short", add_special_tokens=True)
-    # Encoding 1.4M characters took a while, and the loop kept turning all along.
+    # Encoding 1.4M characters took a while, and the loop kept turning all along: encoded on
+    # the loop, the ticker would get a turn only between the three encodes.
     assert took > 0.3, took
-    assert max(gaps) < 0.2, max(gaps)
+    assert len(gaps) >= 10, gaps
