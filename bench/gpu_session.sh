@@ -30,7 +30,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 case "$stage" in
     tests)
         # -rs lists every skip: on a GPU none of these should say "needs CUDA". The kernel and
-        # backend tests go along unfiltered: on a GPU their tensors sit on it (helpers.DEVICE),
+        # backend tests go along unfiltered: on a GPU their tensors sit on it (DEVICE in tests/support/helpers.py),
         # so their interpreter shapes then run through the compiled kernels. Triton compiles on
         # the host, so several pytest workers share the one GPU; a hung test fails after 120 s.
         # Both runs go ahead whatever the first one's result; the stage fails if either did. The
@@ -39,11 +39,12 @@ case "$stage" in
         python3 -c "import xdist, pytest_timeout" 2>/dev/null && parallel=(-n 8 --timeout 120)
         status=0
         python3 -m pytest -q -rs -p no:cacheprovider "${parallel[@]}" --continue-on-collection-errors -m gpu tests \
-            --ignore-glob="tests/test_kernels_*.py" --ignore=tests/test_triton_backend.py --ignore=tests/test_fp8.py \
-            --ignore=tests/test_batch_invariant_cuda.py \
+            --ignore-glob="tests/kernels/test_kernels_*.py" --ignore=tests/engine/test_triton_backend.py \
+            --ignore=tests/kernels/test_fp8.py --ignore=tests/kernels/test_batch_invariant_cuda.py \
             2>&1 | tee "$out/tests.log" || status=1
         python3 -m pytest -q -rs -p no:cacheprovider "${parallel[@]}" --continue-on-collection-errors \
-            tests/test_kernels_*.py tests/test_triton_backend.py tests/test_fp8.py tests/test_batch_invariant_cuda.py 2>&1 \
+            tests/kernels/test_kernels_*.py tests/engine/test_triton_backend.py tests/kernels/test_fp8.py \
+            tests/kernels/test_batch_invariant_cuda.py 2>&1 \
             | tee -a "$out/tests.log" || status=1
         exit "$status"
         ;;

@@ -1,5 +1,5 @@
 """Shared fixtures (tiny random checkpoints saved once per test session) and the `gpu`
-marker's skip on machines without CUDA. Shared helpers live in helpers.py."""
+marker's skip on machines without CUDA. Shared helpers live in tests/support/."""
 
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The Python processes tests start (servers as `python -m cadence.server.cli`, snippets as
-# `python -c`) would put their working folder, the repository root, first on sys.path,
-# where our kernels/ hides the PyPI package `kernels` that transformers imports. With a
-# safe path they import only what is installed, as `cadence serve` does, and tests/ by
-# name, for the scripts tests run by path that import their neighbours (synthetic_server.py).
+# `python -c`, scripts by path) would put their working folder or the script's folder first
+# on sys.path, where a folder could hide an installed package of the same name (transformers
+# imports the PyPI package `kernels`). With a safe path they import only what is installed,
+# as `cadence serve` does; a script that imports tests.support says so itself
+# (SyntheticServerProcess).
 os.environ["PYTHONSAFEPATH"] = "1"
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))
 
 import pytest
 
-from tiny_models import make_tiny_model
-from tiny_tokenizer import save_tiny_tokenizer
+from tests.support.tiny_models import make_tiny_model
+from tests.support.tiny_tokenizer import save_tiny_tokenizer
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
