@@ -23,7 +23,7 @@ import torch
 
 from cadence.engine.kv_transfer.factory import create_kv_transport
 from cadence.engine.kv_transfer.layout import KVLayout
-from cadence.engine.kv_transfer.transport import KVSource
+from cadence.engine.kv_transfer.source import KVSource
 from cadence.scheduler.remote_kv import KVLoad
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 8, 16, 8, 128

@@ -23,7 +23,8 @@ from cadence.engine.kv_transfer.coordinator import Phase
 from cadence.engine.kv_transfer.layout import KVLayout
 from cadence.engine.kv_transfer.local_cluster import LocalCluster
 from cadence.engine.kv_transfer.placement import PlacementPolicy
-from cadence.engine.kv_transfer.transport import KVSource, KVTransport
+from cadence.engine.kv_transfer.source import KVSource
+from cadence.engine.kv_transfer.transport import KVTransport
 from cadence.engine.protocol import EngineCoreRequest, LoadKV, Message, ReleaseKV
 from cadence.engine.sampling_params import SamplingParams
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult

@@ -24,7 +24,7 @@ from cadence import LLM, SamplingParams
 from cadence.engine import default_model, gguf_loader
 from cadence.engine.default_model import default_model_gguf, resolve_model_path
 from cadence.engine.gguf_loader import convert_gguf, unpermute_rope_rows
-from cadence.engine.gguf_tokenizer import build_tokenizer
+from cadence.tokenization.gguf_tokenizer import build_tokenizer
 from tests.support.gguf_writer import llama_cpp_permute, write_tiny_gguf_in
 from tests.support.helpers import needs_smollm2
 from tests.support.tiny_models import build_tiny_model

@@ -35,7 +35,7 @@ from cadence.client import (
 )
 from cadence.client.errors import APIStatusError
 from cadence.client.retry import parse_retry_after
-from cadence.server.api_responses import (
+from cadence.openai_schema.responses import (
     CompletionChoice,
     CompletionResponse,
     CompletionStreamChoice,

@@ -25,7 +25,7 @@ import torch
 
 from cadence.engine.kv_transfer.process_identity import own_start_time
 from cadence.engine.kv_transfer.shared_memory import SharedMemoryTransport
-from cadence.engine.kv_transfer.transport import KVSource
+from cadence.engine.kv_transfer.source import KVSource
 from cadence.engine.model_runner import TensorFactory, allocate_kv_cache
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
 from tests.support.kv_transport_checks import (

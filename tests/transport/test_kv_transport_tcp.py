@@ -24,8 +24,8 @@ import pytest
 import zmq
 
 from cadence.engine.kv_transfer import tcp
+from cadence.engine.kv_transfer.source import KVSource
 from cadence.engine.kv_transfer.tcp import TcpTransport
-from cadence.engine.kv_transfer.transport import KVSource
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
 from tests.support.kv_transport_checks import (
     NUM_LAYERS,

@@ -10,8 +10,8 @@ import pytest
 from cadence.engine.kv_transfer.coordinator import Coordinator, NoEngineError, Phase
 from cadence.engine.kv_transfer.layout import KVLayout
 from cadence.engine.kv_transfer.placement import PlacementPolicy
+from cadence.engine.kv_transfer.source import KVSource
 from cadence.engine.kv_transfer.transfer_stats import recommended_prefill_decode_ratio
-from cadence.engine.kv_transfer.transport import KVSource
 from cadence.engine.protocol import (
     AbortRequests,
     CancelKVWait,

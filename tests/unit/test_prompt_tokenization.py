@@ -12,9 +12,9 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerBase
 
-from cadence.engine.llm import load_tokenizer
 from cadence.server.token_bound import TokenBound, token_bound
 from cadence.server.tokenize_pool import INLINE_CHARS, TokenizePool
+from cadence.tokenization.loading import load_tokenizer
 from tests.support.helpers import needs_smollm2, smollm2_path
 
 

@@ -1,9 +1,11 @@
 """The Python client of a Cadence server: `Client` (blocking) and `AsyncClient` (asyncio).
 
-Answers are the server's own response models (cadence/server/api_responses.py); errors are
-one class per kind (cadence/client/errors.py); 429, 503 and connection failures are
-retried with backoff (cadence/client/retry.py). Only httpx, pydantic, prometheus_client
-and the server's response models are imported: not torch, not the engine.
+Answers are the response models the server builds its answers with
+(cadence/openai_schema/responses.py); errors are one class per kind
+(cadence/client/errors.py); 429, 503 and connection failures are retried with backoff
+(cadence/client/retry.py). Only httpx, pydantic, prometheus_client and the OpenAI schema
+are imported: not the server, not the engine, none of their dependencies
+(tests/test_import_boundaries.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from cadence.client.params import (
     request_body,
 )
 from cadence.client.retry import RetryPolicy
-from cadence.server.api_responses import (
+from cadence.openai_schema.responses import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     CompletionResponse,

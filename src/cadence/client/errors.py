@@ -17,7 +17,7 @@ from typing import Literal
 import httpx
 from pydantic import ValidationError
 
-from cadence.server.api_responses import ErrorDetail, ErrorResponse
+from cadence.openai_schema.responses import ErrorDetail, ErrorResponse
 
 
 class CadenceError(Exception):

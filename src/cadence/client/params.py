@@ -5,7 +5,7 @@ The client methods take them as `**args: Unpack[CompletionArgs]`, so a type chec
 every name and type; at run time an unknown name is refused with a TypeError rather than
 sent and ignored. A field the server accepts that is not listed here goes in `extra_body`,
 which is merged into the request body last, as in the openai SDK. The names and ranges are
-the server's (server/api_models.py).
+the server's (openai_schema/requests.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from cadence.client.calls import Call, Request, StreamCall
 from cadence.client.errors import CadenceError, ServiceUnavailableError, error_from_response, transport_errors
 from cadence.client.metrics import MetricSample
 from cadence.client.sse import ChunkStream
-from cadence.server import api_responses as api
+from cadence.openai_schema import responses as api
 
 R = TypeVar("R")
 T = TypeVar("T", bound=BaseModel)

@@ -15,12 +15,11 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 import zmq
 
 from cadence.engine.engine_args import EngineArgs
-from cadence.engine.engine_core import EngineCore
 from cadence.engine.log_format import configure_logging
 from cadence.engine.parent_death import die_with_parent
 from cadence.engine.process_name import ROLE_NAMES, name_this_process
@@ -38,6 +37,9 @@ from cadence.engine.protocol import (
     decode,
     encode,
 )
+
+if TYPE_CHECKING:
+    from cadence.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +152,12 @@ def run_engine_core(
     ``log_level`` and ``log_format`` are the server's: what loading decides (the CPU kernels, the quantized
     layers) is logged from this process. ``cpus`` pins the engine, and its torch threads
     (one per CPU), to those CPUs, so that engines sharing a host do not share cores."""
+    # Imported here, not at the top: the server imports this module to name the process's
+    # target, and torch and the engine must load in the engine process alone.
+    import torch
+
+    from cadence.engine.engine_core import EngineCore
+
     die_with_parent()
     name_this_process(ROLE_NAMES[args.kv_role])
     if cpus:

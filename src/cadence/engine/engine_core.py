@@ -12,12 +12,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cadence.engine.engine_args import EngineArgs, kv_cache_bytes_per_block, resolve_num_blocks
+from cadence.engine.engine_args import EngineArgs
 from cadence.engine.experts.offloaded import offloaded_stats
 from cadence.engine.host_memory import keep_freed_heap
+from cadence.engine.kv_cache_size import kv_cache_bytes_per_block, resolve_num_blocks
 from cadence.engine.kv_transfer.factory import create_kv_transport
 from cadence.engine.kv_transfer.layout import KVLayout, weights_digest
-from cadence.engine.kv_transfer.transport import KVSource
+from cadence.engine.kv_transfer.source import KVSource
 from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput

@@ -29,8 +29,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from cadence.engine.cache_checksums import checksum_problem, record_checksum, write_checksums
-from cadence.engine.gguf_tokenizer import save_tokenizer
 from cadence.engine.model_files_error import CACHE_HINT, ModelFilesError
+from cadence.tokenization.gguf_tokenizer import save_tokenizer
 
 logger = logging.getLogger(__name__)
 

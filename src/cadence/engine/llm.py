@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from cadence.engine.engine_args import engine_args_for
 from cadence.engine.engine_core import EngineCore
@@ -15,18 +15,10 @@ from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.sampling_params import SamplingParams
+from cadence.tokenization.loading import load_tokenizer
 
 # Text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids}.
 PromptType = str | list[int] | dict[str, Any]
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-
-
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
-    """The folder's tokenizer, or None when it ships none (then prompts must be token ids)."""
-    if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
-        return None
-    return AutoTokenizer.from_pretrained(path)
 
 
 class LLM:

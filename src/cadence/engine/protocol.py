@@ -15,7 +15,7 @@ import msgpack
 
 from cadence.engine.experts.stats import ExpertStepStats
 from cadence.engine.kv_transfer.layout import KVLayout
-from cadence.engine.kv_transfer.transport import KVSource
+from cadence.engine.kv_transfer.source import KVSource
 from cadence.engine.sampling_params import SamplingParams
 from cadence.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.scheduler.remote_kv import KVLoad, KVLoadOutcome, KVPrefilled, KVReservation

@@ -5,13 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20
+from cadence.sampling_limits import FLOAT32_MAX, INT64_MAX, MAX_LOGPROBS
+
 # Below this temperature sampling is greedy: dividing logits by it would overflow (vLLM
 # uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
-INT64_MAX = 2**63 - 1
-# The sampler computes in float32: a larger float64 would become infinity there.
-FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 

@@ -1,5 +1,5 @@
 """How much host memory a loaded model's weights take: what the CPU KV cache's size leaves
-aside for them (engine_args.kv_cache_budget_bytes).
+aside for them (kv_cache_size.kv_cache_budget_bytes).
 
 A fact of the model and the options it was loaded with, the same at every start: the
 distinct CPU storages behind the parameters and buffers (a tied embedding counts once),

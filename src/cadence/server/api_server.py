@@ -16,9 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cadence.engine.engine_args import EngineArgs
-from cadence.engine.llm import load_tokenizer
-from cadence.server.api_models import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from cadence.server.api_responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from cadence.openai_schema.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from cadence.openai_schema.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from cadence.server.engine_client import AsyncEngineClient, RestartPolicy
 from cadence.server.errors import APIError, install_error_handlers, unavailable
 from cadence.server.guards import install_guards
@@ -30,6 +29,7 @@ from cadence.server.serving_completions import CompletionHandler
 from cadence.server.shutdown_deadline import CancelledAfterDeadline, ShutdownDeadline
 from cadence.server.topology import LinkTiming, Topology, WorkerList
 from cadence.server.worker_link import tcp_address
+from cadence.tokenization.loading import load_tokenizer
 
 VERSION = "0.1.0"
 

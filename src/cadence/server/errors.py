@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cadence.server.api_responses import ErrorDetail, ErrorResponse
+from cadence.openai_schema.responses import ErrorDetail, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from cadence.engine.outputs import Logprob, PositionLogprobs
-from cadence.server.api_responses import ChatLogprob, CompletionLogprobs, TopLogprob
+from cadence.openai_schema.responses import ChatLogprob, CompletionLogprobs, TopLogprob
 
 
 def _token_text(entry: Logprob) -> str:

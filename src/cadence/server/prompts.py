@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from cadence.engine.detokenizer import decode_text
 from cadence.engine.sampling_params import SamplingParams
-from cadence.server.api_models import ChatMessage, SamplingFields
+from cadence.openai_schema.requests import ChatMessage, SamplingFields
 from cadence.server.errors import APIError, bad_request
 from cadence.server.token_bound import token_bound
 from cadence.server.tokenize_pool import TokenizePool

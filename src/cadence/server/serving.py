@@ -23,8 +23,8 @@ from starlette.types import Receive, Scope, Send
 from cadence.engine.outputs import PositionLogprobs, RequestOutput
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.sampling_params import SamplingParams
-from cadence.server.api_models import StreamOptions
-from cadence.server.api_responses import (
+from cadence.openai_schema.requests import StreamOptions
+from cadence.openai_schema.responses import (
     ChatCompletionStreamResponse,
     ChatStreamChoice,
     CompletionStreamChoice,
@@ -50,7 +50,7 @@ def new_id(prefix: str, request: Request) -> str:
 
 def sse(payload: BaseModel) -> str:
     """One server-sent event, exactly as OpenAI frames it; keys never set are left out
-    (server/api_responses.py)."""
+    (openai_schema/responses.py)."""
     return f"data: {payload.model_dump_json(exclude_unset=True)}\n\n"
 
 

@@ -6,8 +6,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from cadence.engine.outputs import CompletionOutput, PositionLogprobs
-from cadence.server.api_models import ChatCompletionRequest
-from cadence.server.api_responses import (
+from cadence.openai_schema.requests import ChatCompletionRequest
+from cadence.openai_schema.responses import (
     ChatChoice,
     ChatChoiceLogprobs,
     ChatCompletionResponse,

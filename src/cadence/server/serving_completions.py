@@ -6,8 +6,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from cadence.engine.outputs import PositionLogprobs, RequestOutput
-from cadence.server.api_models import CompletionRequest
-from cadence.server.api_responses import (
+from cadence.openai_schema.requests import CompletionRequest
+from cadence.openai_schema.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,

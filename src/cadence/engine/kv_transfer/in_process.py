@@ -11,7 +11,8 @@ import weakref
 
 from cadence.engine.attention.backend import KVCache
 from cadence.engine.kv_transfer.layout import KVLayout
-from cadence.engine.kv_transfer.transport import KVSource, SynchronousTransport, copy_blocks
+from cadence.engine.kv_transfer.source import KVSource
+from cadence.engine.kv_transfer.transport import SynchronousTransport, copy_blocks
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
 
 

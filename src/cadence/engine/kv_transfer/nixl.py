@@ -29,7 +29,8 @@ from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from cadence.engine.attention.backend import KVCache, split_kv_cache
 from cadence.engine.kv_transfer.layout import KVLayout
-from cadence.engine.kv_transfer.transport import KVSource, KVTransport
+from cadence.engine.kv_transfer.source import KVSource
+from cadence.engine.kv_transfer.transport import KVTransport
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
 
 # Raised by NIXL when the peer's process or connection is gone; the bindings carry no

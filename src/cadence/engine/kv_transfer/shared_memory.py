@@ -48,7 +48,8 @@ from cadence.engine.attention.backend import KVCache, QuantizedKVCache, split_kv
 from cadence.engine.kv_transfer.layout import KVLayout
 from cadence.engine.kv_transfer.process_identity import own_start_time, start_time
 from cadence.engine.kv_transfer.read_only_mapping import map_read_only
-from cadence.engine.kv_transfer.transport import KVSource, SynchronousTransport, copy_blocks
+from cadence.engine.kv_transfer.source import KVSource
+from cadence.engine.kv_transfer.transport import SynchronousTransport, copy_blocks
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
 
 _SCHEME = "shm:"

@@ -45,7 +45,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from cadence.engine.attention.backend import KVCache, split_kv_cache
 from cadence.engine.kv_transfer.layout import KVLayout
-from cadence.engine.kv_transfer.transport import KVSource, KVTransport
+from cadence.engine.kv_transfer.source import KVSource
+from cadence.engine.kv_transfer.transport import KVTransport
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
 
 # A load fails unless its reply arrived within this, plus its bytes at `_MIN_RATE`: a

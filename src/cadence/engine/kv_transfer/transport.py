@@ -10,24 +10,14 @@ blocks still until it is told the reader is done.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from cadence.engine.attention.backend import KVCache, split_kv_cache
 from cadence.engine.kv_transfer.layout import KVLayout
+from cadence.engine.kv_transfer.source import KVSource
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
-
-
-@dataclass(frozen=True)
-class KVSource:
-    """Where an engine's blocks can be read from: the transport that exported them, its
-    address for them, and their layout. It crosses processes; no tensor is inside."""
-
-    transport: str
-    address: str
-    layout: KVLayout
 
 
 class KVTransport(ABC):

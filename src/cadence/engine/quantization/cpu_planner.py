@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cadence.engine.engine_args import total_host_memory
+from cadence.engine.kv_cache_size import total_host_memory
 from cadence.engine.quantization.cpu_kernels import (
     BF16DOT,
     DENSE,

@@ -3,7 +3,7 @@
 Unknown fields are ignored, not rejected: clients send vendor extensions. Fields Cadence
 cannot honour (tools, logit_bias, structured output) are rejected with a clear 400 rather
 than silently dropped, because ignoring them would change what the caller gets.
-Responses are the models of server/api_responses.py, shaped exactly like OpenAI's (the
+Responses are the models of openai_schema/responses.py, shaped exactly like OpenAI's (the
 Python client parses into the same models); the tests validate them with the openai SDK's
 own models too.
 """
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from cadence.engine.sampling_params import FLOAT32_MAX, INT64_MAX, MAX_LOGPROBS
+from cadence.sampling_limits import FLOAT32_MAX, INT64_MAX, MAX_LOGPROBS
 
 # Stop strings are checked on every new token of every choice; bound that work.
 MAX_STOPS = 64
