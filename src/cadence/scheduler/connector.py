@@ -5,6 +5,8 @@ decode engine until its KV arrives, on a prefill engine until a reader is done w
 The scheduler knows nothing of either wait. It calls a connector at four points (admit,
 update after a step, finish, has-work), passes on each step's transfer work to the
 runner, and takes back the requests the connector lets go (`enqueue`, `end_request`).
+Admit and update concern only requests whose KV crosses engines (`Request.remote_kv`
+set): the scheduler spares the others the calls, on the path every step takes.
 An engine without a disaggregation role has no connector, and the scheduler skips the
 hooks.
 """

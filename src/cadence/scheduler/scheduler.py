@@ -192,7 +192,7 @@ class Scheduler:
             if chunks.used_up(request, request.num_tokens_left):
                 passed_over.append(self.waiting.pop(position))
                 continue
-            if connector is not None:
+            if connector is not None and request.remote_kv is not None:
                 admission = connector.admit(request)
                 if admission is Admission.NO_BLOCKS and self._reclaim_waiting_blocks():
                     continue
@@ -261,7 +261,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache.cache_computed_blocks(request)
-            if connector is not None and self._hand_to_connector(connector, request):
+            if connector is not None and request.remote_kv is not None and self._hand_to_connector(connector, request):
                 continue
             if request.num_computed_tokens >= request.num_prompt_tokens:
                 self._release_forks(request)
