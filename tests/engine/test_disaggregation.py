@@ -87,9 +87,10 @@ def assert_idle(cluster: LocalCluster, cores: list[EngineCore]) -> None:
     """Nothing parked, held or running anywhere, and every block back in its pool."""
     assert not cluster.coordinator.routes
     for core in cores:
-        scheduler = core.scheduler
+        scheduler, connector = core.scheduler, core.kv_connector
+        assert connector is not None
         scheduler.check_integrity()
-        assert not scheduler.requests and not scheduler.awaiting_kv and not scheduler.held_kv
+        assert not scheduler.requests and not connector.awaiting_kv and not connector.held_kv
         assert scheduler.kv_cache.pool.num_free_blocks == core.num_kv_blocks
 
 
@@ -117,7 +118,8 @@ def drain(cluster: LocalCluster, seconds: float = 5.0) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         cluster.step()
-        if not any(core.scheduler.held_kv or core.scheduler.awaiting_kv for core in cluster.engines.values()):
+        connectors = [core.kv_connector for core in cluster.engines.values() if core.kv_connector is not None]
+        if not any(connector.held_kv or connector.awaiting_kv for connector in connectors):
             return
 
 
@@ -146,14 +148,16 @@ def test_prefix_hits_on_the_decode_side_shrink_the_transfer(model: str, monkeypa
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     run(cluster, [EngineCoreRequest("first", prompt, params)])
     loads: list[KVLoad] = []
-    original = decode.scheduler.start_kv_load
+    connector = decode.kv_connector
+    assert connector is not None
+    original = connector.start_kv_load
 
     def spy(request_id: str, source: object, block_ids: list[int]) -> str | None:
         result = original(request_id, source, block_ids)
-        loads.extend(decode.scheduler._kv_loads)
+        loads.extend(connector._kv_loads)
         return result
 
-    monkeypatch.setattr(decode.scheduler, "start_kv_load", spy)
+    monkeypatch.setattr(connector, "start_kv_load", spy)
     run(cluster, [EngineCoreRequest("second", prompt + [5, 6, 7, 8, 9, 10, 11], params)])
     (load,) = loads
     assert len(load.local_block_ids) == 2, "only blocks past the 80 cached tokens move"
@@ -234,8 +238,9 @@ def test_broken_and_stuck_transfers_recompute_the_rest(model: str, reference, mo
     # Stuck loads end by the wait deadline: long enough for prompts to be computed on a busy
     # machine, short enough for a test.
     decode = engine(model, "decode", kv_wait_timeout=2.0 if mode == "hang" else 30.0)
-    faulty = FaultyTransport(decode.runner.kv_transport, mode, random.Random(1))  # type: ignore[arg-type]
-    decode.runner.kv_transport = faulty
+    assert decode.runner.kv_connector is not None
+    faulty = FaultyTransport(decode.runner.kv_connector.transport, mode, random.Random(1))
+    decode.runner.kv_connector.transport = faulty
     cluster = LocalCluster([prefill], [decode])
     tokens, logprobs = run(cluster, workload())
     assert faulty.num_faults >= 3
@@ -329,7 +334,9 @@ def test_client_aborts_in_every_phase_free_both_sides(model: str, reference) -> 
     prefill = engine(model, "prefill")
     decode = engine(model, "decode")
     # Loads take a step, so that a client can go away while one runs.
-    decode.runner.kv_transport = FaultyTransport(decode.runner.kv_transport, "slow", random.Random(0))  # type: ignore[arg-type]
+    worker = decode.runner.kv_connector
+    assert worker is not None
+    worker.transport = FaultyTransport(worker.transport, "slow", random.Random(0))
     cluster = LocalCluster([prefill], [decode])
     aborted: dict[str, Phase] = {}
 
@@ -356,6 +363,13 @@ def test_decode_engine_short_of_blocks_still_serves_everything(model: str, refer
     assert (tokens, logprobs) == reference
     drain(cluster)
     assert_idle(cluster, [prefill, decode])
+
+
+def test_a_colocated_engine_builds_no_connector(model: str) -> None:
+    core = engine(model)
+    assert core.kv_connector is None and core.scheduler.connector is None and core.runner.kv_connector is None
+    assert core.take_kv_events().reserved == [] and core.next_kv_deadline() is None
+    assert not core.expire_kv_deadlines() and core.stats().num_waiting_for_kv == 0
 
 
 def test_engines_with_other_kv_layouts_are_refused(model: str) -> None:

@@ -195,12 +195,15 @@ def test_engines_over_nixl_match_colocated(nixl_works: None, tiny_model_dir) -> 
 
     prefill = engine(model, "prefill", kv_transport="nixl", num_gpu_blocks=200)
     decode = engine(model, "decode", kv_transport="nixl", num_gpu_blocks=200)
-    assert isinstance(decode.runner.kv_transport, NixlTransport) and prefill.kv_source is not None
+    assert (
+        decode.runner.kv_connector is not None
+        and isinstance(decode.runner.kv_connector.transport, NixlTransport)
+        and prefill.kv_source is not None
+    )
     cluster = LocalCluster([prefill], [decode])
     try:
         assert run(cluster, workload(count=12)) == expected
         assert cluster.coordinator.stats.num_remote_prefills >= 6, "most prompts must go through a transfer"
     finally:
         for core in (prefill, decode):
-            assert core.runner.kv_transport is not None
-            core.runner.kv_transport.close()
+            core.close()

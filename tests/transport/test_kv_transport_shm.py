@@ -272,6 +272,5 @@ def test_engines_over_shared_memory_match_colocated(tiny_model_dir) -> None:
     assert cluster.coordinator.stats.num_remote_prefills == len(requests)
     assert prefill.kv_source is not None and prefill.kv_source.transport == "shared-memory"
     for core in (prefill, decode):
-        assert core.runner.kv_transport is not None
-        core.runner.kv_transport.close()
+        core.close()
     assert descriptors(os.getpid(), prefix_of(prefill.kv_source)) == 0

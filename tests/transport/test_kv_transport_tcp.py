@@ -359,12 +359,15 @@ def test_engines_over_tcp_match_colocated(tiny_model_dir) -> None:
 
     prefill = engine(model, "prefill", kv_transport="tcp", num_gpu_blocks=200)
     decode = engine(model, "decode", kv_transport="tcp", num_gpu_blocks=200)
-    assert isinstance(decode.runner.kv_transport, TcpTransport) and prefill.kv_source is not None
+    assert (
+        decode.runner.kv_connector is not None
+        and isinstance(decode.runner.kv_connector.transport, TcpTransport)
+        and prefill.kv_source is not None
+    )
     cluster = LocalCluster([prefill], [decode])
     try:
         assert run(cluster, workload(count=12)) == expected
         assert cluster.coordinator.stats.num_remote_prefills >= 6, "most prompts must go through a transfer"
     finally:
         for core in (prefill, decode):
-            assert core.runner.kv_transport is not None
-            core.runner.kv_transport.close()
+            core.close()

@@ -1,4 +1,5 @@
-"""The scheduler's half of prefill/decode disaggregation, with fake models on both sides.
+"""The scheduler half of the KV connector (engine/kv_connector/scheduler_side.py), with
+fake models on both sides.
 
 A prefill scheduler computes prompts for a decode scheduler; the decode side's fake model
 copies "KV" (token ids per slot, see test_scheduler.py) out of the prefill side's slots.
@@ -10,11 +11,14 @@ the test. Faults are injected at every state, and both pools must end idle.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cadence.engine.kv_connector.scheduler_side import SchedulerSideConnector
 from cadence.scheduler.remote_kv import KVLoadResult, RemoteKV
 from cadence.scheduler.request import RequestStatus
 from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig, SchedulerOutput
@@ -65,15 +69,33 @@ def step(scheduler: Scheduler, model: FakeModel) -> list[str]:
     scheduler.check_integrity()
     finished = [f.request.request_id for f in scheduler.update(output, model.execute(output))]
     if isinstance(model, LoadingModel):
-        scheduler.finish_kv_loads(model.take_results())
+        kv(scheduler).finish_kv_loads(model.take_results())
     scheduler.check_integrity()
     return finished
+
+
+def with_connector(config: SchedulerConfig, cache: CacheConfig) -> Scheduler:
+    return Scheduler(config, cache, SchedulerSideConnector(wait_timeout=30.0, hold_timeout=60.0))
+
+
+def kv(scheduler: Scheduler) -> SchedulerSideConnector:
+    """The scheduler's connector, which takes the router's messages."""
+    assert isinstance(scheduler.connector, SchedulerSideConnector)
+    return scheduler.connector
 
 
 def pair(block_size: int = 4, num_blocks: int = 64, budget: int = 16) -> tuple[Scheduler, Scheduler]:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_model_len=256)
     cache = CacheConfig(num_blocks, block_size)
-    return Scheduler(config, cache), Scheduler(config, cache)
+    return with_connector(config, cache), with_connector(config, cache)
+
+
+def test_the_scheduler_and_its_connector_half_import_no_torch() -> None:
+    code = (
+        "import sys, cadence.scheduler.scheduler, cadence.engine.kv_connector.scheduler_side; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_prompt_computed_on_prefill_side_is_decoded_on_decode_side() -> None:
@@ -82,23 +104,23 @@ def test_prompt_computed_on_prefill_side_is_decoded_on_decode_side() -> None:
     prompt = list(range(1, 24))  # 23 tokens: 22 move, in six blocks of four
     decode.add_request(make_request("r", prompt, 0, max_tokens=4, remote_kv=RemoteKV.LOAD))
     step(decode, d_model)
-    (reservation,) = decode.take_kv_events().reserved
+    (reservation,) = kv(decode).take_kv_events().reserved
     assert (reservation.num_cached_tokens, reservation.num_tokens) == (0, 22)
-    assert decode.awaiting_kv["r"].status == RequestStatus.WAITING_FOR_KV
+    assert kv(decode).awaiting_kv["r"].status == RequestStatus.WAITING_FOR_KV
     assert not decode.has_work(), "a parked request takes no compute"
 
     prefill.add_request(make_request("r", prompt, 0, remote_kv=RemoteKV.SEND))
-    while not prefill.held_kv:
+    while not kv(prefill).held_kv:
         step(prefill, p_model)
-    (prefilled,) = prefill.take_kv_events().prefilled
+    (prefilled,) = kv(prefill).take_kv_events().prefilled
     assert prefilled.num_tokens == 22 and len(prefilled.block_ids) == 6
-    assert prefill.held_kv["r"].num_computed_tokens == 22, "the last prompt token is the decode side's"
+    assert kv(prefill).held_kv["r"].num_computed_tokens == 22, "the last prompt token is the decode side's"
 
-    assert decode.start_kv_load("r", p_model, prefilled.block_ids) is None
+    assert kv(decode).start_kv_load("r", p_model, prefilled.block_ids) is None
     step(decode, d_model)
-    (outcome,) = decode.take_kv_events().loaded
+    (outcome,) = kv(decode).take_kv_events().loaded
     assert outcome.complete and outcome.num_tokens_loaded == 22
-    prefill.release_sent_kv(["r"])
+    kv(prefill).release_sent_kv(["r"])
     assert prefill.kv_cache.pool.num_free_blocks == 64
     # The first step after the load computes one token and samples.
     output = decode.schedule()
@@ -118,13 +140,13 @@ def test_prefix_hit_on_decode_side_loads_only_the_rest() -> None:
         step(decode, d_model)
     decode.add_request(make_request("r", shared + [41, 42, 43, 44, 45, 46], 1, remote_kv=RemoteKV.LOAD))
     step(decode, d_model)
-    (reservation,) = decode.take_kv_events().reserved
+    (reservation,) = kv(decode).take_kv_events().reserved
     assert (reservation.num_cached_tokens, reservation.num_tokens) == (12, 17)
     prefill.add_request(make_request("r", shared + [41, 42, 43, 44, 45, 46], 1, remote_kv=RemoteKV.SEND))
-    while not prefill.held_kv:
+    while not kv(prefill).held_kv:
         step(prefill, p_model)
-    blocks = prefill.take_kv_events().prefilled[0].block_ids
-    decode.start_kv_load("r", p_model, blocks)
+    blocks = kv(prefill).take_kv_events().prefilled[0].block_ids
+    kv(decode).start_kv_load("r", p_model, blocks)
     output = decode.schedule()
     (load,) = output.kv_loads
     assert load.remote_block_ids == blocks[3:5], "only the blocks past the hit move"
@@ -139,7 +161,7 @@ def test_whole_prompt_cached_on_decode_side_runs_without_transfer() -> None:
         step(decode, d_model)
     decode.add_request(make_request("r", prompt, 1, max_tokens=2, remote_kv=RemoteKV.LOAD))
     output = decode.schedule()
-    (reservation,) = decode.take_kv_events().reserved
+    (reservation,) = kv(decode).take_kv_events().reserved
     assert not reservation.needs_transfer
     assert output.num_scheduled_tokens == {"r": 1}
 
@@ -153,24 +175,24 @@ def test_failed_transfers_recompute_the_rest_here(fault: str) -> None:
     decode.add_request(make_request("r", prompt, 0, max_tokens=3, remote_kv=RemoteKV.LOAD))
     prefill.add_request(make_request("r", prompt, 0, remote_kv=RemoteKV.SEND))
     step(decode, d_model)
-    while not prefill.held_kv:
+    while not kv(prefill).held_kv:
         step(prefill, p_model)
-    blocks = prefill.take_kv_events().prefilled[0].block_ids
+    blocks = kv(prefill).take_kv_events().prefilled[0].block_ids
     if fault == "broken":
         d_model.fail_after["r"] = 2
-        assert decode.start_kv_load("r", p_model, blocks) is None
+        assert kv(decode).start_kv_load("r", p_model, blocks) is None
     elif fault == "short_source":
-        assert "blocks of the prompt's" in str(decode.start_kv_load("r", p_model, blocks[:3]))
+        assert "blocks of the prompt's" in str(kv(decode).start_kv_load("r", p_model, blocks[:3]))
     elif fault == "cancel_before_load":
-        assert decode.cancel_kv_wait("r", "the prefill engine died")
+        assert kv(decode).cancel_kv_wait("r", "the prefill engine died")
     else:
-        decode.start_kv_load("r", p_model, blocks)
+        kv(decode).start_kv_load("r", p_model, blocks)
         step(decode, d_model)
-        assert decode.cancel_kv_wait("r", "deadline")
-    prefill.release_sent_kv(["r"])
+        assert kv(decode).cancel_kv_wait("r", "deadline")
+    kv(prefill).release_sent_kv(["r"])
     while decode.has_unfinished_requests():
         step(decode, d_model)  # any wrong slot would fail a read here
-    (outcome,) = decode.take_kv_events().loaded
+    (outcome,) = kv(decode).take_kv_events().loaded
     assert not outcome.complete
     expected = {"broken": 8, "short_source": 0, "cancel_before_load": 0, "cancel_mid_load": 0}[fault]
     assert outcome.num_tokens_loaded == expected
@@ -188,8 +210,8 @@ def test_prompts_the_router_keeps_here_share_one_chunk_a_step() -> None:
     for seq, rid in enumerate(("a", "b"), start=1):
         decode.add_request(make_request(rid, list(range(seq, seq + 20)), seq, max_tokens=2, remote_kv=RemoteKV.LOAD))
     step(decode, model)  # reserves both, and parks them waiting for KV
-    assert decode.cancel_kv_wait("a", "placed here", chunk_tokens=8)
-    assert decode.cancel_kv_wait("b", "placed here", chunk_tokens=8)
+    assert kv(decode).cancel_kv_wait("a", "placed here", chunk_tokens=8)
+    assert kv(decode).cancel_kv_wait("b", "placed here", chunk_tokens=8)
     decode.add_request(make_request("plain", [7, 8, 9], 3, max_tokens=2))
     steps = []
     for _ in range(6):
@@ -213,9 +235,9 @@ def test_abort_mid_load_frees_blocks_only_after_the_runner_lets_go() -> None:
     decode.add_request(make_request("r", prompt, 0, remote_kv=RemoteKV.LOAD))
     prefill.add_request(make_request("r", prompt, 0, remote_kv=RemoteKV.SEND))
     step(decode, d_model)
-    while not prefill.held_kv:
+    while not kv(prefill).held_kv:
         step(prefill, p_model)
-    decode.start_kv_load("r", p_model, prefill.take_kv_events().prefilled[0].block_ids)
+    kv(decode).start_kv_load("r", p_model, kv(prefill).take_kv_events().prefilled[0].block_ids)
     step(decode, d_model)
     held = 64 - decode.kv_cache.pool.num_free_blocks
     decode.abort_requests(["r"])
@@ -232,14 +254,14 @@ def test_prefill_side_prompt_fully_cached_is_held_at_once() -> None:
     p_model = FakeModel(prefill, random.Random(0))
     prompt = list(range(1, 10))  # 8 tokens to send: two full blocks
     prefill.add_request(make_request("a", prompt, 0, remote_kv=RemoteKV.SEND))
-    while not prefill.held_kv:
+    while not kv(prefill).held_kv:
         step(prefill, p_model)
     prefill.add_request(make_request("b", prompt, 1, remote_kv=RemoteKV.SEND))
     output = prefill.schedule()
-    assert output.is_empty and "b" in prefill.held_kv
-    events = prefill.take_kv_events().prefilled
-    assert events[-1].block_ids == prefill.held_kv["a"].block_ids[:2]
-    prefill.release_sent_kv(["a", "b"])
+    assert output.is_empty and "b" in kv(prefill).held_kv
+    events = kv(prefill).take_kv_events().prefilled
+    assert events[-1].block_ids == kv(prefill).held_kv["a"].block_ids[:2]
+    kv(prefill).release_sent_kv(["a", "b"])
     prefill.check_integrity()
     assert prefill.kv_cache.pool.num_free_blocks == 64
 
@@ -250,8 +272,8 @@ def test_random_disaggregated_workloads_keep_both_pools_whole(seed: int, num_blo
     rng = random.Random(seed)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=rng.randrange(4, 40), max_model_len=48)
     num_blocks = max(num_blocks, -(-config.max_model_len // block_size))  # every request fits alone
-    prefill = Scheduler(config, CacheConfig(num_blocks, block_size))
-    decode = Scheduler(config, CacheConfig(num_blocks, block_size))
+    prefill = with_connector(config, CacheConfig(num_blocks, block_size))
+    decode = with_connector(config, CacheConfig(num_blocks, block_size))
     p_model = FakeModel(prefill, rng)
     d_model = LoadingModel(decode, rng, hold_loads=rng.random() < 0.5)
     shared = [rng.randrange(1, 50) for _ in range(12)]
@@ -269,35 +291,35 @@ def test_random_disaggregated_workloads_keep_both_pools_whole(seed: int, num_blo
             decode.abort_requests([rid])
             prefill.abort_requests([rid])
         if live and rng.random() < 0.03:
-            decode.cancel_kv_wait(rng.choice(live), "deadline")
+            kv(decode).cancel_kv_wait(rng.choice(live), "deadline")
         step(prefill, p_model)
-        for prefilled in prefill.take_kv_events().prefilled:
+        for prefilled in kv(prefill).take_kv_events().prefilled:
             sent[prefilled.request_id] = prefilled.block_ids
         for rid in list(sent):
-            if rid in decode.awaiting_kv and rng.random() < 0.5:
+            if rid in kv(decode).awaiting_kv and rng.random() < 0.5:
                 if rng.random() < 0.2:
                     d_model.fail_after[rid] = rng.randrange(3)
-                decode.start_kv_load(rid, p_model, sent.pop(rid))
+                kv(decode).start_kv_load(rid, p_model, sent.pop(rid))
         if d_model.hold_loads and rng.random() < 0.3:
             d_model.complete()
         step(decode, d_model)
-        events = decode.take_kv_events()
+        events = kv(decode).take_kv_events()
         done = [o.request_id for o in events.loaded] + [r.request_id for r in events.reserved if not r.needs_transfer]
-        prefill.release_sent_kv(done)
-        for rid in list(prefill.held_kv):
+        kv(prefill).release_sent_kv(done)
+        for rid in list(kv(prefill).held_kv):
             reader = decode.requests.get(rid)
             if reader is None or reader.remote_kv is None:  # the reader is gone or stopped waiting
-                prefill.release_sent_kv([rid])
+                kv(prefill).release_sent_kv([rid])
                 sent.pop(rid, None)
-    for rid in list(decode.awaiting_kv):
-        decode.cancel_kv_wait(rid, "the test is ending")
+    for rid in list(kv(decode).awaiting_kv):
+        kv(decode).cancel_kv_wait(rid, "the test is ending")
     d_model.hold_loads = False
     for _ in range(2000):
         if not (decode.has_work() or prefill.has_work()):
             break
         step(prefill, p_model)
         step(decode, d_model)
-    prefill.release_sent_kv(list(prefill.held_kv))
+    kv(prefill).release_sent_kv(list(kv(prefill).held_kv))
     assert not decode.requests and not prefill.requests
     assert decode.kv_cache.pool.num_free_blocks == num_blocks
     assert prefill.kv_cache.pool.num_free_blocks == num_blocks

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import os
 import time
 from collections.abc import Iterable
@@ -16,6 +15,8 @@ from cadence.engine.engine_args import EngineArgs
 from cadence.engine.experts.offloaded import offloaded_stats
 from cadence.engine.host_memory import keep_freed_heap
 from cadence.engine.kv_cache_size import kv_cache_bytes_per_block, resolve_num_blocks
+from cadence.engine.kv_connector.scheduler_side import KVEvents, SchedulerSideConnector
+from cadence.engine.kv_connector.worker_side import WorkerSideConnector
 from cadence.engine.kv_transfer.factory import create_kv_transport
 from cadence.engine.kv_transfer.layout import KVLayout, weights_digest
 from cadence.engine.kv_transfer.source import KVSource
@@ -28,9 +29,7 @@ from cadence.engine.weights_memory import host_weights_bytes
 from cadence.scheduler.output import SchedulerOutput
 from cadence.scheduler.remote_kv import KVLoadOutcome, KVPrefilled, KVReservation, RemoteKV
 from cadence.scheduler.request import Request, StopConditions
-from cadence.scheduler.scheduler import CacheConfig, KVEvents, Scheduler, SchedulerConfig
-
-logger = logging.getLogger(__name__)
+from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig
 
 # Which role an engine needs for a request whose prompt KV crosses engines.
 _ROLE_FOR = {RemoteKV.LOAD.value: "decode", RemoteKV.SEND.value: "prefill"}
@@ -106,9 +105,13 @@ class EngineCore:
             args, self.device, bytes_per_block, self.max_model_len, args.max_num_seqs, host_weights_bytes(self.model)
         )
         self.num_kv_blocks = num_blocks
-        transport = None
+        # Prompt KV crosses engines only in a disaggregation role: a colocated engine has no connector.
+        worker_connector = None
+        self.kv_connector: SchedulerSideConnector | None = None
         if args.kv_role != "colocated":
             transport = create_kv_transport(args.kv_transport, exporting=args.kv_role == "prefill", host=args.kv_host)
+            worker_connector = WorkerSideConnector(transport)
+            self.kv_connector = SchedulerSideConnector(args.kv_wait_timeout, args.kv_hold_timeout)
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -121,7 +124,7 @@ class EngineCore:
             max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len,
             batch_invariant=args.batch_invariant,
-            kv_transport=transport,
+            kv_connector=worker_connector,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -133,11 +136,12 @@ class EngineCore:
             ),
             # The runner knows whether a token's K/V depends on where its prompt ended.
             CacheConfig(num_blocks, args.block_size, args.enable_prefix_caching, self.runner.splits_prompt_rows),
+            self.kv_connector,
         )
         # What a reader checks before loading our blocks, and where a prefill engine's are.
         self.kv_layout: KVLayout | None = None
         self.kv_source: KVSource | None = None
-        if transport is not None:
+        if worker_connector is not None:
             self.kv_layout = KVLayout(
                 model=weights_digest(args.model),
                 num_layers=config.num_hidden_layers,
@@ -149,11 +153,8 @@ class EngineCore:
                 quantization=args.quantization or "none",
             )
             if args.kv_role == "prefill":
-                self.kv_source = transport.export(self.runner.kv_caches, self.kv_layout)
-        # Scheduler ids parked for KV or holding it for a reader -> when that ends anyway.
-        self._kv_deadlines: dict[str, float] = {}
+                self.kv_source = worker_connector.export(self.kv_layout)
         self._forgotten: dict[str, str] = {}  # scheduler id -> client id, until events are taken
-        self.num_expired_kv = 0
         if self.device.type == "cpu":
             self.runner.warm_up()
         self.eos_token_ids = generation_eos_ids(args.model, config)
@@ -189,8 +190,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop exporting KV and release what the transport holds (memory, sockets, agents)."""
-        if self.runner.kv_transport is not None:
-            self.runner.kv_transport.close()
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.close()
 
     # ----- requests ------------------------------------------------------------------
     def validate(self, request: EngineCoreRequest) -> None:
@@ -294,57 +295,57 @@ class EngineCore:
         """Whether `step` would do anything (parked and held prompt KV only wait)."""
         return self.scheduler.has_work()
 
-    # ----- prompt KV across engines ---------------------------------------------------
+    # ----- prompt KV across engines (engine/kv_connector/), by client request id ---------
+    @property
+    def num_expired_kv(self) -> int:
+        """Waits for KV and holds of KV that ran out of time."""
+        return 0 if self.kv_connector is None else self.kv_connector.num_expired_kv
+
     def start_kv_load(self, request_id: str, source: KVSource, block_ids: list[int]) -> None:
         """Load a parked request's prompt KV from a prefill engine's `block_ids`. KV laid
         out differently is never read: the request computes its prompt here instead.
         A request no longer parked (aborted, or its wait ended) ignores it."""
         sub_id = self._first_sequence(request_id)
-        if sub_id is None or sub_id not in self.scheduler.awaiting_kv:
+        connector = self.kv_connector
+        if sub_id is None or connector is None or sub_id not in connector.awaiting_kv:
             return
         assert self.kv_layout is not None  # a parked request implies the decode role
         mismatch = self.kv_layout.mismatch(source.layout)
         if mismatch is not None:
-            self.scheduler.cancel_kv_wait(sub_id, mismatch)
+            connector.cancel_kv_wait(sub_id, mismatch)
         else:
-            self.scheduler.start_kv_load(sub_id, source, block_ids)
+            connector.start_kv_load(sub_id, source, block_ids)
 
     def cancel_kv_wait(self, request_ids: Iterable[str], reason: str, chunk_tokens: int = 0) -> None:
         """Stop waiting for these requests' KV (their prefill engine is gone, or the router
         placed them here): each computes what did not arrive here, `chunk_tokens` at most
         a step when that is set."""
+        if self.kv_connector is None:
+            return
         for request_id in request_ids:
             sub_id = self._first_sequence(request_id)
             if sub_id is not None:
-                self.scheduler.cancel_kv_wait(sub_id, reason, chunk_tokens)
+                self.kv_connector.cancel_kv_wait(sub_id, reason, chunk_tokens)
 
     def extend_kv_wait(self, request_ids: Iterable[str]) -> None:
         """Wait `kv_wait_timeout` more from now for these parked requests' KV."""
-        deadline = time.monotonic() + self.args.kv_wait_timeout
-        for request_id in request_ids:
-            sub_id = self._first_sequence(request_id)
-            if sub_id is not None and sub_id in self.scheduler.awaiting_kv and sub_id in self._kv_deadlines:
-                self._kv_deadlines[sub_id] = deadline
+        if self.kv_connector is None:
+            return
+        sub_ids = [self._first_sequence(request_id) for request_id in request_ids]
+        self.kv_connector.extend_kv_wait(sub_id for sub_id in sub_ids if sub_id is not None)
 
     def release_sent_kv(self, request_ids: Iterable[str]) -> None:
         """The readers of these prompts' KV are done (or gone): free the blocks."""
-        for request in self.scheduler.release_sent_kv(list(request_ids)):
-            self._kv_deadlines.pop(request.request_id, None)
+        if self.kv_connector is None:
+            return
+        for request in self.kv_connector.release_sent_kv(list(request_ids)):
             self._forget(request.request_id)
 
     def take_kv_events(self) -> KVEvents:
         """What happened to prompt KV since the last call, by client request id."""
-        events = self.scheduler.take_kv_events()
-        now = time.monotonic()
-        # A request may have moved on, or ended, since its event: only live waits get deadlines.
-        for reservation in events.reserved:
-            if reservation.request_id in self.scheduler.awaiting_kv:
-                self._kv_deadlines[reservation.request_id] = now + self.args.kv_wait_timeout
-        for prefilled in events.prefilled:
-            if prefilled.request_id in self.scheduler.held_kv:
-                self._kv_deadlines[prefilled.request_id] = now + self.args.kv_hold_timeout
-        for outcome in events.loaded:
-            self._kv_deadlines.pop(outcome.request_id, None)
+        if self.kv_connector is None:
+            return KVEvents([], [], [])
+        events = self.kv_connector.take_kv_events()
         named: list[KVReservation | KVPrefilled | KVLoadOutcome] = [*events.reserved, *events.prefilled, *events.loaded]
         for event in named:
             sequence = self._sequences.get(event.request_id)
@@ -355,25 +356,16 @@ class EngineCore:
     def expire_kv_deadlines(self) -> bool:
         """End waits for KV that never came, and release KV no reader said it was done
         with. Whether anything expired."""
-        now = time.monotonic()
-        expired_before = self.num_expired_kv
-        for sub_id, deadline in list(self._kv_deadlines.items()):
-            if deadline > now:
-                continue
-            del self._kv_deadlines[sub_id]
-            if sub_id in self.scheduler.awaiting_kv:
-                self.scheduler.cancel_kv_wait(sub_id, f"no KV arrived within {self.args.kv_wait_timeout:g} s")
-                self.num_expired_kv += 1
-                logger.warning("%s: no prompt KV arrived in time; computing the prompt here", sub_id)
-            elif sub_id in self.scheduler.held_kv:
-                self.release_sent_kv([self._sequences[sub_id][0]])
-                self.num_expired_kv += 1
-                logger.warning("%s: no reader acknowledged its prompt KV in time; freed", sub_id)
-        return self.num_expired_kv > expired_before
+        if self.kv_connector is None:
+            return False
+        expired_before = self.kv_connector.num_expired_kv
+        for request in self.kv_connector.expire_kv_deadlines():
+            self._forget(request.request_id)
+        return self.kv_connector.num_expired_kv > expired_before
 
     def next_kv_deadline(self) -> float | None:
         """When the earliest wait for, or hold of, prompt KV ends (time.monotonic)."""
-        return min(self._kv_deadlines.values(), default=None)
+        return None if self.kv_connector is None else self.kv_connector.next_kv_deadline()
 
     def _first_sequence(self, request_id: str) -> str | None:
         ids = self._children.get(request_id)
@@ -386,8 +378,8 @@ class EngineCore:
             kv_cache_usage=self.scheduler.kv_cache.usage,
             num_preemptions=self._num_preemptions,
             num_steps=self.timings.num_steps,
-            num_waiting_for_kv=len(self.scheduler.awaiting_kv),
-            num_holding_kv=len(self.scheduler.held_kv),
+            num_waiting_for_kv=0 if self.kv_connector is None else len(self.kv_connector.awaiting_kv),
+            num_holding_kv=0 if self.kv_connector is None else len(self.kv_connector.held_kv),
             num_computed_tokens=self.timings.num_computed_tokens,
             num_sampled_tokens=self.timings.num_sampled_tokens,
             busy_seconds=self.timings.schedule + self.timings.execute + self.timings.update,
@@ -400,7 +392,7 @@ class EngineCore:
     # ----- the loop ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduling step and report what each sequence gained."""
-        if self._kv_deadlines:
+        if self.kv_connector is not None and self.kv_connector.deadlines:
             self.expire_kv_deadlines()
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
@@ -410,7 +402,8 @@ class EngineCore:
         executed_at = time.perf_counter()
         outputs = self._update(scheduler_output, runner_output)
         if runner_output.kv_load_results:
-            self.scheduler.finish_kv_loads(runner_output.kv_load_results)
+            assert self.kv_connector is not None  # only a connector's worker half reports loads
+            self.kv_connector.finish_kv_loads(runner_output.kv_load_results)
         done = time.perf_counter()
         self._num_preemptions += len(scheduler_output.preempted_request_ids)
         t = self.timings
@@ -467,9 +460,8 @@ class EngineCore:
         return outputs
 
     def _forget(self, sub_id: str) -> None:
-        self._kv_deadlines.pop(sub_id, None)
         request_id, _ = self._sequences.pop(sub_id)
-        if self.kv_layout is not None:  # its KV events, not taken yet, still name it
+        if self.kv_connector is not None:  # its KV events, not taken yet, still name it
             self._forgotten[sub_id] = request_id
         siblings = self._children[request_id]
         if not any(s in self._sequences for s in siblings):

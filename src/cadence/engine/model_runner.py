@@ -27,7 +27,7 @@ from cadence.engine.cuda_graphs import DecodeGraphs
 from cadence.engine.forward_context import ForwardContext
 from cadence.engine.host_memory import zeroed_pages
 from cadence.engine.input_batch import InputBatch, RequestState, StepInputs
-from cadence.engine.kv_transfer.transport import KVTransport
+from cadence.engine.kv_connector.worker_side import WorkerSideConnector
 from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.models.moe import routes_on_host
 from cadence.engine.protocol import TokenLogprobs
@@ -77,13 +77,12 @@ def allocate_kv_cache(
     )
 
 
-def _cache_memory(kv_transport: KVTransport | None) -> TensorFactory:
-    """Where the cache's zeroed tensors come from: the transport's memory when it has one
-    (it may need memory of its own); on CPU, pages the OS zeroes when first written
+def _cache_memory(kv_connector: WorkerSideConnector | None) -> TensorFactory:
+    """Where the cache's zeroed tensors come from: the KV transport's memory when there is
+    one (it may need memory of its own); on CPU, pages the OS zeroes when first written
     (``host_memory.zeroed_pages``), since ``torch.zeros`` would write the whole cache now."""
-    if kv_transport is not None:
-        zeros = kv_transport.zeros
-        return lambda shape, dtype, device: zeros(shape, dtype=dtype, device=device)
+    if kv_connector is not None:
+        return kv_connector.zeros
     return lambda shape, dtype, device: (
         zeroed_pages(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
     )
@@ -106,10 +105,10 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int = 2048,
         batch_invariant: bool = False,
-        kv_transport: KVTransport | None = None,
+        kv_connector: WorkerSideConnector | None = None,
     ) -> None:
         self.model = model
-        self.kv_transport = kv_transport
+        self.kv_connector = kv_connector
         self.device = device
         self.block_size = block_size
         spec = model.attention_spec()
@@ -122,9 +121,11 @@ class ModelRunner:
             make_batch_invariant(model)
         cache_shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches: list[KVCache] = [
-            allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device, _cache_memory(kv_transport))
+            allocate_kv_cache(cache_shape, dtype, kv_cache_dtype, device, _cache_memory(kv_connector))
             for _ in range(model.config.num_hidden_layers)
         ]
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.kv_caches)
         self.backend.use_paged_decode(device, dtype if kv_cache_dtype == "auto" else None)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.decode_graphs: DecodeGraphs | None = None
@@ -158,8 +159,8 @@ class ModelRunner:
         if output.block_copies:
             self._copy_blocks(output.block_copies)
         result = ModelRunnerOutput()
-        if self.kv_transport is not None:
-            self._transfer_kv(output, self.kv_transport, result)
+        if self.kv_connector is not None:
+            result.kv_load_results = self.kv_connector.transfer(output)
         elif output.kv_loads:
             raise RuntimeError("this engine has no KV transport to load blocks with")
         if output.is_empty:
@@ -302,15 +303,6 @@ class ModelRunner:
             targets = torch.from_numpy(prompt[start + 1 : end + 1].astype(np.int64)).to(self.device)
             ids, values, ranks = compute_logprobs(logits, targets, num_top)
             result.prompt_logprobs[state.request_id] = _rows_to_logprobs(ids, values, ranks, num_top)
-
-    def _transfer_kv(self, output: SchedulerOutput, transport: KVTransport, result: ModelRunnerOutput) -> None:
-        """Start and stop the step's loads (into blocks no scheduled request touches), and
-        report those that ended."""
-        for load in output.kv_loads:
-            transport.start_load(load, self.kv_caches)
-        for request_id in output.kv_cancels:
-            transport.cancel(request_id)
-        result.kv_load_results = transport.poll()
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)

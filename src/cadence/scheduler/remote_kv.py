@@ -1,5 +1,6 @@
-"""Prompt KV that crosses engines: what the scheduler's half of KV transfer reserves,
-asks for and hands back. Pure data and block ids; the bytes are the runner's business.
+"""Prompt KV that crosses engines: what the scheduler half of the KV connector
+(engine/kv_connector/) reserves, asks for and hands back. Pure data and block ids; the
+bytes are the worker half's business.
 
 A disaggregated request lives on two engines:
 

@@ -79,8 +79,7 @@ class LocalCluster:
     def remove_engine(self, engine_id: str) -> list[str]:
         """Take an engine away as if its process died; returns the requests lost with it."""
         core = self.engines.pop(engine_id)
-        if core.runner.kv_transport is not None:
-            core.runner.kv_transport.close()
+        core.close()
         lost = self.coordinator.remove_engine(engine_id)
         for request_id in lost:
             self._remaining.pop(request_id, None)

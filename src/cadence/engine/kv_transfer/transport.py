@@ -1,10 +1,11 @@
-"""The worker half of KV transfer: making one engine's blocks readable, and reading them.
+"""KV transports, which the KV connector's worker half (engine/kv_connector/) moves
+blocks with: making one engine's blocks readable, and reading them.
 
 The decode side reads: every write into its blocks is its own, so an abort, a deadline
 or a dead prefill engine is handled by cancelling its own reads, and a block is never
-reused while a transfer could still write into it (the scheduler holds the blocks of a
-cancelled load until the transport reports it over). The prefill side only holds its
-blocks still until it is told the reader is done.
+reused while a transfer could still write into it (the connector's scheduler half holds
+the blocks of a cancelled load until the transport reports it over). The prefill side
+only holds its blocks still until it is told the reader is done.
 """
 
 from __future__ import annotations
