@@ -343,7 +343,7 @@ def test_loads_across_processes_and_from_a_killed_source(make_transport) -> None
 
 
 def test_engines_over_tcp_match_colocated(tiny_model_dir) -> None:
-    from cadence.engine.kv_transfer.local_cluster import LocalCluster
+    from cadence.server.disaggregation.local_cluster import LocalCluster
     from test_disaggregation import collect, engine, run, workload
 
     model = tiny_model_dir("llama")

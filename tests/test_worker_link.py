@@ -1,4 +1,5 @@
-"""The router-worker link (server/worker_link.py, server/remote_slot.py) over loopback TCP.
+"""The router-worker link (server/disaggregation/worker_link.py and remote_slot.py) over
+loopback TCP.
 
 The worker's engine is a recorder of what reaches it, and routers are `RemoteSlot`s (or
 raw sockets, for misbehaving ones). What must hold: a router sees only its own
@@ -36,11 +37,11 @@ from cadence.engine.protocol import (
 )
 from cadence.engine.sampling_params import SamplingParams
 from cadence.scheduler.remote_kv import KVPrefilled, KVReservation
-from cadence.server import remote_slot
+from cadence.server.disaggregation import remote_slot
+from cadence.server.disaggregation.remote_slot import RemoteSlot
+from cadence.server.disaggregation.topology import LinkTiming
+from cadence.server.disaggregation.worker_link import WorkerLink
 from cadence.server.engine_process import EngineDeadError
-from cadence.server.remote_slot import RemoteSlot
-from cadence.server.topology import LinkTiming
-from cadence.server.worker_link import WorkerLink
 
 FAST = LinkTiming(heartbeat=0.05, timeout=0.6)
 PATIENT = LinkTiming(heartbeat=0.05, timeout=30.0)  # so that silence cannot be what ends a session

@@ -19,6 +19,8 @@ from cadence.engine.engine_args import EngineArgs
 from cadence.engine.llm import load_tokenizer
 from cadence.server.api_models import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from cadence.server.api_responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from cadence.server.disaggregation.topology import LinkTiming, Topology, WorkerList
+from cadence.server.disaggregation.worker_link import tcp_address
 from cadence.server.engine_client import AsyncEngineClient, RestartPolicy
 from cadence.server.errors import APIError, install_error_handlers, unavailable
 from cadence.server.guards import install_guards
@@ -28,8 +30,6 @@ from cadence.server.request_limits import RequestLimits
 from cadence.server.serving_chat import ChatHandler
 from cadence.server.serving_completions import CompletionHandler
 from cadence.server.shutdown_deadline import CancelledAfterDeadline, ShutdownDeadline
-from cadence.server.topology import LinkTiming, Topology, WorkerList
-from cadence.server.worker_link import tcp_address
 
 VERSION = "0.1.0"
 

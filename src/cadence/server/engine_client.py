@@ -8,7 +8,7 @@ that changed is woken. Handlers only ever await their own stream, so a slow clie
 delays anyone else.
 
 Colocated, there is one engine. Disaggregated (`Topology`), there are prefill and decode
-engines, and a `Coordinator` (engine/kv_transfer/coordinator.py) routes each request:
+engines, and a `Coordinator` (server/disaggregation/coordinator.py) routes each request:
 outputs come from decode engines, KV events from all of them. A dead prefill engine
 costs no request (its prompts are computed elsewhere); a dead decode engine fails the
 requests it held. Either way the engine is started again after a backoff
@@ -30,7 +30,6 @@ import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
 from cadence.engine.engine_args import EngineArgs
-from cadence.engine.kv_transfer.coordinator import Coordinator, NoEngineError
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
 from cadence.engine.protocol import (
@@ -41,15 +40,16 @@ from cadence.engine.protocol import (
     EngineStats,
     Message,
 )
+from cadence.server.disaggregation.coordinator import Coordinator, NoEngineError
+from cadence.server.disaggregation.remote_slot import RemoteSlot
+from cadence.server.disaggregation.topology import LinkTiming, Topology, WorkerList, split_cpus
+from cadence.server.disaggregation.worker_link import WorkerLink
 from cadence.server.engine_process import EngineDeadError
 from cadence.server.engine_slot import EngineSlot, RestartPolicy, Slot
 from cadence.server.ipc_addresses import address_prefix
 from cadence.server.leftover_sockets import remove_dead_socket_folders
-from cadence.server.remote_slot import RemoteSlot
 from cadence.server.request_log import log_finished
 from cadence.server.request_metrics import RequestMetrics
-from cadence.server.topology import LinkTiming, Topology, WorkerList, split_cpus
-from cadence.server.worker_link import WorkerLink
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ class RestartPolicy:
 
 class Slot(Protocol):
     """What the engine client needs of an engine: a local process (`EngineSlot`), or a
-    worker's engine on another host (server/remote_slot.py)."""
+    worker's engine on another host (server/disaggregation/remote_slot.py)."""
 
     name: str
     role: str  # "colocated", "prefill" or "decode"

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
-from cadence.engine.kv_transfer.transfer_stats import recommended_prefill_decode_ratio
 from cadence.server import metric_series as S
+from cadence.server.disaggregation.transfer_stats import recommended_prefill_decode_ratio
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.request_metrics import RequestMetricsCollector
 from cadence.server.series_collector import SeriesCollector

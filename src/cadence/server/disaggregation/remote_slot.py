@@ -1,7 +1,7 @@
 """A router's handle on one worker's engine on another host (`cadence router`).
 
 The worker is named by its HTTP URL. Its `/worker` route says which port its link
-listens on (server/worker_link.py); the slot opens a session there, gets the engine's
+listens on (server/disaggregation/worker_link.py); the slot opens a session there, gets the engine's
 EngineReady, and from then on drives the engine as an `EngineSlot` drives a local one:
 the client and the coordinator cannot tell the two apart.
 
@@ -37,10 +37,10 @@ from cadence.engine.protocol import (
     decode,
     encode,
 )
+from cadence.server.disaggregation.topology import LinkTiming
+from cadence.server.disaggregation.worker_link import tcp_address
 from cadence.server.engine_process import EngineDeadError
 from cadence.server.engine_slot import SlotCounters, SlotListener
-from cadence.server.topology import LinkTiming
-from cadence.server.worker_link import tcp_address
 
 logger = logging.getLogger(__name__)
 
