@@ -21,9 +21,10 @@ from cadence.server.api_models import ChatCompletionRequest, CompletionRequest, 
 from cadence.server.api_responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from cadence.server.disaggregation.topology import LinkTiming, Topology, WorkerList
 from cadence.server.disaggregation.worker_link import tcp_address
-from cadence.server.engine_client import AsyncEngineClient, RestartPolicy
+from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.errors import APIError, install_error_handlers, unavailable
 from cadence.server.guards import install_guards
+from cadence.server.local_engine import RestartPolicy
 from cadence.server.metrics import build_registry, render
 from cadence.server.prompts import PromptBuilder
 from cadence.server.request_limits import RequestLimits

@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from cadence.engine.outputs import PositionLogprobs, RequestOutput
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.sampling_params import SamplingParams
+from cadence.server.admission import EngineOverloadedError
 from cadence.server.api_models import StreamOptions
 from cadence.server.api_responses import (
     ChatCompletionStreamResponse,
@@ -31,15 +32,12 @@ from cadence.server.api_responses import (
     CompletionStreamResponse,
     Usage,
 )
-from cadence.server.engine_client import (
-    AsyncEngineClient,
-    EngineDeadError,
-    EngineOverloadedError,
-    RequestRejectedError,
-    RequestStream,
-)
+from cadence.server.engine_client import AsyncEngineClient
+from cadence.server.engine_process import EngineDeadError
 from cadence.server.errors import APIError, bad_request, overloaded, unavailable
+from cadence.server.output_fanout import RequestRejectedError
 from cadence.server.prompts import Prompt
+from cadence.server.request_stream import RequestStream
 
 
 def new_id(prefix: str, request: Request) -> str:

@@ -97,6 +97,12 @@ class Coordinator:
     # ----- engines -------------------------------------------------------------------
     def add_engine(self, engine_id: str, ready: EngineReady) -> None:
         """Admit an engine (again) after checking its KV layout against the others'."""
+        self.check_engine(engine_id, ready)
+        (self.prefill if ready.kv_role == "prefill" else self.decode)[engine_id] = ready
+        self.draining.discard(engine_id)
+
+    def check_engine(self, engine_id: str, ready: EngineReady) -> None:
+        """ValueError unless the engine can work with the others (its KV layout, its limits)."""
         if ready.kv_role not in ("prefill", "decode"):
             raise ValueError(f"engine {engine_id} has role {ready.kv_role!r}; a router needs prefill or decode engines")
         if ready.kv_layout is None or (ready.kv_role == "prefill" and ready.kv_source is None):
@@ -117,8 +123,6 @@ class Coordinator:
                     f"engine {engine_id} takes max_model_len {ready.max_model_len} and vocab_size "
                     f"{ready.vocab_size}; {other_id} takes {other.max_model_len} and {other.vocab_size}"
                 )
-        (self.prefill if ready.kv_role == "prefill" else self.decode)[engine_id] = ready
-        self.draining.discard(engine_id)
 
     def set_draining(self, engine_id: str, draining: bool) -> None:
         """A draining engine keeps the requests it has and gets no new ones."""
