@@ -19,15 +19,15 @@ import pytest
 from cadence.engine.attention.backend import KVCache
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.engine_core import EngineCore
-from cadence.engine.kv_transfer.coordinator import Phase
 from cadence.engine.kv_transfer.layout import KVLayout
-from cadence.engine.kv_transfer.local_cluster import LocalCluster
-from cadence.engine.kv_transfer.placement import PlacementPolicy
 from cadence.engine.kv_transfer.source import KVSource
 from cadence.engine.kv_transfer.transport import KVTransport
 from cadence.engine.protocol import EngineCoreRequest, LoadKV, Message, ReleaseKV
 from cadence.engine.sampling_params import SamplingParams
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
+from cadence.server.disaggregation.coordinator import Phase
+from cadence.server.disaggregation.local_cluster import LocalCluster
+from cadence.server.disaggregation.placement import PlacementPolicy
 
 SETTINGS = {
     "dtype": "float32",

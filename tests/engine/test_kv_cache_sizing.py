@@ -25,7 +25,7 @@ from cadence.engine.kv_cache_size import (
 )
 from cadence.engine.loader import load_model
 from cadence.engine.weights_memory import host_weights_bytes
-from cadence.server.topology import Topology
+from cadence.server.disaggregation.topology import Topology
 
 CPU = torch.device("cpu")
 MiB = 1 << 20

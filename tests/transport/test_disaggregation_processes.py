@@ -18,8 +18,8 @@ import zmq
 import zmq.asyncio
 
 from cadence.engine.engine_args import EngineArgs
-from cadence.engine.kv_transfer.coordinator import Coordinator, Phase
 from cadence.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineDead, Message
+from cadence.server.disaggregation.coordinator import Coordinator, Phase
 from cadence.server.engine_process import EngineDeadError, EngineProcess
 from cadence.server.ipc_addresses import address_prefix
 from tests.engine.test_disaggregation import SETTINGS, Logprobs, Tokens, engine, workload

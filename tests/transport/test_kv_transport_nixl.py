@@ -20,10 +20,10 @@ import pytest
 
 pytest.importorskip("nixl_cu12", reason="the NIXL transport needs the nixl_cu12 package")
 
-from cadence.engine.kv_transfer.local_cluster import LocalCluster
 from cadence.engine.kv_transfer.nixl import NixlTransport
 from cadence.engine.kv_transfer.source import KVSource
 from cadence.scheduler.remote_kv import KVLoad, KVLoadResult
+from cadence.server.disaggregation.local_cluster import LocalCluster
 from tests.support.kv_transport_checks import (
     assert_bytes,
     expect_copied,

@@ -247,9 +247,9 @@ def test_a_source_whose_exporter_ended_is_an_error_and_its_memory_goes(ending: s
 
 def test_engines_over_shared_memory_match_colocated(tiny_model_dir) -> None:
     # Imported here, not above: the spawned child imports this module, and needs no engine.
-    from cadence.engine.kv_transfer.local_cluster import LocalCluster
     from cadence.engine.protocol import EngineCoreRequest
     from cadence.engine.sampling_params import SamplingParams
+    from cadence.server.disaggregation.local_cluster import LocalCluster
     from tests.engine.test_disaggregation import Tokens, collect, engine, run
 
     model = tiny_model_dir("llama")

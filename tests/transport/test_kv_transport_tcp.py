@@ -346,7 +346,7 @@ def test_loads_across_processes_and_from_a_killed_source(make_transport, monkeyp
 
 
 def test_engines_over_tcp_match_colocated(tiny_model_dir) -> None:
-    from cadence.engine.kv_transfer.local_cluster import LocalCluster
+    from cadence.server.disaggregation.local_cluster import LocalCluster
     from tests.engine.test_disaggregation import collect, engine, run, workload
 
     model = tiny_model_dir("llama")

@@ -1,6 +1,7 @@
-"""The router-worker link (server/worker_link.py, server/remote_slot.py) over loopback TCP.
+"""The router-worker link (server/disaggregation/worker_link.py and remote_engine.py) over
+loopback TCP.
 
-The worker's engine is a recorder of what reaches it, and routers are `RemoteSlot`s (or
+The worker's engine is a recorder of what reaches it, and routers are `RemoteEngine`s (or
 raw sockets, for misbehaving ones). What must hold: a router sees only its own
 requests' outputs and events and can steer only its own requests; a session that ends
 by goodbye, by silence or by the engine's death aborts exactly the requests it started
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import zmq
@@ -36,11 +36,13 @@ from cadence.engine.protocol import (
 )
 from cadence.engine.sampling_params import SamplingParams
 from cadence.scheduler.remote_kv import KVPrefilled, KVReservation
-from cadence.server import remote_slot
+from cadence.server.disaggregation import remote_engine
+from cadence.server.disaggregation.remote_engine import RemoteEngine
+from cadence.server.disaggregation.topology import LinkTiming
+from cadence.server.disaggregation.worker_link import WorkerLink
+from cadence.server.engine_events import DrainingChanged, EngineDied, EngineEvent, EngineServing, OutputsArrived
+from cadence.server.engine_handle import EngineHandle
 from cadence.server.engine_process import EngineDeadError
-from cadence.server.remote_slot import RemoteSlot
-from cadence.server.topology import LinkTiming
-from cadence.server.worker_link import WorkerLink
 
 FAST = LinkTiming(heartbeat=0.05, timeout=0.6)
 PATIENT = LinkTiming(heartbeat=0.05, timeout=30.0)  # so that silence cannot be what ends a session
@@ -49,27 +51,27 @@ READY = EngineReady(64, 100, 4, "cpu", "float32", 10, kv_role="decode")
 
 @dataclass
 class Listener:
-    """A router's engine client, reduced to what it hears."""
+    """A router's engine client, reduced to what it hears: its event queue's consumer."""
 
     outputs: list[EngineCoreOutputs] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
     ready: int = 0
     draining: list[bool] = field(default_factory=list)
 
-    def on_outputs(self, slot: object, message: EngineCoreOutputs) -> None:
+    def __call__(self, event: EngineEvent) -> None:
+        if isinstance(event, OutputsArrived):
+            self.on_outputs(event.engine, event.message)
+        elif isinstance(event, EngineDied):
+            self.dead.append(event.reason)
+        elif isinstance(event, EngineServing):
+            self.ready += 1
+        elif isinstance(event, DrainingChanged):
+            self.draining.append(event.draining)
+        else:
+            raise AssertionError(f"a remote engine never reports {event}")
+
+    def on_outputs(self, engine: EngineHandle, message: EngineCoreOutputs) -> None:
         self.outputs.append(message)
-
-    def on_dead(self, slot: object, reason: str) -> None:
-        self.dead.append(reason)
-
-    def on_ready(self, slot: object) -> None:
-        self.ready += 1
-
-    def on_gave_up(self, slot: object, reason: str) -> None:
-        raise AssertionError("a remote slot never gives up")
-
-    def on_draining(self, slot: Any) -> None:
-        self.draining.append(slot.draining)
 
     def request_ids(self) -> list[str]:
         return [o.request_id for message in self.outputs for o in message.outputs]
@@ -105,7 +107,7 @@ def run(
         link.on_engine_ready(READY)
         link.start()
         info = {"role": "decode", "link_port": link.port}
-        monkeypatch.setattr(remote_slot, "fetch_worker_info", lambda url, timeout: info)
+        monkeypatch.setattr(remote_engine, "fetch_worker_info", lambda url, timeout: info)
         try:
             await scenario(context, link, engine)
         finally:
@@ -115,11 +117,11 @@ def run(
     asyncio.run(main())
 
 
-async def connected(context: zmq.asyncio.Context, listener: Listener, timing: LinkTiming = FAST) -> RemoteSlot:
-    slot = RemoteSlot("http://127.0.0.1:1", "decode", context, listener, timing)
-    slot.spawn()
-    assert await slot.wait_ready(5.0) == READY
-    return slot
+async def connected(context: zmq.asyncio.Context, listener: Listener, timing: LinkTiming = FAST) -> RemoteEngine:
+    remote = RemoteEngine("http://127.0.0.1:1", "decode", context, listener, timing)
+    remote.spawn()
+    assert await remote.wait_ready(5.0) == READY
+    return remote
 
 
 def test_each_router_hears_and_steers_only_its_own_requests(monkeypatch) -> None:
@@ -209,8 +211,8 @@ def test_a_router_whose_connection_drops_is_dropped_at_once(monkeypatch) -> None
 def test_a_draining_worker_is_told_apart_and_waited_for(monkeypatch) -> None:
     async def scenario(context, link, engine) -> None:
         listener = Listener()
-        slot = await connected(context, listener)
-        slot.send(request("last"))
+        remote = await connected(context, listener)
+        remote.send(request("last"))
         await eventually(lambda: len(engine) == 1)
         drained = asyncio.create_task(link.drain(5.0))
         await eventually(lambda: listener.draining == [True])
@@ -223,26 +225,26 @@ def test_a_draining_worker_is_told_apart_and_waited_for(monkeypatch) -> None:
         assert not drained.done()  # "last" is still running
         link.on_outputs(EngineCoreOutputs([output("last", True)], EngineStats()))
         await asyncio.wait_for(drained, 2.0)
-        assert listener.request_ids() == ["last"] and slot.is_healthy
+        assert listener.request_ids() == ["last"] and remote.is_healthy
         late.close(linger=0)
-        await slot.shutdown(1.0)
+        await remote.shutdown(1.0)
 
     run(scenario, monkeypatch)
 
 
-def test_a_failing_listener_ends_the_session_instead_of_hanging_it(monkeypatch) -> None:
+def test_a_router_failing_on_outputs_ends_the_session_instead_of_hanging_it(monkeypatch) -> None:
     class Broken(Listener):
-        def on_outputs(self, slot: object, message: EngineCoreOutputs) -> None:
-            raise RuntimeError("a bug in the router")
+        def on_outputs(self, engine: EngineHandle, message: EngineCoreOutputs) -> None:
+            engine.fail(f"processing its events failed: {RuntimeError('a bug in the router')!r}")
 
     async def scenario(context, link, engine) -> None:
         listener = Broken()
-        slot = await connected(context, listener)
+        remote = await connected(context, listener)
         link.on_outputs(EngineCoreOutputs([], EngineStats()))
         await eventually(lambda: bool(listener.dead))
         assert "a bug in the router" in listener.dead[0]
         await eventually(lambda: listener.ready == 2)  # a new session
-        await slot.shutdown(1.0)
+        await remote.shutdown(1.0)
 
     run(scenario, monkeypatch)
 
@@ -287,20 +289,20 @@ def test_messages_of_unknown_sessions_never_reach_the_engine(monkeypatch) -> Non
 def test_engine_death_ends_sessions_and_a_new_engine_is_taken_up(monkeypatch) -> None:
     async def scenario(context, link, engine) -> None:
         listener = Listener()
-        slot = await connected(context, listener)
-        slot.send(request("r1"))
+        remote = await connected(context, listener)
+        remote.send(request("r1"))
         await eventually(lambda: len(engine) == 1)
         link.on_engine_dead("the engine process exited unexpectedly")
         await eventually(lambda: bool(listener.dead))
-        assert "exited unexpectedly" in listener.dead[0] and not slot.is_healthy
+        assert "exited unexpectedly" in listener.dead[0] and not remote.is_healthy
         with pytest.raises(EngineDeadError):
-            slot.send(request("r2"))
+            remote.send(request("r2"))
         link.on_outputs(EngineCoreOutputs([output("r1")], EngineStats()))  # the dead engine's last words
         link.on_engine_ready(READY)
         await eventually(lambda: listener.ready == 2)
-        assert slot.is_healthy and listener.request_ids() == []
+        assert remote.is_healthy and listener.request_ids() == []
         assert engine == [request("r1")]  # nothing aborted: the engine that ran r1 is gone
-        await slot.shutdown(1.0)
+        await remote.shutdown(1.0)
 
     run(scenario, monkeypatch)
 
@@ -308,14 +310,14 @@ def test_engine_death_ends_sessions_and_a_new_engine_is_taken_up(monkeypatch) ->
 def test_a_worker_that_goes_away_is_noticed_before_the_timeout(monkeypatch) -> None:
     async def scenario(context, link, engine) -> None:
         listener = Listener()
-        slot = RemoteSlot("http://127.0.0.1:1", "decode", context, listener, PATIENT)
-        slot.spawn()
-        await slot.wait_ready(5.0)
+        remote = RemoteEngine("http://127.0.0.1:1", "decode", context, listener, PATIENT)
+        remote.spawn()
+        await remote.wait_ready(5.0)
         await link.close()
         # Noticed as a closed link: silence could end the session only after PATIENT's 30 s.
         await eventually(lambda: bool(listener.dead), timeout=PATIENT.timeout)
         assert "closed its link" in listener.dead[0]
-        await slot.shutdown(1.0)
+        await remote.shutdown(1.0)
 
     run(scenario, monkeypatch)
 
@@ -323,11 +325,11 @@ def test_a_worker_that_goes_away_is_noticed_before_the_timeout(monkeypatch) -> N
 def test_a_worker_of_the_wrong_role_is_never_admitted(monkeypatch) -> None:
     async def scenario(context, link, engine) -> None:
         listener = Listener()
-        slot = RemoteSlot("http://127.0.0.1:1", "prefill", context, listener, FAST)
-        slot.spawn()
+        remote = RemoteEngine("http://127.0.0.1:1", "prefill", context, listener, FAST)
+        remote.spawn()
         await asyncio.sleep(0.5)
         assert listener.ready == 0 and not link.sessions
-        assert "decode worker, listed as prefill" in slot.unavailable_reason
-        await slot.shutdown(1.0)
+        assert "decode worker, listed as prefill" in remote.unavailable_reason
+        await remote.shutdown(1.0)
 
     run(scenario, monkeypatch)

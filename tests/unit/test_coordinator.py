@@ -7,11 +7,8 @@ import time
 
 import pytest
 
-from cadence.engine.kv_transfer.coordinator import Coordinator, NoEngineError, Phase
 from cadence.engine.kv_transfer.layout import KVLayout
-from cadence.engine.kv_transfer.placement import PlacementPolicy
 from cadence.engine.kv_transfer.source import KVSource
-from cadence.engine.kv_transfer.transfer_stats import recommended_prefill_decode_ratio
 from cadence.engine.protocol import (
     AbortRequests,
     CancelKVWait,
@@ -26,6 +23,9 @@ from cadence.engine.protocol import (
 )
 from cadence.engine.sampling_params import SamplingParams
 from cadence.scheduler.remote_kv import KVLoadOutcome, KVPrefilled, KVReservation
+from cadence.server.disaggregation.coordinator import Coordinator, NoEngineError, Phase
+from cadence.server.disaggregation.placement import PlacementPolicy
+from cadence.server.disaggregation.transfer_stats import recommended_prefill_decode_ratio
 
 LAYOUT = KVLayout("weights", 2, 4, 2, 8, "float32", "auto")
 

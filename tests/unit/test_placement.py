@@ -1,4 +1,4 @@
-"""Where the router computes a prompt (engine/kv_transfer/placement.py): the cost model's
+"""Where the router computes a prompt (server/disaggregation/placement.py): the cost model's
 decisions from measured rates, queues and transfer costs, and the coordinator acting on
 them (a prompt kept local counts in its decode engine's queue until its first token)."""
 
@@ -8,9 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from cadence.engine.kv_transfer.coordinator import Coordinator, Phase
-from cadence.engine.kv_transfer.placement import DecodeLoad, PlacementPolicy, place_prompt
-from cadence.engine.kv_transfer.transfer_stats import TransferStats
 from cadence.engine.protocol import (
     CancelKVWait,
     EngineCoreOutput,
@@ -23,6 +20,9 @@ from cadence.engine.protocol import (
 )
 from cadence.engine.sampling_params import SamplingParams
 from cadence.scheduler.remote_kv import KVReservation
+from cadence.server.disaggregation.coordinator import Coordinator, Phase
+from cadence.server.disaggregation.placement import DecodeLoad, PlacementPolicy, place_prompt
+from cadence.server.disaggregation.transfer_stats import TransferStats
 from tests.unit.test_coordinator import LAYOUT, ready
 
 COST = PlacementPolicy("cost", max_local_stall=0.1)

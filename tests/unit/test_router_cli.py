@@ -9,8 +9,8 @@ import socket
 import pytest
 
 from cadence.server.cli import build_parser
-from cadence.server.cli_disaggregation import kv_host_for, topology_from, worker_list_from
-from cadence.server.topology import WorkerList
+from cadence.server.disaggregation.cli import kv_host_for, topology_from, worker_list_from
+from cadence.server.disaggregation.topology import WorkerList
 
 
 def test_the_worker_list_joins_flags_and_file(tmp_path) -> None:

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.protocol import EngineCoreOutput
 from cadence.engine.sampling_params import SamplingParams
-from cadence.server.engine_client import RequestStream
+from cadence.server.request_stream import RequestStream
 from cadence.server.serving import ChoiceCursor, RequestGroup, stream_events, take_delta
 
 
@@ -36,7 +36,7 @@ def make_group(processor: OutputProcessor, params: SamplingParams) -> tuple[Requ
     group = RequestGroup(client, priority=0)  # type: ignore[arg-type]
     changed = asyncio.Event()
     group._changed = changed
-    group.streams.append(RequestStream(client, processor.states["r"].output, processor, changed))  # type: ignore[arg-type]
+    group.streams.append(RequestStream(processor.states["r"].output, processor, changed, client.abort))
     return group, client
 
 

@@ -22,8 +22,9 @@ from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.sampling_params import SamplingParams
 from cadence.server.draining_server import DrainingServer
-from cadence.server.engine_client import AsyncEngineClient, RequestStream
+from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.errors import APIError, unavailable
+from cadence.server.request_stream import RequestStream
 from cadence.server.serving import RequestGroup, stream_events
 from cadence.server.shutdown_deadline import CancelledAfterDeadline, ShutdownDeadline
 from tests.support.server_harness import pid_alive
@@ -85,12 +86,12 @@ def test_a_stream_ended_at_the_deadline_gets_an_error_event_then_done() -> None:
         processor = OutputProcessor(tokenizer=None)
         processor.add_request("r", None, [5, 6], SamplingParams(max_tokens=100))
         group = RequestGroup(_Client(), priority=0)  # type: ignore[arg-type]
-        stream = RequestStream(_Client(), processor.states["r"].output, processor, group._changed)  # type: ignore[arg-type]
+        stream = RequestStream(processor.states["r"].output, processor, group._changed, _Client().abort)
         group.streams.append(stream)
         events = stream_events(group, list, list)
         waiting = asyncio.ensure_future(events.__anext__())
         await asyncio.sleep(0)
-        stream._notify(unavailable("the server is shutting down"))  # as end_all_requests does
+        stream.notify(unavailable("the server is shutting down"))  # as end_all_requests does
         return [await waiting] + [frame async for frame in events]
 
     error, done = asyncio.run(run())

@@ -187,7 +187,7 @@ class EngineCoreOutputs:
 @dataclass
 class LinkHello:
     """Router to worker, first on a new link: `session` names the link; the worker answers
-    with its engine's EngineReady, or EngineDead while it has none (server/worker_link.py)."""
+    with its engine's EngineReady, or EngineDead while it has none (server/disaggregation/worker_link.py)."""
 
     session: str
 

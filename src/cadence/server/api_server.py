@@ -18,17 +18,18 @@ from fastapi.responses import JSONResponse, Response
 from cadence.engine.engine_args import EngineArgs
 from cadence.openai_schema.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from cadence.openai_schema.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
-from cadence.server.engine_client import AsyncEngineClient, RestartPolicy
+from cadence.server.disaggregation.topology import LinkTiming, Topology, WorkerList
+from cadence.server.disaggregation.worker_link import tcp_address
+from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.errors import APIError, install_error_handlers, unavailable
 from cadence.server.guards import install_guards
+from cadence.server.local_engine import RestartPolicy
 from cadence.server.metrics import build_registry, render
 from cadence.server.prompts import PromptBuilder
 from cadence.server.request_limits import RequestLimits
 from cadence.server.serving_chat import ChatHandler
 from cadence.server.serving_completions import CompletionHandler
 from cadence.server.shutdown_deadline import CancelledAfterDeadline, ShutdownDeadline
-from cadence.server.topology import LinkTiming, Topology, WorkerList
-from cadence.server.worker_link import tcp_address
 from cadence.tokenization.loading import load_tokenizer
 
 VERSION = "0.1.0"

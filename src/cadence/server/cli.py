@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from cadence.engine.engine_args import ENGINE_OPTIONS, EngineArgs, engine_args_for
 from cadence.engine.log_format import LOG_FORMATS, configure_logging
-from cadence.server.cli_disaggregation import add_disaggregation_flags, add_router_command, at_least_one
+from cadence.server.disaggregation.cli import add_disaggregation_flags, add_router_command, at_least_one
 
 logger = logging.getLogger("cadence")
 
@@ -306,11 +306,11 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from cadence.server.api_server import ServerConfig, build_app
-    from cadence.server.cli_disaggregation import kv_host_for, topology_from, worker_list_from
+    from cadence.server.disaggregation.cli import kv_host_for, topology_from, worker_list_from
+    from cadence.server.disaggregation.topology import LinkTiming
     from cadence.server.draining_server import DrainingServer
     from cadence.server.request_limits import RequestLimits
     from cadence.server.shutdown_deadline import ShutdownDeadline
-    from cadence.server.topology import LinkTiming
 
     configure_logging(args.log_level.upper(), getattr(args, "log_format", "text"))
     args.kv_host = kv_host_for(args)

@@ -201,7 +201,7 @@ KV_TRANSFER_SECONDS = Series(
     "kv_transfer_seconds",
     "histogram",
     "Seconds from asking a decode engine to load a prompt's KV to hearing it arrived (or not).",
-)  # its buckets: engine/kv_transfer/transfer_stats.py LATENCY_BUCKETS, kept where it is observed
+)  # its buckets: server/disaggregation/transfer_stats.py LATENCY_BUCKETS, kept where it is observed
 KV_TRANSFERS = Series("kv_transfers", "counter", "Prompt KV loads by outcome.", ("outcome",))
 KV_TRANSFER_BYTES = Series("kv_transfer_bytes", "counter", "KV bytes loaded across engines.")
 PREFILLS = Series("prefills", "counter", "Prompts by where they were computed.", ("engine_role",))

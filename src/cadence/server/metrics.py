@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
-from cadence.engine.kv_transfer.transfer_stats import recommended_prefill_decode_ratio
 from cadence.server import metric_series as S
+from cadence.server.disaggregation.transfer_stats import recommended_prefill_decode_ratio
 from cadence.server.engine_client import AsyncEngineClient
 from cadence.server.request_metrics import RequestMetricsCollector
 from cadence.server.series_collector import SeriesCollector
@@ -28,15 +28,15 @@ class EngineCollector(SeriesCollector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.client.stats
-        slots = self.client.slots.values()
+        engines = self.client.engines.values()
         yield self.one(S.NUM_REQUESTS_RUNNING, stats.num_running)
         yield self.one(S.NUM_REQUESTS_WAITING, stats.num_waiting)
         yield self.one(S.KV_CACHE_USAGE, stats.kv_cache_usage)
         yield self.one(S.ENGINE_HEALTHY, float(self.client.is_healthy))
-        preemptions = sum(slot.counters.preemptions_before for slot in slots) + stats.num_preemptions
+        preemptions = sum(engine.counters.preemptions_before for engine in engines) + stats.num_preemptions
         yield self.one(S.NUM_PREEMPTIONS, preemptions)
-        yield self.one(S.ENGINE_STEPS, sum(slot.counters.steps_before for slot in slots) + stats.num_steps)
-        yield self.one(S.ENGINE_RESTARTS, sum(slot.counters.restarts for slot in slots))
+        yield self.one(S.ENGINE_STEPS, sum(engine.counters.steps_before for engine in engines) + stats.num_steps)
+        yield self.one(S.ENGINE_RESTARTS, sum(engine.counters.restarts for engine in engines))
         info = self.client.info
         if info is not None:
             labels = (
@@ -60,10 +60,10 @@ class DisaggregationCollector(SeriesCollector):
         coordinator = self.client.coordinator
         if coordinator is None:
             return
-        slots = self.client.slots
+        engines = self.client.engines
         queues = []
-        for name, slot in slots.items():
-            stats = slot.stats
+        for name, engine in engines.items():
+            stats = engine.stats
             for queue, value in (
                 ("running", stats.num_running),
                 ("waiting", stats.num_waiting),
@@ -80,11 +80,11 @@ class DisaggregationCollector(SeriesCollector):
         roles = [(("prefill",), transfer.num_remote_prefills), (("decode",), transfer.num_local_prefills)]
         yield self.family(S.PREFILLS, roles)
         yield self.one(S.KV_PREFILL_REROUTES, transfer.num_rerouted)
-        yield self.one(S.KV_EXPIRED, sum(slot.stats.num_expired_kv for slot in slots.values()))
+        yield self.one(S.KV_EXPIRED, sum(engine.stats.num_expired_kv for engine in engines.values()))
         metrics = self.client.metrics
         ratio = recommended_prefill_decode_ratio(
-            [slot.stats for slot in slots.values() if slot.role == "prefill"],
-            [slot.stats for slot in slots.values() if slot.role == "decode"],
+            [engine.stats for engine in engines.values() if engine.role == "prefill"],
+            [engine.stats for engine in engines.values() if engine.role == "decode"],
             transfer.mean_remote_prompt_tokens,
             metrics.generation_tokens / metrics.num_finished if metrics.num_finished else 0.0,
         )

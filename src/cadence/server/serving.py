@@ -31,15 +31,13 @@ from cadence.openai_schema.responses import (
     CompletionStreamResponse,
     Usage,
 )
-from cadence.server.engine_client import (
-    AsyncEngineClient,
-    EngineDeadError,
-    EngineOverloadedError,
-    RequestRejectedError,
-    RequestStream,
-)
+from cadence.server.admission import EngineOverloadedError
+from cadence.server.engine_client import AsyncEngineClient
+from cadence.server.engine_process import EngineDeadError
 from cadence.server.errors import APIError, bad_request, overloaded, unavailable
+from cadence.server.output_fanout import RequestRejectedError
 from cadence.server.prompts import Prompt
+from cadence.server.request_stream import RequestStream
 
 
 def new_id(prefix: str, request: Request) -> str:

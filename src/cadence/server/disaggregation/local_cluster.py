@@ -4,8 +4,6 @@ disaggregated flow without processes, for the offline API and for tests."""
 from __future__ import annotations
 
 from cadence.engine.engine_core import EngineCore
-from cadence.engine.kv_transfer.coordinator import Coordinator
-from cadence.engine.kv_transfer.placement import PlacementPolicy
 from cadence.engine.protocol import (
     AbortRequests,
     CancelKVWait,
@@ -17,6 +15,8 @@ from cadence.engine.protocol import (
     Message,
     ReleaseKV,
 )
+from cadence.server.disaggregation.coordinator import Coordinator
+from cadence.server.disaggregation.placement import PlacementPolicy
 
 
 class LocalCluster:

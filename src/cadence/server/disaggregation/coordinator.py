@@ -5,7 +5,7 @@ One request, seen from here:
 1. RESERVING: sent to a decode engine as a "load" request. The engine reserves blocks
    for the prompt, adopting its prefix-cache hits, and parks it (no compute).
 2. The reservation comes back. If the prefix cache had the prompt, or the placement
-   (engine/kv_transfer/placement.py) finds computing it here sooner and harmless, the
+   (server/disaggregation/placement.py) finds computing it here sooner and harmless, the
    decode engine is told to compute the rest itself. Otherwise PREFILLING: a prefill
    engine, the least loaded, gets a "send" request.
 3. The prefill engine reports the prompt's KV computed, in which blocks. LOADING: the
@@ -29,16 +29,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from cadence.engine.kv_transfer.placement import (
-    MIN_LOCAL_CHUNK,
-    DecodeLoad,
-    Placement,
-    PlacementPolicy,
-    local_chunk,
-    local_prompt_rate,
-    place_prompt,
-)
-from cadence.engine.kv_transfer.transfer_stats import TransferStats, engine_rate
 from cadence.engine.protocol import (
     AbortRequests,
     CancelKVWait,
@@ -52,6 +42,16 @@ from cadence.engine.protocol import (
     ReleaseKV,
 )
 from cadence.engine.sampling_params import SamplingParams
+from cadence.server.disaggregation.placement import (
+    MIN_LOCAL_CHUNK,
+    DecodeLoad,
+    Placement,
+    PlacementPolicy,
+    local_chunk,
+    local_prompt_rate,
+    place_prompt,
+)
+from cadence.server.disaggregation.transfer_stats import TransferStats, engine_rate
 
 
 class Phase(enum.Enum):
@@ -97,6 +97,12 @@ class Coordinator:
     # ----- engines -------------------------------------------------------------------
     def add_engine(self, engine_id: str, ready: EngineReady) -> None:
         """Admit an engine (again) after checking its KV layout against the others'."""
+        self.check_engine(engine_id, ready)
+        (self.prefill if ready.kv_role == "prefill" else self.decode)[engine_id] = ready
+        self.draining.discard(engine_id)
+
+    def check_engine(self, engine_id: str, ready: EngineReady) -> None:
+        """ValueError unless the engine can work with the others (its KV layout, its limits)."""
         if ready.kv_role not in ("prefill", "decode"):
             raise ValueError(f"engine {engine_id} has role {ready.kv_role!r}; a router needs prefill or decode engines")
         if ready.kv_layout is None or (ready.kv_role == "prefill" and ready.kv_source is None):
@@ -117,8 +123,6 @@ class Coordinator:
                     f"engine {engine_id} takes max_model_len {ready.max_model_len} and vocab_size "
                     f"{ready.vocab_size}; {other_id} takes {other.max_model_len} and {other.vocab_size}"
                 )
-        (self.prefill if ready.kv_role == "prefill" else self.decode)[engine_id] = ready
-        self.draining.discard(engine_id)
 
     def set_draining(self, engine_id: str, draining: bool) -> None:
         """A draining engine keeps the requests it has and gets no new ones."""

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cadence.engine.kv_transfer.transfer_stats import TransferStats, engine_rate
 from cadence.engine.protocol import EngineStats
+from cadence.server.disaggregation.transfer_stats import TransferStats, engine_rate
 
 PLACEMENTS = ("cost", "remote", "local")
 

@@ -50,8 +50,8 @@ from cadence.engine.protocol import (
     decode,
     encode,
 )
+from cadence.server.disaggregation.topology import LinkTiming
 from cadence.server.engine_process import EngineDeadError
-from cadence.server.topology import LinkTiming
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from cadence.engine.engine_args import EngineArgs
-from cadence.engine.kv_transfer.placement import PlacementPolicy
+from cadence.server.disaggregation.placement import PlacementPolicy
 
 WORKER_ROLES = ("prefill", "decode")
 

@@ -1,13 +1,13 @@
 """A router's handle on one worker's engine on another host (`cadence router`).
 
 The worker is named by its HTTP URL. Its `/worker` route says which port its link
-listens on (server/worker_link.py); the slot opens a session there, gets the engine's
-EngineReady, and from then on drives the engine as an `EngineSlot` drives a local one:
-the client and the coordinator cannot tell the two apart.
+listens on (server/disaggregation/worker_link.py); a `RemoteEngine` opens a session there,
+gets the engine's EngineReady, and from then on drives the engine as a `LocalEngine`
+drives a local one: the client and the coordinator cannot tell the two apart.
 
 A session ends when the worker says its engine died, when it falls silent for longer
 than the link's timeout (a dead host, a partition), or when it refuses the session.
-The slot then reports the engine dead and keeps trying: each try is a new session on a
+The remote engine then reports the engine dead and keeps trying: each try is a new session on a
 new socket, so nothing queued for the old one reaches the new. A worker that answers
 again is re-admitted; the others never notice.
 """
@@ -20,6 +20,7 @@ import json
 import logging
 import urllib.request
 import uuid
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import zmq
@@ -37,10 +38,11 @@ from cadence.engine.protocol import (
     decode,
     encode,
 )
+from cadence.server.disaggregation.topology import LinkTiming
+from cadence.server.disaggregation.worker_link import tcp_address
+from cadence.server.engine_events import DrainingChanged, EngineDied, EngineServing, EventSink, OutputsArrived
+from cadence.server.engine_handle import EngineCounters
 from cadence.server.engine_process import EngineDeadError
-from cadence.server.engine_slot import SlotCounters, SlotListener
-from cadence.server.topology import LinkTiming
-from cadence.server.worker_link import tcp_address
 
 logger = logging.getLogger(__name__)
 
@@ -66,20 +68,35 @@ def fetch_worker_info(url: str, timeout: float) -> dict:
         return json.loads(response.read())
 
 
-class RemoteSlot:
+# Raises ValueError for an engine the router cannot work with (its KV layout, its limits).
+ReadyCheck = Callable[[str, EngineReady], None]
+
+
+def _accept_any(name: str, ready: EngineReady) -> None:
+    pass
+
+
+class RemoteEngine:
     """Drives the engine of the worker at `url`, whose role must be `role`."""
 
     def __init__(
-        self, url: str, role: str, context: zmq.asyncio.Context, listener: SlotListener, timing: LinkTiming
+        self,
+        url: str,
+        role: str,
+        context: zmq.asyncio.Context,
+        events: EventSink,
+        timing: LinkTiming,
+        check_ready: ReadyCheck = _accept_any,
     ) -> None:
         self.name = url
         self.role = role
         self.context = context
-        self.listener = listener
+        self.events = events
         self.timing = timing
+        self.check_ready = check_ready
         self.info: EngineReady | None = None
         self.stats = EngineStats()
-        self.counters = SlotCounters()
+        self.counters = EngineCounters()
         self.dead_reason: str | None = f"{url} has not been reached yet"
         self._admitted = False
         self.draining = False  # the worker is shutting down: it gets no new requests
@@ -97,6 +114,21 @@ class RemoteSlot:
         await asyncio.wait_for(self._ready.wait(), timeout)
         assert self.info is not None
         return self.info
+
+    def fail(self, reason: str) -> None:
+        """The client could not handle what the worker said: end the session as a broken
+        link ends, and open a new one after the usual pause."""
+        if not self._admitted or self._stopping or self._task is None:
+            return
+        session = self._task
+        session.cancel()
+        self._end(reason)
+        self._task = asyncio.create_task(self._run_after(session), name=f"cadence-link-{self.name}")
+
+    async def _run_after(self, session: asyncio.Task[None]) -> None:
+        await asyncio.wait([session])  # its socket closes first
+        await asyncio.sleep(RETRY_DELAY)
+        await self._run()
 
     async def shutdown(self, timeout: float) -> None:
         self._stopping = True
@@ -221,24 +253,24 @@ class RemoteSlot:
         if isinstance(message, LinkHeartbeat) and message.draining != self.draining and self._admitted:
             self.draining = message.draining
             logger.warning("%s is %s", self.name, "draining" if self.draining else "serving again")
-            self.listener.on_draining(self)
+            self.events(DrainingChanged(self, self.draining))
         elif isinstance(message, EngineCoreOutputs) and self._admitted:
             self.stats = message.stats
-            self.listener.on_outputs(self, message)
+            self.events(OutputsArrived(self, message))
         return None
 
     def _admit(self, ready: EngineReady) -> bool:
         self.info = ready
         self.dead_reason = None
         self.draining = False
-        self._admitted = True
         try:
-            self.listener.on_ready(self)
+            self.check_ready(self.name, ready)
         except ValueError as error:  # a layout or limit the other engines do not share
-            self._admitted = False
             self.dead_reason = f"{self.name} was refused: {error}"
             logger.error("%s", self.dead_reason)
             return False
+        self._admitted = True
+        self.events(EngineServing(self))
         logger.info("%s serves as a %s worker (%d KV blocks)", self.name, self.role, ready.num_kv_blocks)
         self._ready.set()
         return True
@@ -253,7 +285,7 @@ class RemoteSlot:
             self.counters.restarts += engine_died
             self.stats = EngineStats()
             logger.error("%s", reason)
-            self.listener.on_dead(self, reason)
+            self.events(EngineDied(self, reason))
         elif self.dead_reason != reason:
             self.dead_reason = reason
             logger.warning("%s", reason)

@@ -1,8 +1,9 @@
-"""One supervised engine process: started, read, watched, and started again when it dies.
+"""One supervised engine process on this host: started, read, watched, and started
+again when it dies.
 
-The engine client owns one slot when it serves colocated, and one per worker when
-prefill and decode are disaggregated. A slot knows nothing of requests: it hands each
-step's outputs, its deaths and its (re)starts to its `SlotListener`.
+The engine supervisor owns one when the server serves colocated, and one per engine
+when prefill and decode engines run beside it. An engine knows nothing of requests: it
+puts each step's outputs, its deaths and its (re)starts on the client's event queue.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.protocol import EngineCoreOutputs, EngineDead, EngineReady, EngineStats, Message
+from cadence.server.engine_events import EngineDied, EngineGaveUp, EngineServing, EventSink, OutputsArrived
+from cadence.server.engine_handle import EngineCounters
 from cadence.server.engine_process import EngineDeadError, EngineProcess
 
 logger = logging.getLogger(__name__)
@@ -40,63 +42,7 @@ class RestartPolicy:
         return min(self.max_delay, self.first_delay * 2 ** (failures - 1))
 
 
-class Slot(Protocol):
-    """What the engine client needs of an engine: a local process (`EngineSlot`), or a
-    worker's engine on another host (server/remote_slot.py)."""
-
-    name: str
-    role: str  # "colocated", "prefill" or "decode"
-    info: EngineReady | None
-    stats: EngineStats
-    counters: SlotCounters
-    dead_reason: str | None
-    draining: bool  # finishing what it has before it stops: give it nothing new
-
-    @property
-    def is_healthy(self) -> bool: ...
-
-    @property
-    def is_restarting(self) -> bool: ...
-
-    @property
-    def retry_after(self) -> int: ...
-
-    @property
-    def unavailable_reason(self) -> str: ...
-
-    def spawn(self) -> None: ...
-
-    async def wait_ready(self, timeout: float) -> EngineReady: ...
-
-    async def shutdown(self, timeout: float) -> None: ...
-
-    def send(self, message: Message) -> None: ...
-
-
-class SlotListener(Protocol):
-    """What a slot tells its owner."""
-
-    def on_outputs(self, slot: Slot, message: EngineCoreOutputs) -> None: ...
-
-    def on_dead(self, slot: Slot, reason: str) -> None: ...
-
-    def on_ready(self, slot: Slot) -> None: ...
-
-    def on_gave_up(self, slot: Slot, reason: str) -> None: ...
-
-    def on_draining(self, slot: Slot) -> None: ...
-
-
-@dataclass
-class SlotCounters:
-    """Totals that outlive the slot's engine processes."""
-
-    restarts: int = 0
-    steps_before: int = 0
-    preemptions_before: int = 0
-
-
-class EngineSlot:
+class LocalEngine:
     """Runs one engine process at a time under `name`, restarting it by `policy`."""
 
     def __init__(
@@ -106,7 +52,7 @@ class EngineSlot:
         address_prefix: str,
         contexts: tuple[zmq.Context, zmq.asyncio.Context],
         policy: RestartPolicy,
-        listener: SlotListener,
+        events: EventSink,
         cpus: list[int] | None = None,
     ) -> None:
         self.name = name
@@ -116,11 +62,11 @@ class EngineSlot:
         self.address_prefix = f"{address_prefix}-{name}"
         self.contexts = contexts
         self.policy = policy
-        self.listener = listener
+        self.events = events
         self.cpus = cpus
         self.info: EngineReady | None = None
         self.stats = EngineStats()
-        self.counters = SlotCounters()
+        self.counters = EngineCounters()
         self.dead_reason: str | None = None
         self.engine: EngineProcess | None = None
         self.start_timeout = 600.0
@@ -213,7 +159,7 @@ class EngineSlot:
                 reason = f"{self.name} failed {policy.max_failures} starts in a row; last: {self.dead_reason}"
                 self.dead_reason = reason
                 logger.error("%s; giving up", reason)
-                self.listener.on_gave_up(self, reason)
+                self.events(EngineGaveUp(self, reason))
                 return
             delay = policy.delay(self._failures)
             self._next_start_at = loop.time() + delay
@@ -231,7 +177,7 @@ class EngineSlot:
             self.counters.restarts += 1
             self._attach(self.engine)
             logger.warning("%s is serving again (restart %d)", self.name, self.counters.restarts)
-            self.listener.on_ready(self)
+            self.events(EngineServing(self))
             return
 
     # ----- outputs and death ---------------------------------------------------------
@@ -241,15 +187,15 @@ class EngineSlot:
                 message = await engine.recv()
                 if isinstance(message, EngineCoreOutputs):
                     self.stats = message.stats
-                    self.listener.on_outputs(self, message)
+                    self.events(OutputsArrived(self, message))
                 elif isinstance(message, EngineDead):
                     self._die(message.message)
                     return
         except asyncio.CancelledError:
             raise
         except Exception as error:  # without this task nothing is served
-            logger.exception("processing %s's outputs failed", self.name)
-            self._die(f"processing {self.name}'s outputs failed: {error!r}")
+            logger.exception("reading %s's outputs failed", self.name)
+            self._die(f"reading {self.name}'s outputs failed: {error!r}")
 
     def _on_process_exit(self, engine: EngineProcess) -> None:
         asyncio.get_running_loop().remove_reader(engine.sentinel)
@@ -257,19 +203,23 @@ class EngineSlot:
             engine.process.join(1.0)  # its sentinel says it ended: this reaps it, for the exit code
             self._die(f"the {self.name} process exited unexpectedly (exit code {engine.process.exitcode})")
 
+    def fail(self, reason: str) -> None:
+        """The client could not handle this engine's outputs: end it as if it died."""
+        self._die(reason)
+
     def _die(self, reason: str) -> None:
-        """Tell the listener, show the engine idle, and start it again if allowed."""
+        """Report the death, show the engine idle, and start it again if allowed."""
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
         logger.error("%s", reason)
-        # What the dead engine left queued belongs to requests the listener fails: stop reading.
+        # What the dead engine left queued belongs to requests the client fails: stop reading.
         if self._output_task is not None and self._output_task is not asyncio.current_task():
             self._output_task.cancel()
         self._output_task = None
         self.counters.steps_before += self.stats.num_steps
         self.counters.preemptions_before += self.stats.num_preemptions
         self.stats = EngineStats()
-        self.listener.on_dead(self, reason)
+        self.events(EngineDied(self, reason))
         if self.policy.enabled and not self._stopping and not self.is_restarting:
             self._restart_task = asyncio.create_task(self._restart(), name=f"cadence-{self.name}-restart")

@@ -7,8 +7,8 @@ import argparse
 import ipaddress
 import socket
 
-from cadence.engine.kv_transfer.placement import PLACEMENTS, PlacementPolicy
-from cadence.server.topology import LinkTiming, Topology, WorkerList
+from cadence.server.disaggregation.placement import PLACEMENTS, PlacementPolicy
+from cadence.server.disaggregation.topology import LinkTiming, Topology, WorkerList
 
 _WILDCARDS = ("0.0.0.0", "::", "")
 
