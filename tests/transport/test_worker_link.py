@@ -93,7 +93,7 @@ async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
 
 def run(
     scenario: Callable[[zmq.asyncio.Context, WorkerLink, list[Message]], Awaitable[None]],
-    monkeypatch,
+    monkeypatch: pytest.MonkeyPatch,
     timing: LinkTiming = FAST,
 ) -> None:
     """Run a scenario against a worker link whose engine records what reaches it."""
@@ -122,8 +122,8 @@ async def connected(context: zmq.asyncio.Context, listener: Listener, timing: Li
     return slot
 
 
-def test_each_router_hears_and_steers_only_its_own_requests(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_each_router_hears_and_steers_only_its_own_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         first, second = Listener(), Listener()
         a, b = await connected(context, first), await connected(context, second)
         a.send(request("a1"))
@@ -161,8 +161,8 @@ def test_each_router_hears_and_steers_only_its_own_requests(monkeypatch) -> None
     run(scenario, monkeypatch)
 
 
-def test_goodbye_aborts_the_unfinished_requests_of_that_session_only(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_goodbye_aborts_the_unfinished_requests_of_that_session_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         mine, other = Listener(), Listener()
         a, b = await connected(context, mine, PATIENT), await connected(context, other, PATIENT)
         for request_id in ("done", "pair", "open", "held", "stopped"):
@@ -190,8 +190,8 @@ def test_goodbye_aborts_the_unfinished_requests_of_that_session_only(monkeypatch
     run(scenario, monkeypatch, PATIENT)
 
 
-def test_a_router_whose_connection_drops_is_dropped_at_once(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_a_router_whose_connection_drops_is_dropped_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         raw = context.socket(zmq.DEALER)
         raw.connect(link.address)
         await raw.send_multipart([b"two", b"frames"])  # not a message: dropped, the link goes on
@@ -206,8 +206,8 @@ def test_a_router_whose_connection_drops_is_dropped_at_once(monkeypatch) -> None
     run(scenario, monkeypatch, PATIENT)
 
 
-def test_a_draining_worker_is_told_apart_and_waited_for(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_a_draining_worker_is_told_apart_and_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         listener = Listener()
         slot = await connected(context, listener)
         slot.send(request("last"))
@@ -230,12 +230,12 @@ def test_a_draining_worker_is_told_apart_and_waited_for(monkeypatch) -> None:
     run(scenario, monkeypatch)
 
 
-def test_a_failing_listener_ends_the_session_instead_of_hanging_it(monkeypatch) -> None:
+def test_a_failing_listener_ends_the_session_instead_of_hanging_it(monkeypatch: pytest.MonkeyPatch) -> None:
     class Broken(Listener):
         def on_outputs(self, slot: object, message: EngineCoreOutputs) -> None:
             raise RuntimeError("a bug in the router")
 
-    async def scenario(context, link, engine) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         listener = Broken()
         slot = await connected(context, listener)
         link.on_outputs(EngineCoreOutputs([], EngineStats()))
@@ -247,8 +247,8 @@ def test_a_failing_listener_ends_the_session_instead_of_hanging_it(monkeypatch) 
     run(scenario, monkeypatch)
 
 
-def test_a_silent_router_is_dropped_and_its_requests_aborted(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_a_silent_router_is_dropped_and_its_requests_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         raw = context.socket(zmq.DEALER)
         raw.connect(link.address)
         # Before the hello: the link can have heard from this router no earlier than this.
@@ -265,8 +265,8 @@ def test_a_silent_router_is_dropped_and_its_requests_aborted(monkeypatch) -> Non
     run(scenario, monkeypatch)
 
 
-def test_messages_of_unknown_sessions_never_reach_the_engine(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_messages_of_unknown_sessions_never_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         raw = context.socket(zmq.DEALER)
         raw.connect(link.address)
         await raw.send(b"\xc1 not msgpack")
@@ -278,14 +278,14 @@ def test_messages_of_unknown_sessions_never_reach_the_engine(monkeypatch) -> Non
         await raw.send(encode(EngineReady(1, 1, 1, "cpu", "float32", 1)))  # not a router's to send
         await raw.send(encode(request("fresh")))
         await eventually(lambda: len(engine) == 1)
-        assert [m.request_id for m in engine] == ["fresh"]
+        assert [m.request_id for m in engine] == ["fresh"]  # type: ignore[union-attr]
         raw.close(linger=0)
 
     run(scenario, monkeypatch)
 
 
-def test_engine_death_ends_sessions_and_a_new_engine_is_taken_up(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_engine_death_ends_sessions_and_a_new_engine_is_taken_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         listener = Listener()
         slot = await connected(context, listener)
         slot.send(request("r1"))
@@ -305,8 +305,8 @@ def test_engine_death_ends_sessions_and_a_new_engine_is_taken_up(monkeypatch) ->
     run(scenario, monkeypatch)
 
 
-def test_a_worker_that_goes_away_is_noticed_before_the_timeout(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_a_worker_that_goes_away_is_noticed_before_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         listener = Listener()
         slot = RemoteSlot("http://127.0.0.1:1", "decode", context, listener, PATIENT)
         slot.spawn()
@@ -320,8 +320,8 @@ def test_a_worker_that_goes_away_is_noticed_before_the_timeout(monkeypatch) -> N
     run(scenario, monkeypatch)
 
 
-def test_a_worker_of_the_wrong_role_is_never_admitted(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_a_worker_of_the_wrong_role_is_never_admitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         listener = Listener()
         slot = RemoteSlot("http://127.0.0.1:1", "prefill", context, listener, FAST)
         slot.spawn()

@@ -4,12 +4,13 @@ them (a prompt kept local counts in its decode engine's queue until its first to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
 
 from cadence.engine.kv_transfer.coordinator import Coordinator, Phase
-from cadence.engine.kv_transfer.placement import DecodeLoad, PlacementPolicy, place_prompt
+from cadence.engine.kv_transfer.placement import DecodeLoad, Placement, PlacementPolicy, place_prompt
 from cadence.engine.kv_transfer.transfer_stats import TransferStats
 from cadence.engine.protocol import (
     CancelKVWait,
@@ -37,7 +38,14 @@ def transfer(seconds_per_byte: float) -> TransferStats:
     return stats
 
 
-def place(uncached: int, decode: DecodeLoad, queues=(0,), stats=MEASURED, moved=None, policy=COST):
+def place(
+    uncached: int,
+    decode: DecodeLoad,
+    queues: Sequence[int] = (0,),
+    stats: Sequence[EngineStats] = MEASURED,
+    moved: TransferStats | None = None,
+    policy: PlacementPolicy = COST,
+) -> Placement:
     return place_prompt(policy, uncached, decode, list(queues), list(stats), moved or transfer(0.0), 1000)
 
 
