@@ -141,7 +141,7 @@ def _needs_kernel(kernel: str) -> pytest.MarkDecorator:
     ],
 )
 def test_greedy_request_is_the_same_in_any_batch(
-    tiny_model_dir, kind: str, quantization: str | None, cpu_kernels: str
+    tiny_model_dir: Callable[[str], str], kind: str, quantization: str | None, cpu_kernels: str
 ) -> None:
     path = tiny_model_dir(kind)
     options = {**ENGINE, "quantization": quantization, "cpu_kernels": cpu_kernels}
@@ -161,7 +161,11 @@ def test_greedy_request_is_the_same_in_any_batch(
     [("llama", None, "dense"), ("tied", None, "dense"), ("llama", "int8", "dense")],
 )
 def test_cpu_engine_measures_its_invariant_shapes_at_start(
-    tiny_model_dir, monkeypatch, kind: str, quantization: str | None, cpu_kernels: str
+    tiny_model_dir: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    quantization: str | None,
+    cpu_kernels: str,
 ) -> None:
     """What the invariant paths check on first use (each weight's GEMM tiles, the attention
     padding: which sizes give every row the same bits) is checked while the engine starts,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 
-def test_cpu_paths_never_import_triton(tiny_model_dir) -> None:
+def test_cpu_paths_never_import_triton(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("llama")
     script = textwrap.dedent(
         f"""

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +21,7 @@ from cadence import LLM, SamplingParams
 from cadence.engine.attention.backend import AttentionSpec
 from cadence.engine.attention.triton_backend import TritonAttentionBackend, split_ladder
 from cadence.engine.cuda_graphs import CAPTURE_BATCH_SIZES, DecodeGraphs
+from cadence.engine.input_batch import StepInputs
 from tests.support.helpers import hf_greedy
 
 # Three sequences pad to a batch of 4; the lengths differ so the rows' contexts differ.
@@ -34,7 +38,7 @@ def count_runs(graphs: DecodeGraphs) -> list[int]:
     sizes: list[int] = []
     run = graphs.run
 
-    def counted(step, block_table):
+    def counted(step: StepInputs, block_table: np.ndarray) -> torch.Tensor:
         sizes.append(step.num_seqs)
         return run(step, block_table)
 
@@ -42,7 +46,7 @@ def count_runs(graphs: DecodeGraphs) -> list[int]:
     return sizes
 
 
-def test_padded_static_inputs_give_the_eager_tokens(tiny_model_dir) -> None:
+def test_padded_static_inputs_give_the_eager_tokens(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("llama")
     expected = hf_greedy(path, PROMPTS, MAX_TOKENS)
     llm = LLM(
@@ -96,7 +100,9 @@ def test_the_backend_picks_the_largest_captured_split_not_above_its_choice() -> 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_replayed_graphs_match_eager_on_gpu(tiny_model_dir, tmp_path, kv_cache_dtype: str) -> None:
+def test_replayed_graphs_match_eager_on_gpu(
+    tiny_model_dir: Callable[[str], str], tmp_path: Path, kv_cache_dtype: str
+) -> None:
     # The tiny llama with room for a context long enough to split (its RoPE table grows).
     path = str(tmp_path / "llama")
     shutil.copytree(tiny_model_dir("llama"), path)
@@ -135,7 +141,7 @@ def test_replayed_graphs_match_eager_on_gpu(tiny_model_dir, tmp_path, kv_cache_d
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_model_replays_match_eager_on_gpu(tmp_path, quantization: str) -> None:
+def test_quantized_model_replays_match_eager_on_gpu(tmp_path: Path, quantization: str) -> None:
     """The decode GEMVs (with their split-K tickets) inside replayed graphs: a model wide
     enough for the int4 GEMV's 128-wide K tiles, in fp16."""
     path = write_wide_llama(tmp_path / "wide")
@@ -149,7 +155,7 @@ def test_quantized_model_replays_match_eager_on_gpu(tmp_path, quantization: str)
     assert sizes == [3] * (MAX_TOKENS - 1)
 
 
-def write_wide_llama(path) -> str:
+def write_wide_llama(path: Path) -> str:
     """A seeded random Llama with hidden 128 and intermediate 256, plus the tiny tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -67,7 +67,7 @@ def collect(step: Callable[[], list], tokens: Tokens, logprobs: Logprobs) -> Non
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
+def model(tiny_model_dir: Callable[[str], str]) -> str:
     return tiny_model_dir("llama")
 
 
@@ -94,7 +94,9 @@ def assert_idle(cluster: LocalCluster, cores: list[EngineCore]) -> None:
         assert scheduler.kv_cache.pool.num_free_blocks == core.num_kv_blocks
 
 
-def run(cluster: LocalCluster, requests: list[EngineCoreRequest], hook: Callable[[int], None] | None = None):
+def run(
+    cluster: LocalCluster, requests: list[EngineCoreRequest], hook: Callable[[int], None] | None = None
+) -> tuple[Tokens, Logprobs]:
     for request in requests:
         cluster.add_request(request)
     tokens: Tokens = {}
@@ -124,7 +126,9 @@ def drain(cluster: LocalCluster, seconds: float = 5.0) -> None:
 
 
 @pytest.mark.parametrize("num_decode", [1, 2])
-def test_disaggregated_greedy_matches_colocated(model: str, reference, num_decode: int) -> None:
+def test_disaggregated_greedy_matches_colocated(
+    model: str, reference: tuple[Tokens, Logprobs], num_decode: int
+) -> None:
     prefill = [engine(model, "prefill")]
     decode = [engine(model, "decode") for _ in range(num_decode)]
     cluster = LocalCluster(prefill, decode)
@@ -233,7 +237,9 @@ def test_a_decode_engine_waits_on_when_told_its_prompt_is_being_computed(model: 
 
 
 @pytest.mark.parametrize("mode", ["broken", "hang"])
-def test_broken_and_stuck_transfers_recompute_the_rest(model: str, reference, mode: str) -> None:
+def test_broken_and_stuck_transfers_recompute_the_rest(
+    model: str, reference: tuple[Tokens, Logprobs], mode: str
+) -> None:
     prefill = engine(model, "prefill")
     # Stuck loads end by the wait deadline: long enough for prompts to be computed on a busy
     # machine, short enough for a test.
@@ -252,7 +258,7 @@ def test_broken_and_stuck_transfers_recompute_the_rest(model: str, reference, mo
 
 
 @pytest.mark.parametrize("fault", ["duplicate", "delay", "drop"])
-def test_lost_duplicated_and_late_messages(model: str, reference, fault: str) -> None:
+def test_lost_duplicated_and_late_messages(model: str, reference: tuple[Tokens, Logprobs], fault: str) -> None:
     # Lost messages end by these deadlines: long enough for every prompt to be computed on a
     # busy machine, so that only lost messages end by them.
     prefill = engine(model, "prefill", kv_hold_timeout=6.0)
@@ -293,7 +299,7 @@ def test_lost_duplicated_and_late_messages(model: str, reference, fault: str) ->
 
 
 @pytest.mark.parametrize("num_prefill", [1, 2])
-def test_prefill_engine_dies_mid_flight(model: str, reference, num_prefill: int) -> None:
+def test_prefill_engine_dies_mid_flight(model: str, reference: tuple[Tokens, Logprobs], num_prefill: int) -> None:
     prefills = [engine(model, "prefill") for _ in range(num_prefill)]
     decode = engine(model, "decode")
     cluster = LocalCluster(prefills, [decode])
@@ -312,7 +318,7 @@ def test_prefill_engine_dies_mid_flight(model: str, reference, num_prefill: int)
     assert_idle(cluster, prefills[1:] + [decode])
 
 
-def test_decode_engine_dies_and_its_requests_are_reported_lost(model: str, reference) -> None:
+def test_decode_engine_dies_and_its_requests_are_reported_lost(model: str, reference: tuple[Tokens, Logprobs]) -> None:
     prefill = engine(model, "prefill")
     decodes = [engine(model, "decode"), engine(model, "decode")]
     cluster = LocalCluster([prefill], decodes)
@@ -330,7 +336,7 @@ def test_decode_engine_dies_and_its_requests_are_reported_lost(model: str, refer
     assert_idle(cluster, [prefill, decodes[0]])
 
 
-def test_client_aborts_in_every_phase_free_both_sides(model: str, reference) -> None:
+def test_client_aborts_in_every_phase_free_both_sides(model: str, reference: tuple[Tokens, Logprobs]) -> None:
     prefill = engine(model, "prefill")
     decode = engine(model, "decode")
     # Loads take a step, so that a client can go away while one runs.
@@ -355,7 +361,7 @@ def test_client_aborts_in_every_phase_free_both_sides(model: str, reference) -> 
     assert_idle(cluster, [prefill, decode])
 
 
-def test_decode_engine_short_of_blocks_still_serves_everything(model: str, reference) -> None:
+def test_decode_engine_short_of_blocks_still_serves_everything(model: str, reference: tuple[Tokens, Logprobs]) -> None:
     prefill = engine(model, "prefill")
     decode = engine(model, "decode", num_gpu_blocks=70)  # a few long prompts at a time
     cluster = LocalCluster([prefill], [decode])

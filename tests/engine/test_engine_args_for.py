@@ -4,6 +4,9 @@ model and options through it, so a .gguf file gives the same greedy tokens eithe
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -23,26 +26,26 @@ SHARED_FLAGS = {"dtype": "float32", "max_model_len": 64, "num_gpu_blocks": 64}
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> str:
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny llama written as llama.cpp writes a GGUF: layer 0 in F32, the rest in Q8_0."""
     return write_tiny_gguf_in(tmp_path_factory.mktemp("front-door"), build_tiny_model("llama"), "tiny.gguf")
 
 
 @pytest.fixture()
-def cache_home(tmp_path, monkeypatch) -> str:
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A HOME of its own, so conversions land in a temporary ~/.cache/cadence."""
     monkeypatch.setenv("HOME", str(tmp_path))
     return str(tmp_path)
 
 
-def test_unknown_option_is_refused_by_name(tiny_model_dir, tmp_path) -> None:
+def test_unknown_option_is_refused_by_name(tiny_model_dir: Callable[[str], str], tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"unknown engine option 'max_num_seq' \(did you mean 'max_num_seqs'\?\)"):
         LLM(tiny_model_dir("llama"), max_num_seq=4)
     with pytest.raises(TypeError, match="unknown engine options 'model_path', 'trust_remote_code'"):
         engine_args_for(tiny_model_dir("llama"), trust_remote_code=True, model_path="x")
 
 
-def test_options_are_checked_before_any_conversion(tmp_path, monkeypatch) -> None:
+def test_options_are_checked_before_any_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_conversion(*args: object) -> None:
         raise AssertionError("converted before the options were checked")
 
@@ -56,7 +59,9 @@ def test_options_are_checked_before_any_conversion(tmp_path, monkeypatch) -> Non
         engine_args_for(missing, quantization="int2")
 
 
-def test_default_quantization_follows_the_model(tiny_model_dir, tiny_gguf, cache_home) -> None:
+def test_default_quantization_follows_the_model(
+    tiny_model_dir: Callable[[str], str], tiny_gguf: str, cache_home: str
+) -> None:
     folder = tiny_model_dir("llama")
     assert engine_args_for(folder) == EngineArgs(model=folder)
     assert engine_args_for(folder, quantization="int8").quantization == "int8"
@@ -87,7 +92,9 @@ def test_default_quantization_follows_the_model(tiny_model_dir, tiny_gguf, cache
         (["--long-prefill-token-threshold", "64"], {"long_prefill_token_threshold": 64}),
     ],
 )
-def test_serve_flags_and_llm_options_give_the_same_engine_args(tiny_model_dir, flags, options) -> None:
+def test_serve_flags_and_llm_options_give_the_same_engine_args(
+    tiny_model_dir: Callable[[str], str], flags: list[str], options: dict[str, Any]
+) -> None:
     folder = tiny_model_dir("llama")
     from_cli = engine_args_from(build_parser().parse_args(["serve", folder, *flags]))
     assert from_cli == engine_args_for(folder, **options)
@@ -100,7 +107,9 @@ def test_a_negative_long_prefill_threshold_is_refused() -> None:
         EngineArgs(model="m", long_prefill_token_threshold=-1)
 
 
-def test_llm_on_a_gguf_gives_the_servers_greedy_tokens(tiny_gguf, cache_home, monkeypatch) -> None:
+def test_llm_on_a_gguf_gives_the_servers_greedy_tokens(
+    tiny_gguf: str, cache_home: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # One CPU kernel table for both (the session's, which ServerProcess hands the server),
     # saved by the first however busy the machine is, as two starts on one machine share
     # ~/.cache/cadence's: starts that measured apart could choose differently at a near

@@ -7,6 +7,8 @@ must not change a single token. Logprobs must match HF's log_softmax in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -14,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from cadence import SamplingParams
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.engine_core import EngineCore
+from cadence.engine.outputs import RequestOutput
 from cadence.engine.protocol import EngineCoreRequest
 from tests.support.helpers import greedy, hf_greedy, make_llm
 
@@ -34,27 +37,29 @@ LOGIT_RELATIVE_TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module", params=KINDS)
-def model_and_reference(request, tiny_model_dir):
+def model_and_reference(
+    request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], str]
+) -> tuple[str, list[list[int]]]:
     path = tiny_model_dir(request.param)
     return path, hf_greedy(path, PROMPTS, MAX_TOKENS)
 
 
-def tokens(outputs) -> list[list[int]]:
+def tokens(outputs: list[RequestOutput]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_greedy_batch_matches_transformers(model_and_reference) -> None:
+def test_greedy_batch_matches_transformers(model_and_reference: tuple[str, list[list[int]]]) -> None:
     path, expected = model_and_reference
     assert tokens(make_llm(path).generate(PROMPTS, greedy(MAX_TOKENS))) == expected
 
 
-def test_chunked_prefill_gives_same_tokens(model_and_reference) -> None:
+def test_chunked_prefill_gives_same_tokens(model_and_reference: tuple[str, list[list[int]]]) -> None:
     path, expected = model_and_reference
     llm = make_llm(path, max_num_batched_tokens=6)
     assert tokens(llm.generate(PROMPTS, greedy(MAX_TOKENS))) == expected
 
 
-def test_prefix_cache_hit_gives_same_tokens(model_and_reference) -> None:
+def test_prefix_cache_hit_gives_same_tokens(model_and_reference: tuple[str, list[list[int]]]) -> None:
     path, expected = model_and_reference
     llm = make_llm(path)
     llm.generate(PROMPTS, greedy(MAX_TOKENS))
@@ -63,7 +68,7 @@ def test_prefix_cache_hit_gives_same_tokens(model_and_reference) -> None:
     assert again[1].num_cached_tokens == 16  # 17-token prompt: four full blocks reused
 
 
-def test_preemption_with_recompute_gives_same_tokens(model_and_reference) -> None:
+def test_preemption_with_recompute_gives_same_tokens(model_and_reference: tuple[str, list[list[int]]]) -> None:
     path, expected = model_and_reference
     # 12 blocks of 4 tokens hold only a few of the sequences at once.
     llm = make_llm(path, num_gpu_blocks=12, max_model_len=48, enable_prefix_caching=False)
@@ -71,7 +76,7 @@ def test_preemption_with_recompute_gives_same_tokens(model_and_reference) -> Non
     assert llm.engine.stats().num_preemptions > 0
 
 
-def test_continuous_arrival_gives_same_tokens(model_and_reference) -> None:
+def test_continuous_arrival_gives_same_tokens(model_and_reference: tuple[str, list[list[int]]]) -> None:
     path, expected = model_and_reference
     engine = EngineCore(EngineArgs(path, dtype="float32", block_size=4, max_model_len=128, num_gpu_blocks=256))
     produced: dict[str, list[int]] = {}
@@ -87,14 +92,14 @@ def test_continuous_arrival_gives_same_tokens(model_and_reference) -> None:
     assert engine.scheduler.kv_cache.usage == 0.0
 
 
-def test_n_greater_than_one_shares_the_prompt(model_and_reference) -> None:
+def test_n_greater_than_one_shares_the_prompt(model_and_reference: tuple[str, list[list[int]]]) -> None:
     path, expected = model_and_reference
     out = make_llm(path).generate(PROMPTS[1], greedy(MAX_TOKENS, n=3))[0]
     assert [c.token_ids for c in out.outputs] == [expected[1]] * 3
     assert [c.index for c in out.outputs] == [0, 1, 2]
 
 
-def test_logprobs_match_transformers(model_and_reference) -> None:
+def test_logprobs_match_transformers(model_and_reference: tuple[str, list[list[int]]]) -> None:
     path, _ = model_and_reference
     prompt = PROMPTS[4]
     out = make_llm(path, max_num_batched_tokens=8).generate(prompt, greedy(4, logprobs=5, prompt_logprobs=3))[0]
@@ -119,7 +124,7 @@ def test_logprobs_match_transformers(model_and_reference) -> None:
         assert len(entry) == 5
 
 
-def test_seeded_sampling_is_reproducible_across_batch_mixes(tiny_model_dir) -> None:
+def test_seeded_sampling_is_reproducible_across_batch_mixes(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("llama")
     llm = make_llm(path)
     seeded = SamplingParams(max_tokens=10, temperature=8.0, top_p=0.9, seed=1234, ignore_eos=True)
@@ -133,7 +138,7 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(tiny_model_dir) -> N
     assert other_seed[0].outputs[0].token_ids != alone
 
 
-def test_stop_strings_and_eos(tiny_model_dir) -> None:
+def test_stop_strings_and_eos(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("llama")
     llm = make_llm(path)
     plain = llm.generate("Paris is the capital", greedy(16))[0].outputs[0]
@@ -148,7 +153,7 @@ def test_stop_strings_and_eos(tiny_model_dir) -> None:
     assert llm.engine.scheduler.kv_cache.usage == 0.0
 
 
-def test_bad_input_raises_and_engine_stays_usable(tiny_model_dir) -> None:
+def test_bad_input_raises_and_engine_stays_usable(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("llama")
     llm = make_llm(path, max_model_len=32)
     with pytest.raises(ValueError, match="max_model_len"):

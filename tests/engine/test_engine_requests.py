@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -16,11 +19,11 @@ PROMPT = [11, 42, 7, 99, 23, 5, 64]
 MAX_TOKENS = 10
 
 
-def make_engine(path: str, **kw) -> EngineCore:
+def make_engine(path: str, **kw: Any) -> EngineCore:
     return EngineCore(EngineArgs(path, **{**TINY_ENGINE, **kw}))
 
 
-def test_abort_mid_flight_frees_blocks_and_spares_the_rest(tiny_model_dir) -> None:
+def test_abort_mid_flight_frees_blocks_and_spares_the_rest(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("llama")
     engine = make_engine(path)
     engine.add_request(EngineCoreRequest("keep", PROMPT, greedy(MAX_TOKENS)))
@@ -46,7 +49,7 @@ def test_abort_mid_flight_frees_blocks_and_spares_the_rest(tiny_model_dir) -> No
     assert engine.stats().num_running == engine.stats().num_waiting == 0
 
 
-def test_min_tokens_holds_stop_tokens_back(tiny_model_dir) -> None:
+def test_min_tokens_holds_stop_tokens_back(tiny_model_dir: Callable[[str], str]) -> None:
     llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64)
     plain = llm.generate(PROMPT, greedy(MAX_TOKENS))[0].outputs[0].token_ids
     stop_id = plain[0]
@@ -58,7 +61,7 @@ def test_min_tokens_holds_stop_tokens_back(tiny_model_dir) -> None:
     assert (tokens[-1] == stop_id) == (held[0].outputs[0].finish_reason == "stop")
 
 
-def test_repetition_penalty_matches_transformers(tiny_model_dir) -> None:
+def test_repetition_penalty_matches_transformers(tiny_model_dir: Callable[[str], str]) -> None:
     # Below 1 the penalty favours seen tokens, which visibly changes this model's greedy
     # path (it never repeats on its own, so a penalty above 1 would change nothing).
     penalty = 0.7
@@ -78,7 +81,7 @@ def test_repetition_penalty_matches_transformers(tiny_model_dir) -> None:
     assert ours[0].outputs[0].token_ids == expected
 
 
-def test_kv_cache_is_sized_from_memory(tiny_model_dir) -> None:
+def test_kv_cache_is_sized_from_memory(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("llama")  # 3 layers, 2 KV heads of 16 dims, float32
     bytes_per_block = 2 * 4 * 2 * 16 * 4 * 3
     engine = make_engine(path, num_gpu_blocks=None, kv_cache_memory=100 * bytes_per_block + 7)
@@ -90,7 +93,7 @@ def test_kv_cache_is_sized_from_memory(tiny_model_dir) -> None:
         make_engine(path, num_gpu_blocks=None, kv_cache_memory=3 * bytes_per_block)
 
 
-def test_prompt_logprobs_survive_preemption_once_each(tiny_model_dir) -> None:
+def test_prompt_logprobs_survive_preemption_once_each(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("llama")
     prompts = [[(7 * i + j) % 500 + 3 for j in range(13 + 5 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
@@ -107,7 +110,7 @@ def test_prompt_logprobs_survive_preemption_once_each(tiny_model_dir) -> None:
                 assert logprob.logprob == pytest.approx(expected[token_id].logprob, abs=1e-4)
 
 
-def test_stop_strings_wait_for_min_tokens_and_stop_tokens_leave_no_text(tiny_model_dir) -> None:
+def test_stop_strings_wait_for_min_tokens_and_stop_tokens_leave_no_text(tiny_model_dir: Callable[[str], str]) -> None:
     llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64)
     prompt = "Paris is the capital"
     plain = llm.generate(prompt, greedy(max_tokens=12))[0].outputs[0]
@@ -125,7 +128,7 @@ def test_stop_strings_wait_for_min_tokens_and_stop_tokens_leave_no_text(tiny_mod
     assert out.text == tokenizer.decode(plain.token_ids[:3]).rstrip("\ufffd")
 
 
-def test_request_ids_cannot_collide_with_sequence_names(tiny_model_dir) -> None:
+def test_request_ids_cannot_collide_with_sequence_names(tiny_model_dir: Callable[[str], str]) -> None:
     engine = make_engine(tiny_model_dir("llama"))
     engine.add_request(EngineCoreRequest("x", PROMPT, greedy(n=2, max_tokens=4)))
     with pytest.raises(ValueError, match="already in use"):
@@ -141,7 +144,7 @@ def test_request_ids_cannot_collide_with_sequence_names(tiny_model_dir) -> None:
     assert finished == {0, 1} and len(indices[0]) == len(indices[1]) == 4
 
 
-def test_prompts_in_every_accepted_form_give_the_same_tokens(tiny_model_dir) -> None:
+def test_prompts_in_every_accepted_form_give_the_same_tokens(tiny_model_dir: Callable[[str], str]) -> None:
     llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64)
     text = "Paris is the capital"
     ids = llm.get_tokenizer().encode(text)
@@ -154,7 +157,7 @@ def test_prompts_in_every_accepted_form_give_the_same_tokens(tiny_model_dir) -> 
         llm.generate({"text": text}, greedy(MAX_TOKENS))
 
 
-def test_extreme_sampling_values_never_crash_the_engine(tiny_model_dir) -> None:
+def test_extreme_sampling_values_never_crash_the_engine(tiny_model_dir: Callable[[str], str]) -> None:
     """Values the server lets through must sample something, never raise inside a step."""
     engine = make_engine(tiny_model_dir("llama"))
     extremes = {
@@ -184,7 +187,7 @@ def test_extreme_sampling_values_never_crash_the_engine(tiny_model_dir) -> None:
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
-def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_model_dir) -> None:
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_model_dir: Callable[[str], str]) -> None:
     engine = make_engine(tiny_model_dir("llama"))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request(EngineCoreRequest("bad", PROMPT, SamplingParams(stop_token_ids=[512], min_tokens=1)))
@@ -193,7 +196,7 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_model_dir) -> No
     assert not engine.has_unfinished_requests()
 
 
-def test_stats_count_the_steps_that_computed_prompt_chunks(tiny_model_dir) -> None:
+def test_stats_count_the_steps_that_computed_prompt_chunks(tiny_model_dir: Callable[[str], str]) -> None:
     """A router sizes local prompt chunks from these: steps in which a sequence computed
     more than one token, their seconds, and the tokens beyond one per sequence."""
     engine = make_engine(tiny_model_dir("llama"))

@@ -67,7 +67,9 @@ def _stats(llm: LLM) -> ExpertStats:
 @pytest.mark.parametrize("kind", MOE_KINDS)
 @pytest.mark.parametrize("mode", ["host", "disk"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_offloaded_tokens_match_resident(kind: str, mode: str, stream: bool, tiny_model_dir) -> None:
+def test_offloaded_tokens_match_resident(
+    kind: str, mode: str, stream: bool, tiny_model_dir: Callable[[str], str]
+) -> None:
     """One slot per layer (fewer than any step's experts): every step runs in waves
     through the cache (the CPU default) or streams its misses through the two buffers,
     and the tokens are still the resident model's."""
@@ -87,7 +89,7 @@ def test_offloaded_tokens_match_resident(kind: str, mode: str, stream: bool, tin
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("mode", ["host", "disk"])
-def test_quantized_experts_offload(quantization: str, mode: str, tiny_model_dir) -> None:
+def test_quantized_experts_offload(quantization: str, mode: str, tiny_model_dir: Callable[[str], str]) -> None:
     """Quantized experts (disk: spilled once to a mapped file) give the resident quantized
     model's tokens."""
     path = tiny_model_dir("mixtral")
@@ -96,7 +98,7 @@ def test_quantized_experts_offload(quantization: str, mode: str, tiny_model_dir)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_policies_streaming_and_prefetch_off_keep_tokens(policy: str, tiny_model_dir) -> None:
+def test_policies_streaming_and_prefetch_off_keep_tokens(policy: str, tiny_model_dir: Callable[[str], str]) -> None:
     """Each policy, with streaming forced for every step and prefetch off, and with
     streaming never used: the same tokens; the counters follow the choice."""
     path = tiny_model_dir("qwen2_moe")
@@ -126,7 +128,7 @@ def test_policies_streaming_and_prefetch_off_keep_tokens(policy: str, tiny_model
     assert stats.streamed_layers == 0 and stats.cached_layers > 0 and stats.waves > 0
 
 
-def test_prefetch_loads_the_next_layers_experts(tiny_model_dir) -> None:
+def test_prefetch_loads_the_next_layers_experts(tiny_model_dir: Callable[[str], str]) -> None:
     """Mixtral's second layer gets its predicted experts loaded while the first computes;
     most predictions are routed (the residual stream changes little in one layer)."""
     path = tiny_model_dir("mixtral")
@@ -138,7 +140,7 @@ def test_prefetch_loads_the_next_layers_experts(tiny_model_dir) -> None:
     assert stats.prefetch_precision > 0.5 and stats.prefetch_recall > 0.5
 
 
-def test_chunked_prefill_and_preemption(tiny_model_dir) -> None:
+def test_chunked_prefill_and_preemption(tiny_model_dir: Callable[[str], str]) -> None:
     """Prompts cut into 5-token chunks, and a KV cache so small that sequences are
     preempted and recomputed: the resident model's tokens."""
     path = tiny_model_dir("qwen3_moe")
@@ -149,7 +151,7 @@ def test_chunked_prefill_and_preemption(tiny_model_dir) -> None:
     assert offloaded.engine._num_preemptions > 0
 
 
-def test_hit_rate_with_every_expert_cached(tiny_model_dir) -> None:
+def test_hit_rate_with_every_expert_cached(tiny_model_dir: Callable[[str], str]) -> None:
     """With a slot for every expert, each expert is loaded once: the first layer's on
     their first use (misses), the second's ahead of it by the prefetch (then hits). The
     counters are exact."""
@@ -168,7 +170,7 @@ def _offloaded_layers(llm: LLM) -> list[OffloadedExperts]:
     return [m for m in llm.engine.model.modules() if isinstance(m, OffloadedExperts)]
 
 
-def test_no_expert_is_allocated_beyond_the_slots(tiny_model_dir) -> None:
+def test_no_expert_is_allocated_beyond_the_slots(tiny_model_dir: Callable[[str], str]) -> None:
     """The model holds its slots and two stream buffers per layer, and no expert list."""
     path = tiny_model_dir("mixtral")
     model, config = load_model(path, torch.float32, expert_offload=ExpertOffloadOptions("disk", cache_size=2))
@@ -183,7 +185,7 @@ def test_no_expert_is_allocated_beyond_the_slots(tiny_model_dir) -> None:
     assert slot_params == expert_params * 4 // 8
 
 
-def test_options_are_checked(tiny_model_dir) -> None:
+def test_options_are_checked(tiny_model_dir: Callable[[str], str]) -> None:
     """Offloading a dense model, an unknown mode and CPU compute on a CPU are refused."""
     with pytest.raises(ValueError, match="mixture-of-experts"):
         make_llm(tiny_model_dir("llama"), expert_offload="host")
@@ -194,7 +196,9 @@ def test_options_are_checked(tiny_model_dir) -> None:
 
 
 @pytest.mark.parametrize("quantization", [None, "int4"])
-def test_slow_loads_are_waited_for(quantization: str | None, tiny_model_dir, monkeypatch) -> None:
+def test_slow_loads_are_waited_for(
+    quantization: str | None, tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Disk loads made slow on the loader thread, with eviction, waves and prefetch (3
     slots of 8, never streaming): a run that did not wait for its slot's load would read
     the previous expert's weights and change the tokens."""
@@ -219,7 +223,7 @@ def test_slow_loads_are_waited_for(quantization: str | None, tiny_model_dir, mon
     assert stats.waves > 0 and stats.prefetch_loads > 0 and stats.streamed_layers == 0
 
 
-def test_a_failed_load_empties_its_slot(tiny_model_dir) -> None:
+def test_a_failed_load_empties_its_slot(tiny_model_dir: Callable[[str], str]) -> None:
     """A load that raises surfaces in the step, and its expert is not left resident on
     whatever the slot held: the next step loads it again and computes the resident result."""
     path = tiny_model_dir("mixtral")
@@ -244,7 +248,7 @@ def test_a_failed_load_empties_its_slot(tiny_model_dir) -> None:
     assert torch.equal(layer(x, weights, ids), block.grouped_experts(x, weights, ids))
 
 
-def test_host_on_cpu_binds_slots_to_the_host_experts(tiny_model_dir) -> None:
+def test_host_on_cpu_binds_slots_to_the_host_experts(tiny_model_dir: Callable[[str], str]) -> None:
     """On a CPU device a host load copies nothing: every slot tensor is one of the experts'
     host tensors, so the slots hold no memory of their own."""
     path = tiny_model_dir("mixtral")
@@ -255,14 +259,14 @@ def test_host_on_cpu_binds_slots_to_the_host_experts(tiny_model_dir) -> None:
             assert {t.data_ptr() for t in slot_tensors(slot).values()} <= owned
 
 
-def test_expert_options_need_an_offload_mode(tiny_model_dir) -> None:
+def test_expert_options_need_an_offload_mode(tiny_model_dir: Callable[[str], str]) -> None:
     """A cache size without an offload mode is a mistake, said so rather than ignored."""
     with pytest.raises(ValueError, match="need expert_offload"):
         make_llm(tiny_model_dir("mixtral"), expert_cache_size=2)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_a_recorded_trace_replays_to_the_engines_counts(policy: str, tiny_model_dir) -> None:
+def test_a_recorded_trace_replays_to_the_engines_counts(policy: str, tiny_model_dir: Callable[[str], str]) -> None:
     """The routing each layer saw while serving, replayed (cache.replay, no weights)
     through a copy of the layer's cache as it stood before (the start-up warm-up left
     experts in it), gives the engine's hits and misses: the engine's cache decisions are
@@ -301,7 +305,7 @@ def test_a_recorded_trace_replays_to_the_engines_counts(policy: str, tiny_model_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["host", "disk"])
-def test_cuda_offload_matches_resident(mode: str, tiny_model_dir) -> None:
+def test_cuda_offload_matches_resident(mode: str, tiny_model_dir: Callable[[str], str]) -> None:
     """On a GPU: int8 experts take the grouped path resident too, so offloaded tokens
     (side-stream copies, from pinned host memory or the mapped file) are the resident
     ones; dense experts, also with cold ones run on the CPU, give the resident logits
@@ -326,7 +330,7 @@ def test_cuda_offload_matches_resident(mode: str, tiny_model_dir) -> None:
         assert rel_err(got, want) < 1e-5
 
 
-def test_slots_keep_no_copy_of_weights_a_load_replaces(tiny_model_dir) -> None:
+def test_slots_keep_no_copy_of_weights_a_load_replaces(tiny_model_dir: Callable[[str], str]) -> None:
     """A held CPU kernel's copy (dense, half, integer) is made from the weights once; a
     slot's weights change at every load, so the planner gives slots none of those
     kernels, even where --cpu-kernels names one, and the tokens do not depend on what a

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -35,7 +36,9 @@ Q8_BLOCK = 32
 
 
 @pytest.fixture(scope="module", params=["llama", "tied"])
-def tiny_gguf(request, tmp_path_factory) -> tuple[PreTrainedModel, str, str]:
+def tiny_gguf(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[PreTrainedModel, str, str]:
     """(original model, tiny tokenizer folder, GGUF path)."""
     root = tmp_path_factory.mktemp(f"gguf-{request.param}")
     model = build_tiny_model(request.param)
@@ -43,7 +46,7 @@ def tiny_gguf(request, tmp_path_factory) -> tuple[PreTrainedModel, str, str]:
 
 
 @pytest.fixture(scope="module")
-def converted(tiny_gguf, tmp_path_factory) -> str:
+def converted(tiny_gguf: tuple[PreTrainedModel, str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
     return convert_gguf(tiny_gguf[2], str(tmp_path_factory.mktemp("cache")))
 
 
@@ -60,7 +63,7 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
     assert not torch.equal(llama_cpp_permute(weight, 8), weight)
 
 
-def test_converted_weights_match_original(tiny_gguf, converted) -> None:
+def test_converted_weights_match_original(tiny_gguf: tuple[PreTrainedModel, str, str], converted: str) -> None:
     model, _, _ = tiny_gguf
     weights = load_file(os.path.join(converted, "model.safetensors"))
     expected = dict(model.state_dict())
@@ -77,7 +80,7 @@ def test_converted_weights_match_original(tiny_gguf, converted) -> None:
             assert torch.equal(got, original), name
 
 
-def test_converted_config(tiny_gguf, converted) -> None:
+def test_converted_config(tiny_gguf: tuple[PreTrainedModel, str, str], converted: str) -> None:
     model, _, _ = tiny_gguf
     with open(os.path.join(converted, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
@@ -100,7 +103,7 @@ def test_converted_config(tiny_gguf, converted) -> None:
     assert config["rope_theta"] == 10000.0 and config["torch_dtype"] == "float32"
 
 
-def test_cadence_greedy_matches_transformers_on_converted(converted) -> None:
+def test_cadence_greedy_matches_transformers_on_converted(converted: str) -> None:
     reference = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
     expected = []
     for prompt in PROMPTS:
@@ -113,7 +116,7 @@ def test_cadence_greedy_matches_transformers_on_converted(converted) -> None:
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-def test_tokenizer_round_trips(tiny_gguf, converted) -> None:
+def test_tokenizer_round_trips(tiny_gguf: tuple[PreTrainedModel, str, str], converted: str) -> None:
     original = AutoTokenizer.from_pretrained(tiny_gguf[1])
     tokenizer = AutoTokenizer.from_pretrained(converted)
     for text in TEXTS:
@@ -181,7 +184,9 @@ def test_sentencepiece_vocabulary() -> None:
     assert "<0xC3>" in tokenizer.convert_ids_to_tokens(tokenizer.encode("é"))
 
 
-def test_cache_reuses_folder_and_reconverts_changed_file(tiny_gguf, tmp_path, monkeypatch) -> None:
+def test_cache_reuses_folder_and_reconverts_changed_file(
+    tiny_gguf: tuple[PreTrainedModel, str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = str(tmp_path / "model.gguf")
     with open(tiny_gguf[2], "rb") as src, open(path, "wb") as dst:
         dst.write(src.read())
@@ -201,7 +206,9 @@ def test_cache_reuses_folder_and_reconverts_changed_file(tiny_gguf, tmp_path, mo
     assert sorted(os.listdir(tmp_path / "cache")) == sorted([os.path.basename(first), os.path.basename(second)])
 
 
-def test_crashed_conversion_leaves_nothing_trusted(tiny_gguf, tmp_path, monkeypatch) -> None:
+def test_crashed_conversion_leaves_nothing_trusted(
+    tiny_gguf: tuple[PreTrainedModel, str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = str(tmp_path / "cache")
     final = gguf_loader.cached_folder(tiny_gguf[2], cache)
     os.makedirs(cache)
@@ -227,7 +234,7 @@ def test_crashed_conversion_leaves_nothing_trusted(tiny_gguf, tmp_path, monkeypa
         assert json.load(f)["model_type"] == "llama"
 
 
-def test_rejects_other_architectures(tmp_path) -> None:
+def test_rejects_other_architectures(tmp_path: Path) -> None:
     path = str(tmp_path / "gpt2.gguf")
     writer = gguf.GGUFWriter(path, "gpt2")
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
@@ -240,7 +247,9 @@ def test_rejects_other_architectures(tmp_path) -> None:
     assert not any(os.scandir(tmp_path / "cache"))
 
 
-def test_resolve_model_path(tiny_gguf, tmp_path, monkeypatch) -> None:
+def test_resolve_model_path(
+    tiny_gguf: tuple[PreTrainedModel, str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert resolve_model_path("/some/hf/folder", str(tmp_path)) == "/some/hf/folder"
     folder = resolve_model_path(tiny_gguf[2], str(tmp_path))
     assert os.path.isfile(os.path.join(folder, "model.safetensors"))
@@ -253,13 +262,13 @@ def test_resolve_model_path(tiny_gguf, tmp_path, monkeypatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> str:
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> str:
     return resolve_model_path(None, str(tmp_path_factory.mktemp("smollm2-cache")))
 
 
 @pytest.mark.slow
 @needs_smollm2
-def test_smollm2_config_and_chat_template(smollm2) -> None:
+def test_smollm2_config_and_chat_template(smollm2: str) -> None:
     with open(os.path.join(smollm2, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     assert (
@@ -284,7 +293,7 @@ def test_smollm2_config_and_chat_template(smollm2) -> None:
 
 @pytest.mark.slow
 @needs_smollm2
-def test_smollm2_answers_paris_like_transformers(smollm2) -> None:
+def test_smollm2_answers_paris_like_transformers(smollm2: str) -> None:
     llm = LLM(smollm2, dtype="float32", max_model_len=256, num_gpu_blocks=64)
     tokenizer = llm.get_tokenizer()
     assert tokenizer is not None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -88,14 +90,14 @@ def per_layer_types(name: str) -> Q:
 
 
 @pytest.fixture(scope="module")
-def tiny_mixed_gguf(tmp_path_factory) -> str:
+def tiny_mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A converted folder of the tiny 3-layer llama, written with per_layer_types."""
     root = tmp_path_factory.mktemp("gguf-native")
     path = write_tiny_gguf_in(root, build_tiny_model("llama"), "tiny-mixed.gguf", per_layer_types)
     return convert_gguf(path, str(root / "cache"))
 
 
-def test_loader_builds_each_layer_from_the_file_blocks(tiny_mixed_gguf, monkeypatch) -> None:
+def test_loader_builds_each_layer_from_the_file_blocks(tiny_mixed_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Keep the int4 layers in our layout (no CPU repacking, whose bf16 scales would blur an
     # exact comparison); their forward then runs the dequantizing fp32 fallback.
     monkeypatch.setattr(Int4Method, "convert_for_cpu", lambda self, layer: None)
@@ -134,7 +136,7 @@ def test_loader_builds_each_layer_from_the_file_blocks(tiny_mixed_gguf, monkeypa
     assert native.get_submodule("model.layers.1.self_attn.qkv_proj").zeros.dtype == torch.float32
 
 
-def test_served_with_cpu_kernels_agrees_with_dense(tiny_mixed_gguf) -> None:
+def test_served_with_cpu_kernels_agrees_with_dense(tiny_mixed_gguf: str) -> None:
     def llm(quantization: str | None) -> LLM:
         return LLM(
             tiny_mixed_gguf,
@@ -157,7 +159,7 @@ def test_served_with_cpu_kernels_agrees_with_dense(tiny_mixed_gguf) -> None:
 
 
 @pytest.mark.skipif(not int8_dot.hardware_ready(), reason="int8dot needs AVX2")
-def test_the_q4_blocks_run_llama_cpps_int8_arithmetic_only_when_named(tiny_mixed_gguf) -> None:
+def test_the_q4_blocks_run_llama_cpps_int8_arithmetic_only_when_named(tiny_mixed_gguf: str) -> None:
     """int8dot is llama.cpp's arithmetic for Q4_0/Q4_1 blocks: --cpu-kernels int8dot runs it
     on them (and never on the Q8_0 or dense layers); auto never does, however fast it is."""
 
@@ -176,7 +178,7 @@ def test_the_q4_blocks_run_llama_cpps_int8_arithmetic_only_when_named(tiny_mixed
     assert INT8DOT not in kernels("auto").values()
 
 
-def test_a_moved_gguf_still_serves_natively(tiny_mixed_gguf, tmp_path) -> None:
+def test_a_moved_gguf_still_serves_natively(tiny_mixed_gguf: str, tmp_path: Path) -> None:
     """The cache key ignores where the file lives, so a moved file finds its folder, which
     must then read the blocks from the new place."""
     with open(os.path.join(tiny_mixed_gguf, SOURCE_FILE), encoding="utf-8") as f:
@@ -196,7 +198,9 @@ def test_a_moved_gguf_still_serves_natively(tiny_mixed_gguf, tmp_path) -> None:
         convert_gguf(old_path, cache)  # point it back for the other tests
 
 
-def test_gguf_quantization_refuses_other_models(tiny_model_dir, tiny_mixed_gguf, tmp_path) -> None:
+def test_gguf_quantization_refuses_other_models(
+    tiny_model_dir: Callable[[str], str], tiny_mixed_gguf: str, tmp_path: Path
+) -> None:
     with pytest.raises(ValueError, match="needs a GGUF model"):
         load_model(tiny_model_dir("llama"), torch.float32, quantization="gguf")
     # A folder whose GGUF was rewritten after conversion must not read the new blocks.

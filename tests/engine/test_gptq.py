@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from cadence.engine.loader import iterate_weights, load_model
 from cadence.engine.models.llama import LlamaForCausalLM
 from cadence.engine.quantization.linear import Int4Method
 from cadence.engine.quantization.linear_layer import LinearLayer
-from cadence.kernels.quant_formats import dequantize_int4, quantize_int4
+from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4
 from cadence.tools import gptq_model
 from cadence.tools.gptq import HessianAccumulator, gptq_quantize
 from tests.support.helpers import gen
@@ -38,7 +40,7 @@ def correlated_inputs(rows: int, mix: torch.Tensor, seed: int) -> torch.Tensor:
     return x
 
 
-def output_error(x: torch.Tensor, w: torch.Tensor, q) -> float:
+def output_error(x: torch.Tensor, w: torch.Tensor, q: Int4Weight) -> float:
     y = x @ w.t()
     return float((y - x @ dequantize_int4(q, torch.float32).t()).norm() / y.norm())
 
@@ -81,7 +83,9 @@ def test_inputs_never_seen_do_not_break_the_factorisation() -> None:
     assert torch.isfinite(dequantize_int4(q, torch.float32)).all()
 
 
-def test_checkpoint_loads_into_the_codes_gptq_chose(tiny_model_dir, tmp_path, monkeypatch) -> None:
+def test_checkpoint_loads_into_the_codes_gptq_chose(
+    tiny_model_dir: Callable[[str], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     source = tiny_model_dir("llama")
     model, config = load_model(source, torch.float32)
     assert isinstance(model, LlamaForCausalLM)
@@ -109,7 +113,7 @@ def test_checkpoint_loads_into_the_codes_gptq_chose(tiny_model_dir, tmp_path, mo
         assert torch.equal(layer.weight, dequantize_int4(chosen[name], torch.float32))
 
 
-def test_cadence_quantize_writes_a_servable_checkpoint(tiny_model_dir, tmp_path) -> None:
+def test_cadence_quantize_writes_a_servable_checkpoint(tiny_model_dir: Callable[[str], str], tmp_path: Path) -> None:
     from cadence.server.cli import main
 
     out = str(tmp_path / "gptq-cli")
@@ -153,7 +157,9 @@ def test_all_zero_and_all_positive_groups_stay_exact_and_portable(symmetric: boo
         assert q.zeros is not None and int(q.zeros.min()) >= 1
 
 
-def test_cadence_quantize_refuses_what_it_cannot_calibrate(tiny_model_dir, tmp_path) -> None:
+def test_cadence_quantize_refuses_what_it_cannot_calibrate(
+    tiny_model_dir: Callable[[str], str], tmp_path: Path
+) -> None:
     source = tiny_model_dir("llama")
     with pytest.raises(ValueError, match="at least one calibration sample of at least 2 tokens"):
         gptq_model.quantize_checkpoint(source, str(tmp_path / "a"), num_samples=0)

@@ -8,6 +8,8 @@ other on int8, and that int8 stays close to the unquantized cache in logprobs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from cadence import LLM, SamplingParams
@@ -27,7 +29,7 @@ def prompt_logprobs(llm: LLM) -> list[float]:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_quantized_cache_stays_close_to_dense(tiny_model_dir, kv_cache_dtype: str) -> None:
+def test_quantized_cache_stays_close_to_dense(tiny_model_dir: Callable[[str], str], kv_cache_dtype: str) -> None:
     path = tiny_model_dir("llama")
     dense = prompt_logprobs(make_llm(path))
     llm = make_llm(path, kv_cache_dtype=kv_cache_dtype)
@@ -55,7 +57,7 @@ def test_quantized_cache_perplexity_on_smollm2() -> None:
     assert results["fp8"] / results["auto"] - 1 < 0.02
 
 
-def test_int8_cache_agrees_across_backends(tiny_model_dir) -> None:
+def test_int8_cache_agrees_across_backends(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("qwen2")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     torch_out = make_llm(path, kv_cache_dtype="int8", attention_backend="torch").generate(PROMPTS, params)
@@ -66,7 +68,7 @@ def test_int8_cache_agrees_across_backends(tiny_model_dir) -> None:
             assert pa[token].logprob == pytest.approx(pb[token].logprob, abs=1e-3)
 
 
-def test_int8_cache_holds_more_tokens_in_the_same_memory(tiny_model_dir) -> None:
+def test_int8_cache_holds_more_tokens_in_the_same_memory(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("llama")
     budget = 1 << 20
     dense = make_llm(path, num_gpu_blocks=None, kv_cache_memory=budget, max_model_len=32)
@@ -76,6 +78,6 @@ def test_int8_cache_holds_more_tokens_in_the_same_memory(tiny_model_dir) -> None
     assert ratio == pytest.approx(4 * 16 / (16 + 4), rel=0.02)
 
 
-def test_unknown_kv_cache_dtype_is_refused(tiny_model_dir) -> None:
+def test_unknown_kv_cache_dtype_is_refused(tiny_model_dir: Callable[[str], str]) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         make_llm(tiny_model_dir("llama"), kv_cache_dtype="int3")

@@ -6,7 +6,7 @@ the engines on one host together never take more than it has. CUDA's sizing is u
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -50,7 +50,7 @@ def blocks(args: EngineArgs, weights: int, bytes_per_block: int = MiB) -> int:
     return resolve_num_blocks(args, CPU, bytes_per_block, 32768, 1024, weights)
 
 
-def test_the_cache_size_does_not_follow_available_memory(monkeypatch) -> None:
+def test_the_cache_size_does_not_follow_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     args = EngineArgs(model="")
     found = []
     # What the issue saw: available memory fell from 23.4 to 11.5 GiB between restarts.
@@ -61,7 +61,7 @@ def test_the_cache_size_does_not_follow_available_memory(monkeypatch) -> None:
     assert found == [(machine - 2 * GiB) // 4 // MiB] * 3
 
 
-def test_engines_on_one_host_share_a_quarter_after_their_weights(monkeypatch) -> None:
+def test_engines_on_one_host_share_a_quarter_after_their_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_meminfo(monkeypatch, 32 * GiB, None)
     machine, weights = total_host_memory(), 1 * GiB
     engines = Topology(num_prefill=1, num_decode=2).engines(EngineArgs(model=""))
@@ -75,7 +75,7 @@ def test_engines_on_one_host_share_a_quarter_after_their_weights(monkeypatch) ->
     assert kv_cache_budget_bytes(alone, CPU, weights)[0] == (machine - weights) // 4
 
 
-def test_the_cache_is_capped_by_what_it_could_ever_use(monkeypatch) -> None:
+def test_the_cache_is_capped_by_what_it_could_ever_use(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_meminfo(monkeypatch, 64 * GiB, None)
     args = EngineArgs(model="", block_size=16)
     # 3 sequences (2 and a spare) of 64 tokens: 4 blocks each.
@@ -102,7 +102,9 @@ def leftover(nbytes: int) -> Iterator[None]:
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs Linux memfds")
-def test_an_engine_gets_the_same_cache_beside_leftovers(tiny_model_dir, monkeypatch) -> None:
+def test_an_engine_gets_the_same_cache_beside_leftovers(
+    tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tiny_model_dir("llama")
     args = EngineArgs(path, dtype="float32", max_model_len=64)
     model, config = load_model(path, torch.float32)

@@ -10,6 +10,8 @@ Tolerances, relative Frobenius error of the logits:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import TypeGuard
 
 import gguf
@@ -52,7 +54,7 @@ def logits_of(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["llama", "tied"])
-def test_int8_head_tracks_the_dense_logits(tiny_model_dir, kind: str) -> None:
+def test_int8_head_tracks_the_dense_logits(tiny_model_dir: Callable[[str], str], kind: str) -> None:
     dense = load_llama(tiny_model_dir(kind), torch.float32, "cpu")
     model = load_llama(tiny_model_dir(kind), torch.float32, "cpu", quantize_lm_head=True)
     assert is_int8(model.lm_head)
@@ -69,7 +71,7 @@ def test_int8_head_tracks_the_dense_logits(tiny_model_dir, kind: str) -> None:
         assert rel_err(got, logits_of(dense, prompt)) < QUANT_TOL
 
 
-def test_a_tied_embedding_reads_the_heads_int8_rows(tiny_model_dir) -> None:
+def test_a_tied_embedding_reads_the_heads_int8_rows(tiny_model_dir: Callable[[str], str]) -> None:
     model = load_llama(tiny_model_dir("tied"), torch.float32, "cpu", quantize_lm_head=True)
     embedding = model.model.embed_tokens
     assert isinstance(embedding, Int8Embedding) and embedding.table is model.lm_head
@@ -92,7 +94,7 @@ def test_a_tied_embedding_reads_the_heads_int8_rows(tiny_model_dir) -> None:
     assert type(untied.model.embed_tokens) is nn.Embedding
 
 
-def test_int8_head_on_a_quantized_body_serves_end_to_end(tiny_model_dir) -> None:
+def test_int8_head_on_a_quantized_body_serves_end_to_end(tiny_model_dir: Callable[[str], str]) -> None:
     """The int8 head costs the int8 body almost nothing in perplexity on the model's own
     sample text. Greedy agreement is printed, not bounded: on this random model four
     8-token continuations move by a quarter between kernel choices of equal accuracy
@@ -127,7 +129,9 @@ def test_int8_head_on_a_quantized_body_serves_end_to_end(tiny_model_dir) -> None
     assert body_ppl < 1.25 * dense_ppl
 
 
-def test_the_head_is_quantized_in_row_chunks_without_changing_it(tiny_model_dir, monkeypatch) -> None:
+def test_the_head_is_quantized_in_row_chunks_without_changing_it(
+    tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     dense = load_llama(tiny_model_dir("llama"), torch.float32, "cpu")
     qweight, scale = quantize_int8(head_of(dense).weight, torch.float32)
     monkeypatch.setattr(lm_head, "ROWS_PER_CHUNK", 100)  # 512 rows: five full chunks and a partial one
@@ -155,13 +159,13 @@ def head_q8_0(name: str) -> Q:
 
 
 @pytest.fixture(scope="module")
-def tied_q8_head_gguf(tmp_path_factory) -> str:
+def tied_q8_head_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("gguf-head")
     path = write_tiny_gguf_in(root, build_tiny_model("tied"), "tied-q8-head.gguf", head_q8_0)
     return convert_gguf(path, str(root / "cache"))
 
 
-def test_gguf_head_stored_quantized_is_served_int8_by_default(tied_q8_head_gguf) -> None:
+def test_gguf_head_stored_quantized_is_served_int8_by_default(tied_q8_head_gguf: str) -> None:
     model = load_llama(tied_q8_head_gguf, torch.bfloat16, quantization="gguf")
     assert is_int8(model.lm_head) and isinstance(model.model.embed_tokens, Int8Embedding)
     # Re-quantized from the file's block values, not from the bf16-rounded dense copy.
@@ -177,7 +181,7 @@ def test_gguf_head_stored_quantized_is_served_int8_by_default(tied_q8_head_gguf)
     assert dense.lm_head is None and type(dense.model.embed_tokens) is nn.Embedding
 
 
-def test_gguf_head_stored_as_floats_stays_dense(tmp_path) -> None:
+def test_gguf_head_stored_as_floats_stays_dense(tmp_path: Path) -> None:
     path = write_tiny_gguf_in(tmp_path, build_tiny_model("tied"), "f32-head.gguf", lambda name: Q.F32)
     model = load_llama(convert_gguf(path, str(tmp_path / "cache")), torch.float32, quantization="gguf")
     assert model.lm_head is None and type(model.model.embed_tokens) is nn.Embedding
@@ -185,7 +189,7 @@ def test_gguf_head_stored_as_floats_stays_dense(tmp_path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "tied"])
-def test_int8_head_on_gpu_matches_cpu(tiny_model_dir, kind: str) -> None:
+def test_int8_head_on_gpu_matches_cpu(tiny_model_dir: Callable[[str], str], kind: str) -> None:
     """On CUDA the head runs the W8A16 Triton kernels (vocab 512 rows, M = 1 and a prompt)."""
     cpu = load_llama(tiny_model_dir(kind), torch.float32, "cpu")
     gpu = load_llama(tiny_model_dir(kind), torch.float16, "cuda", quantize_lm_head=True)
@@ -196,7 +200,9 @@ def test_int8_head_on_gpu_matches_cpu(tiny_model_dir, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "tied"])
-def test_gptq_checkpoint_with_a_quantized_head_loads_it(tiny_model_dir, tmp_path, monkeypatch, kind: str) -> None:
+def test_gptq_checkpoint_with_a_quantized_head_loads_it(
+    tiny_model_dir: Callable[[str], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
     """GPTQ's ``lm_head: true``: ``lm_head.qweight`` & co. become an int4 head. With
     tied embeddings the lookup table stays dense (the checkpoint stores it as such)."""
     import json

@@ -17,6 +17,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -36,12 +38,12 @@ CLI_TIMEOUT = 180.0  # seconds: a deadline for a refusal that comes before any s
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> str:
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_tiny_gguf_in(tmp_path_factory.mktemp("cache-integrity"), build_tiny_model("llama"), "tiny.gguf")
 
 
 @pytest.fixture(scope="module")
-def reference_tokens(tiny_gguf, tmp_path_factory) -> list[list[int]]:
+def reference_tokens(tiny_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
     """Greedy tokens from a fresh conversion."""
     return greedy(LLM(tiny_gguf, download_dir=str(tmp_path_factory.mktemp("fresh-cache")), **FLAGS))
 
@@ -60,7 +62,7 @@ def overwrite_keeping_size(path: str) -> None:
     assert os.path.getsize(path) == size
 
 
-def count_conversions(monkeypatch) -> list[str]:
+def count_conversions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     real = gguf_loader.write_hf_folder
 
@@ -105,7 +107,7 @@ def assert_one_line_refusal(result: subprocess.CompletedProcess[str], *names: st
 # --- the checksums ------------------------------------------------------------------------
 
 
-def test_checksums_catch_a_changed_missing_or_unlisted_file(tmp_path) -> None:
+def test_checksums_catch_a_changed_missing_or_unlisted_file(tmp_path: Path) -> None:
     folder = str(tmp_path)
     for name, data in (("model.safetensors", os.urandom(4096)), ("config.json", b"{}")):
         (tmp_path / name).write_bytes(data)
@@ -128,7 +130,11 @@ def test_checksums_catch_a_changed_missing_or_unlisted_file(tmp_path) -> None:
 
 
 def test_a_corrupted_cache_is_converted_again_and_serves_the_right_tokens(
-    tiny_gguf, reference_tokens, tmp_path, monkeypatch, caplog
+    tiny_gguf: str,
+    reference_tokens: list[list[int]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     cache = str(tmp_path / "cache")
     folder = engine_args_for(tiny_gguf, download_dir=cache).model
@@ -148,7 +154,9 @@ def test_a_corrupted_cache_is_converted_again_and_serves_the_right_tokens(
 
 
 @pytest.mark.parametrize("cut", ["no checksum file", "truncated weights"])
-def test_a_conversion_cut_off_half_way_is_converted_again(tiny_gguf, tmp_path, monkeypatch, cut: str) -> None:
+def test_a_conversion_cut_off_half_way_is_converted_again(
+    tiny_gguf: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
     cache = str(tmp_path / "cache")
     folder = convert_gguf(tiny_gguf, cache)
     if cut == "no checksum file":
@@ -162,7 +170,9 @@ def test_a_conversion_cut_off_half_way_is_converted_again(tiny_gguf, tmp_path, m
     assert convert_gguf(tiny_gguf, cache) == folder and len(conversions) == 1  # trusted from now on
 
 
-def test_a_moved_gguf_keeps_its_verified_folder(tiny_gguf, tmp_path, monkeypatch) -> None:
+def test_a_moved_gguf_keeps_its_verified_folder(
+    tiny_gguf: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = str(tmp_path / "cache")
     first = tmp_path / "first.gguf"
     shutil.copy2(tiny_gguf, first)
@@ -178,7 +188,7 @@ def test_a_moved_gguf_keeps_its_verified_folder(tiny_gguf, tmp_path, monkeypatch
 # --- errors a user can act on -------------------------------------------------------------
 
 
-def test_truncated_weights_in_a_model_folder_are_named(tiny_model_dir, tmp_path) -> None:
+def test_truncated_weights_in_a_model_folder_are_named(tiny_model_dir: Callable[[str], str], tmp_path: Path) -> None:
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir("llama"), folder)
     weights = folder / "model.safetensors"
@@ -194,7 +204,7 @@ def test_truncated_weights_in_a_model_folder_are_named(tiny_model_dir, tmp_path)
         engine_args_for(str(tmp_path / "no-such-model"))
 
 
-def test_an_unwritable_cache_is_one_line_from_llm(tiny_gguf, tmp_path) -> None:
+def test_an_unwritable_cache_is_one_line_from_llm(tiny_gguf: str, tmp_path: Path) -> None:
     below_a_file = tmp_path / "a-file"
     below_a_file.write_text("")
     with pytest.raises(ModelFilesError, match="point --download-dir") as refused:
@@ -202,7 +212,7 @@ def test_an_unwritable_cache_is_one_line_from_llm(tiny_gguf, tmp_path) -> None:
     assert str(below_a_file / "cache") in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_download_dir_is_a_flag_of_serve_router_and_quantize(tiny_gguf, tmp_path) -> None:
+def test_download_dir_is_a_flag_of_serve_router_and_quantize(tiny_gguf: str, tmp_path: Path) -> None:
     cache = str(tmp_path / "cache")
     served = engine_args_from(build_parser().parse_args(["serve", tiny_gguf, "--download-dir", cache]))
     assert served == engine_args_for(tiny_gguf, download_dir=cache)
@@ -212,7 +222,7 @@ def test_download_dir_is_a_flag_of_serve_router_and_quantize(tiny_gguf, tmp_path
     assert build_parser().parse_args(["quantize", tiny_gguf, "out", "--download-dir", cache]).download_dir == cache
 
 
-def test_cli_names_a_truncated_weights_file_in_one_line(tiny_model_dir, tmp_path) -> None:
+def test_cli_names_a_truncated_weights_file_in_one_line(tiny_model_dir: Callable[[str], str], tmp_path: Path) -> None:
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir("llama"), folder)
     with open(folder / "model.safetensors", "r+b") as f:
@@ -221,7 +231,7 @@ def test_cli_names_a_truncated_weights_file_in_one_line(tiny_model_dir, tmp_path
     assert "copy or download the model again" in line
 
 
-def test_cli_refuses_a_cache_it_cannot_create_in_one_line(tiny_gguf, tmp_path) -> None:
+def test_cli_refuses_a_cache_it_cannot_create_in_one_line(tiny_gguf: str, tmp_path: Path) -> None:
     below_a_file = tmp_path / "a-file"
     below_a_file.write_text("")
     cache = str(below_a_file / "cache")
@@ -229,7 +239,7 @@ def test_cli_refuses_a_cache_it_cannot_create_in_one_line(tiny_gguf, tmp_path) -
     assert "point --download-dir" in line
 
 
-def test_cli_refuses_a_read_only_home_cache_in_one_line(tiny_gguf, tmp_path) -> None:
+def test_cli_refuses_a_read_only_home_cache_in_one_line(tiny_gguf: str, tmp_path: Path) -> None:
     home = tmp_path / "home"
     (home / ".cache").mkdir(parents=True)
     wrapper = read_only_wrapper(str(home / ".cache"))
@@ -244,7 +254,7 @@ def test_cli_refuses_a_read_only_home_cache_in_one_line(tiny_gguf, tmp_path) -> 
     assert "point --download-dir" in line
 
 
-def test_cli_refuses_a_corrupt_read_only_cache_naming_the_folder(tiny_gguf, tmp_path) -> None:
+def test_cli_refuses_a_corrupt_read_only_cache_naming_the_folder(tiny_gguf: str, tmp_path: Path) -> None:
     cache = str(tmp_path / "cache")
     folder = convert_gguf(tiny_gguf, cache)
     overwrite_keeping_size(os.path.join(folder, "model.safetensors"))

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from cadence.engine.loader import load_model, resolve_dtype
@@ -31,7 +33,9 @@ PROMPT_LENS = (1, 7, 33, 100)
 
 
 @pytest.fixture(scope="module", params=KINDS)
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def tiny(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, str, Any, PreTrainedModel]:
     """(kind, folder, our model, HF reference model) for each tiny checkpoint kind."""
     kind = request.param
     path = make_tiny_model(kind, tmp_path_factory.mktemp(kind))
@@ -44,13 +48,13 @@ def _prompt(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _ours_logits(model, ids: torch.Tensor) -> torch.Tensor:
+def _ours_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
     ctx = VarlenSdpaContext(model.attention_spec(), [ids.numel()])
     with torch.no_grad():
         return model.compute_logits(model(ids, torch.arange(ids.numel()), ctx))
 
 
-def test_logits_match_transformers(tiny) -> None:
+def test_logits_match_transformers(tiny: tuple[str, str, Any, PreTrainedModel]) -> None:
     kind, _, ours, ref = tiny
     for n in PROMPT_LENS:
         ids = _prompt(n, seed=n)
@@ -64,7 +68,7 @@ def test_logits_match_transformers(tiny) -> None:
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
-def test_flat_batch_equals_each_sequence_alone(tiny) -> None:
+def test_flat_batch_equals_each_sequence_alone(tiny: tuple[str, str, Any, PreTrainedModel]) -> None:
     _, _, ours, _ = tiny
     lens = [5, 1, 37, 12]
     prompts = [_prompt(n, seed=100 + i) for i, n in enumerate(lens)]
@@ -77,7 +81,7 @@ def test_flat_batch_equals_each_sequence_alone(tiny) -> None:
         assert (part - alone).abs().max().item() < 1e-4
 
 
-def test_incremental_decode_matches_full_prefill(tiny) -> None:
+def test_incremental_decode_matches_full_prefill(tiny: tuple[str, str, Any, PreTrainedModel]) -> None:
     """Prefill then one token at a time at positions n, n+1, ... equals one big prefill."""
     _, _, ours, _ = tiny
     ids = _prompt(20, seed=7)
@@ -92,7 +96,7 @@ def test_incremental_decode_matches_full_prefill(tiny) -> None:
     assert (torch.cat(step_logits) - full[[11, 12, 13, 19]]).abs().max().item() < 1e-4
 
 
-def test_attention_spec(tiny) -> None:
+def test_attention_spec(tiny: tuple[str, str, Any, PreTrainedModel]) -> None:
     kind, _, ours, ref = tiny
     spec = ours.attention_spec()
     hf = ref.config
@@ -127,7 +131,7 @@ def test_attention_spec(tiny) -> None:
         },
     ],
 )
-def test_rope_scaling_matches_transformers(tmp_path, rope: dict) -> None:
+def test_rope_scaling_matches_transformers(tmp_path: Path, rope: dict) -> None:
     raw = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -148,7 +152,7 @@ def test_rope_scaling_matches_transformers(tmp_path, rope: dict) -> None:
     assert our_scale == pytest.approx(their_scale)
 
 
-def _raw_config(**overrides) -> dict:
+def _raw_config(**overrides: object) -> dict:
     raw = {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -203,7 +207,7 @@ def test_resolve_dtype() -> None:
         resolve_dtype("int8", cfg, "cpu")
 
 
-def test_load_rejects_unknown_and_missing_weights(tiny, tmp_path) -> None:
+def test_load_rejects_unknown_and_missing_weights(tiny: tuple[str, str, Any, PreTrainedModel], tmp_path: Path) -> None:
     kind, path, ours, _ = tiny
     from safetensors.torch import load_file, save_file
 

@@ -5,6 +5,9 @@ config, the fused-kernel path against the grouped one, and int8 experts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from cadence.engine.loader import load_model
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.moe import MoEForCausalLM, SparseMoeBlock, routes_on_host
+from cadence.engine.outputs import RequestOutput
 from cadence.engine.quantization.linear import Int8Method
 from cadence.engine.quantization.linear_layer import DenseMethod
 from tests.support.helpers import greedy, hf_greedy, make_llm, rel_err
@@ -34,7 +38,7 @@ INT8_TOL = 3e-2
 _REFERENCES: dict[str, list[list[int]]] = {}
 
 
-def _with_reference(kind: str, tiny_model_dir) -> tuple[str, str, list[list[int]]]:
+def _with_reference(kind: str, tiny_model_dir: Callable[[str], str]) -> tuple[str, str, list[list[int]]]:
     """(kind, folder, transformers' greedy continuations of PROMPTS), computed once per kind."""
     path = tiny_model_dir(kind)
     if kind not in _REFERENCES:
@@ -43,21 +47,21 @@ def _with_reference(kind: str, tiny_model_dir) -> tuple[str, str, list[list[int]
 
 
 @pytest.fixture(scope="module", params=MOE_KINDS)
-def moe_model(request: pytest.FixtureRequest, tiny_model_dir) -> tuple[str, str, list[list[int]]]:
+def moe_model(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], str]) -> tuple[str, str, list[list[int]]]:
     return _with_reference(request.param, tiny_model_dir)
 
 
-def tokens(outputs) -> list[list[int]]:
+def tokens(outputs: list[RequestOutput]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
     ctx = VarlenSdpaContext(model.attention_spec(), [ids.numel()])
     with torch.no_grad():
         return model.compute_logits(model(ids, torch.arange(ids.numel(), device=ids.device), ctx))
 
 
-def test_logits_match_transformers(moe_model) -> None:
+def test_logits_match_transformers(moe_model: tuple[str, str, list[list[int]]]) -> None:
     kind, path, _ = moe_model
     ours, _ = load_model(path, torch.float32, "cpu")
     assert isinstance(ours, MoEForCausalLM)
@@ -71,18 +75,18 @@ def test_logits_match_transformers(moe_model) -> None:
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
-def test_greedy_ragged_batch_matches_transformers(moe_model) -> None:
+def test_greedy_ragged_batch_matches_transformers(moe_model: tuple[str, str, list[list[int]]]) -> None:
     _, path, expected = moe_model
     assert tokens(make_llm(path).generate(PROMPTS, greedy(MAX_TOKENS))) == expected
 
 
-def test_chunked_prefill_gives_same_tokens(moe_model) -> None:
+def test_chunked_prefill_gives_same_tokens(moe_model: tuple[str, str, list[list[int]]]) -> None:
     _, path, expected = moe_model
     llm = make_llm(path, max_num_batched_tokens=6)
     assert tokens(llm.generate(PROMPTS, greedy(MAX_TOKENS))) == expected
 
 
-def test_preemption_with_recompute_gives_same_tokens(moe_model) -> None:
+def test_preemption_with_recompute_gives_same_tokens(moe_model: tuple[str, str, list[list[int]]]) -> None:
     _, path, expected = moe_model
     llm = make_llm(path, num_gpu_blocks=12, max_model_len=48, enable_prefix_caching=False)
     assert tokens(llm.generate(PROMPTS, greedy(MAX_TOKENS))) == expected
@@ -90,7 +94,7 @@ def test_preemption_with_recompute_gives_same_tokens(moe_model) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_matches_transformers(moe_model) -> None:
+def test_cuda_matches_transformers(moe_model: tuple[str, str, list[list[int]]]) -> None:
     """On a GPU the dense experts are stacked and run through the fused Triton kernel: the
     logits follow transformers' (on the CPU) to fp32 rounding, and the engine's greedy
     tokens for the ragged batch, with CUDA graphs on, are transformers' tokens."""
@@ -109,7 +113,7 @@ def test_cuda_matches_transformers(moe_model) -> None:
     assert tokens(llm.generate(PROMPTS, greedy(MAX_TOKENS))) == expected
 
 
-def test_routing_settings_follow_each_config(tiny_model_dir) -> None:
+def test_routing_settings_follow_each_config(tiny_model_dir: Callable[[str], str]) -> None:
     mixtral = ModelConfig.from_pretrained(tiny_model_dir("mixtral")).moe
     assert mixtral is not None
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.intermediate_size) == (8, 2, 128)
@@ -125,7 +129,7 @@ def test_routing_settings_follow_each_config(tiny_model_dir) -> None:
     assert [qwen3.moe.is_sparse(i) for i in range(2)] == [True, True]
 
 
-def test_fused_path_matches_grouped_path(tiny_model_dir) -> None:
+def test_fused_path_matches_grouped_path(tiny_model_dir: Callable[[str], str]) -> None:
     """The CUDA branch (stacked experts through kernels/fused_moe.py; here its CPU path)
     gives the grouped torch path's output, and stacking keeps one copy of the weights."""
     model, _ = load_model(tiny_model_dir("qwen2_moe"), torch.float32, "cpu")
@@ -143,7 +147,7 @@ def test_fused_path_matches_grouped_path(tiny_model_dir) -> None:
     assert rel_err(fused, grouped) < 1e-5
 
 
-def test_int8_experts(tiny_model_dir) -> None:
+def test_int8_experts(tiny_model_dir: Callable[[str], str]) -> None:
     """``--quantization int8`` reaches every expert (each close to its dense weights); the
     routers stay dense, and the model serves."""
     path = tiny_model_dir("mixtral")

@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,7 +88,7 @@ def _write(folder: str, tensors: dict[str, torch.Tensor], quantization_config: d
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+def checkpoints(tiny_model_dir: Callable[[str], str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """{format: quantized folder, "dense_sym"/"dense_asym": dequantized dense folders}."""
     src = tiny_model_dir("llama")
     dense = load_file(os.path.join(src, "model.safetensors"))
@@ -130,7 +131,7 @@ def _dense_ref(fmt: str) -> str:
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_prequantized_layers_are_int4_and_match_dequantized_weights(checkpoints, fmt: str) -> None:
+def test_prequantized_layers_are_int4_and_match_dequantized_weights(checkpoints: dict[str, str], fmt: str) -> None:
     model, config = load_model(checkpoints[fmt], torch.float32, "cpu")
     assert isinstance(model, LlamaForCausalLM)
     assert config.quantization is not None and config.quantization.method == fmt.split("_")[0]
@@ -166,7 +167,7 @@ def test_prequantized_layers_are_int4_and_match_dequantized_weights(checkpoints,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_prequantized_layers_on_cuda(checkpoints, fmt: str) -> None:
+def test_prequantized_layers_on_cuda(checkpoints: dict[str, str], fmt: str) -> None:
     """On CUDA the layers keep Cadence's layout and run the Triton W4A16 kernels."""
     model, _ = load_model(checkpoints[fmt], torch.float16, "cuda")
     dense, _ = load_model(checkpoints[_dense_ref(fmt)], torch.float32, "cuda")
@@ -184,7 +185,9 @@ def test_prequantized_layers_on_cuda(checkpoints, fmt: str) -> None:
 # ---------------------------------------------------------------- end to end through LLM
 
 
-def test_prequantized_exact_against_dequantized_dense(checkpoints, monkeypatch) -> None:
+def test_prequantized_exact_against_dequantized_dense(
+    checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The int4 layers' fp32 reference path: the loaded model IS the dequantized dense model."""
     monkeypatch.setattr(Int4Method, "convert_for_cpu", lambda self, layer: None)
     for fmt in FORMATS:
@@ -199,7 +202,7 @@ def test_prequantized_exact_against_dequantized_dense(checkpoints, monkeypatch) 
         assert diff < 1e-4, (fmt, diff)
 
 
-def test_prequantized_cpu_packed_path_end_to_end(checkpoints) -> None:
+def test_prequantized_cpu_packed_path_end_to_end(checkpoints: dict[str, str]) -> None:
     """The serving path (bf16-activation packed op) vs the dequantized dense model."""
     for fmt in FORMATS:
         quant, dense = _llm(checkpoints[fmt]), _llm(checkpoints[_dense_ref(fmt)])
@@ -244,7 +247,7 @@ def test_unsupported_quantization_configs_are_refused(qconfig: dict, message: st
         parse_quantization_config(qconfig)
 
 
-def test_refusals_reach_the_user_through_llm(checkpoints, tmp_path) -> None:
+def test_refusals_reach_the_user_through_llm(checkpoints: dict[str, str], tmp_path: Path) -> None:
     folder = str(tmp_path / "act_order")
     shutil.copytree(checkpoints["gptq_sym"], folder)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
@@ -269,7 +272,7 @@ def test_refusals_reach_the_user_through_llm(checkpoints, tmp_path) -> None:
         load_model(checkpoints["awq"], torch.float32, "cpu", quantization="int4")
 
 
-def test_missing_quantized_tensor_is_reported(checkpoints, tmp_path) -> None:
+def test_missing_quantized_tensor_is_reported(checkpoints: dict[str, str], tmp_path: Path) -> None:
     folder = str(tmp_path / "missing")
     shutil.copytree(checkpoints["awq"], folder)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
@@ -279,7 +282,9 @@ def test_missing_quantized_tensor_is_reported(checkpoints, tmp_path) -> None:
         load_model(folder, torch.float32, "cpu")
 
 
-def test_each_layer_is_converted_once_its_last_tensor_arrives(checkpoints, monkeypatch) -> None:
+def test_each_layer_is_converted_once_its_last_tensor_arrives(
+    checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Packed tensors are host copies: a layer must be converted as soon as its tensors are
     all in, not when the stream ends, or host memory would hold the whole packed model."""
     from cadence.engine import loader

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pickle
 import random
 from collections import Counter
+from collections.abc import Callable
 
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
@@ -115,7 +116,7 @@ class WireRunner:
         seen["chunks"] += sum(n > 1 for n in wire.num_scheduled_tokens.values())
 
 
-def test_a_runner_fed_only_msgpacked_outputs_samples_the_same(tiny_model_dir) -> None:
+def test_a_runner_fed_only_msgpacked_outputs_samples_the_same(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("llama")
     seen: Counter = Counter()
 

@@ -9,6 +9,7 @@ and a sliding window (the mistral kind).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ triton_llm = functools.partial(make_llm, attention_backend="triton")
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_triton_backend_matches_transformers(tiny_model_dir, kind: str) -> None:
+def test_triton_backend_matches_transformers(tiny_model_dir: Callable[[str], str], kind: str) -> None:
     path = tiny_model_dir(kind)
     expected = hf_greedy(path, PROMPTS, MAX_TOKENS)
     # A small token budget chunks the 17-token prompt while the others decode.
@@ -34,7 +35,7 @@ def test_triton_backend_matches_transformers(tiny_model_dir, kind: str) -> None:
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(MAX_TOKENS))] == expected
 
 
-def test_triton_backend_n_and_logprobs_match_the_torch_backend(tiny_model_dir) -> None:
+def test_triton_backend_n_and_logprobs_match_the_torch_backend(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("qwen2")
     params = greedy(MAX_TOKENS, n=2, logprobs=2)
     triton_out = triton_llm(path).generate(PROMPTS[:2], params)
@@ -47,7 +48,9 @@ def test_triton_backend_n_and_logprobs_match_the_torch_backend(tiny_model_dir) -
                     assert entry.logprob == pytest.approx(pb[token_id].logprob, abs=1e-4)
 
 
-def test_unknown_or_unavailable_backend_is_refused(tiny_model_dir, monkeypatch) -> None:
+def test_unknown_or_unavailable_backend_is_refused(
+    tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tiny_model_dir("llama")
     with pytest.raises(ValueError, match="unknown attention backend"):
         triton_llm(path, attention_backend="flashinfer")

@@ -108,7 +108,9 @@ def test_default_attention_splits_follow_the_batch() -> None:
     assert pa.choose_num_splits(16, 2, 1024, 8) == 1
 
 
-def one_sequence_cache(seq_len: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, seed: int):
+def one_sequence_cache(
+    seq_len: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A paged cache holding ``seq_len`` tokens of one sequence in scattered blocks, plus a
     second, unrelated sequence of 23 tokens; block tables for both."""
     g = gen(seed)
@@ -122,7 +124,15 @@ def one_sequence_cache(seq_len: int, kv_heads: int, head_dim: int, block_size: i
     return kv.to(DEVICE, dtype), tables.to(DEVICE)
 
 
-def attend(q_parts, kv, tables, seqs, window, invariant, num_splits=None) -> list[torch.Tensor]:
+def attend(
+    q_parts: list[torch.Tensor],
+    kv: torch.Tensor,
+    tables: torch.Tensor,
+    seqs: list[tuple[int, int, int]],
+    window: int | None,
+    invariant: bool,
+    num_splits: int | None = None,
+) -> list[torch.Tensor]:
     """One launch over the sequences ``seqs`` = [(table row, context, query length)] with
     their query rows ``q_parts``; the outputs split back per sequence."""
     q = torch.cat(q_parts)
@@ -221,7 +231,7 @@ def test_backend_captures_one_unsplit_graph_per_batch_size() -> None:
         create_attention_backend("torch", spec, 16, torch.device("cuda"), batch_invariant=True)
 
 
-def test_flag_reaches_engine_args(tiny_model_dir) -> None:
+def test_flag_reaches_engine_args(tiny_model_dir: Callable[[str], str]) -> None:
     folder = tiny_model_dir("llama")
     assert engine_args_from(build_parser().parse_args(["serve", folder, "--batch-invariant"])).batch_invariant
     assert not engine_args_from(build_parser().parse_args(["serve", folder])).batch_invariant
@@ -240,7 +250,7 @@ def invariant_runs(llm_for: Callable[..., LLM], tokens: int) -> tuple[list[int],
     return alone, crowd, chunked.outputs[0].token_ids
 
 
-def test_engine_on_the_triton_backend_is_batch_invariant(tiny_model_dir) -> None:
+def test_engine_on_the_triton_backend_is_batch_invariant(tiny_model_dir: Callable[[str], str]) -> None:
     """The engine's plumbing, in the interpreter: every layer and the tied head switched."""
     path = tiny_model_dir("tied")
 
@@ -259,7 +269,9 @@ def test_engine_on_the_triton_backend_is_batch_invariant(tiny_model_dir) -> None
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [False, True])
 @pytest.mark.parametrize("kind,quantization", [("llama", None), ("tied", None), ("qwen2", "int4"), ("llama", "int8")])
-def test_greedy_tokens_do_not_depend_on_the_batch_on_a_gpu(tiny_model_dir, kind, quantization, enforce_eager) -> None:
+def test_greedy_tokens_do_not_depend_on_the_batch_on_a_gpu(
+    tiny_model_dir: Callable[[str], str], kind: str, quantization: str | None, enforce_eager: bool
+) -> None:
     path = tiny_model_dir(kind)
 
     def llm_for(**options: object) -> LLM:

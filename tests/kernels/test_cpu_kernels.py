@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -31,7 +32,9 @@ HALF = [fmt.name for fmt in (FP16, BF16, BF16DOT) if available(fmt)]
 AUTO_HERE = "bf16dot" if "bf16dot" in HALF else "fp16" if "fp16" in HALF else "dense"
 
 
-def _int8_model(tiny_model_dir, mode: str, quantize_lm_head: bool | None = None) -> LlamaForCausalLM:
+def _int8_model(
+    tiny_model_dir: Callable[[str], str], mode: str, quantize_lm_head: bool | None = None
+) -> LlamaForCausalLM:
     return load_llama(tiny_model_dir("tied"), torch.float32, "cpu", "int8", quantize_lm_head, cpu_kernels=mode)
 
 
@@ -59,7 +62,9 @@ def test_options_are_validated() -> None:
     assert engine_args_from(build_parser().parse_args(["serve"])).cpu_kernels == "auto"
 
 
-def test_auto_runs_the_finest_kernel_this_cpu_makes_fast(tiny_model_dir, caplog) -> None:
+def test_auto_runs_the_finest_kernel_this_cpu_makes_fast(
+    tiny_model_dir: Callable[[str], str], caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, logger="cadence.engine.quantization.cpu_planner"):
         model = _int8_model(tiny_model_dir, "auto", quantize_lm_head=True)
     heads, body = _kernels(model)
@@ -73,7 +78,9 @@ def test_auto_runs_the_finest_kernel_this_cpu_makes_fast(tiny_model_dir, caplog)
     "missing,expected",
     [((), "bf16dot"), (("bf16dot",), "fp16"), (("bf16dot", "fp16"), "dense"), (("fp16",), "bf16dot")],
 )
-def test_auto_follows_the_instruction_set(tiny_model_dir, monkeypatch, missing: tuple[str, ...], expected: str) -> None:
+def test_auto_follows_the_instruction_set(
+    tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, missing: tuple[str, ...], expected: str
+) -> None:
     """The rule by what the CPU (and the torch build) runs, each case faked on this machine:
     AVX512-BF16 gives bf16dot; without it fbgemm's fp16; without that the kept fp32 copy."""
     if expected != "dense" and expected not in HALF:
@@ -85,7 +92,9 @@ def test_auto_follows_the_instruction_set(tiny_model_dir, monkeypatch, missing: 
     assert heads == ["fp16" if "fp16" in HALF and "fp16" not in missing else "dense"]
 
 
-def test_the_kernels_never_follow_a_timing(tiny_model_dir, monkeypatch) -> None:
+def test_the_kernels_never_follow_a_timing(
+    tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """However the clocks read while it plans (adversarial: jumping back and forth by
     seconds), and however busy both cores are, the plan is the rule's."""
     quiet = _kernels(_int8_model(tiny_model_dir, "auto", quantize_lm_head=True))
@@ -102,7 +111,9 @@ def test_the_kernels_never_follow_a_timing(tiny_model_dir, monkeypatch) -> None:
     assert busy == quiet
 
 
-def test_copies_stay_within_the_machines_memory(tiny_model_dir, monkeypatch) -> None:
+def test_copies_stay_within_the_machines_memory(
+    tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A kept copy runs only while every copy fits a share of the machine's total memory
     (what is free at the moment plays no part); with none, the kernels that keep none."""
     monkeypatch.setattr(cpu_planner, "total_host_memory", lambda: 1 << 40)
@@ -158,7 +169,7 @@ def test_every_kernel_gives_the_layer_its_values() -> None:
 
 
 @pytest.mark.parametrize("rounding", ["auto", "packed", *[k for k in ("bf16", "bf16dot") if k in HALF]])
-def test_the_int8_head_never_rounds_logits_to_bf16(tiny_model_dir, rounding: str) -> None:
+def test_the_int8_head_never_rounds_logits_to_bf16(tiny_model_dir: Callable[[str], str], rounding: str) -> None:
     """``packed`` and ``bf16`` give bf16 logits, which would tie greedy candidates, and
     ``bf16dot`` rounds the final hidden state to bf16: none serves the head, even where
     --cpu-kernels names it for the model; the head gets auto's choice among its own."""
@@ -167,7 +178,7 @@ def test_the_int8_head_never_rounds_logits_to_bf16(tiny_model_dir, rounding: str
     assert body and set(body) == {AUTO_HERE if rounding == "auto" else rounding}, rounding
 
 
-def test_group_summary_counts_layers_by_kernel(tiny_model_dir) -> None:
+def test_group_summary_counts_layers_by_kernel(tiny_model_dir: Callable[[str], str]) -> None:
     model = _int8_model(tiny_model_dir, "packed", quantize_lm_head=True)
     summary = group_summary(model.modules())
     assert summary == {"packed": 4 * len(model.model.layers), "fp16" if "fp16" in HALF else "dense": 1}

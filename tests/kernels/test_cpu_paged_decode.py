@@ -10,6 +10,8 @@ engine turns the kernel on only where it serves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from cadence import LLM
 from cadence.engine.attention import cpu_paged_decode
 from cadence.engine.attention.backend import AttentionSpec, StepBatch
 from cadence.engine.attention.cpu_paged_decode import GeneratedRows, attend_generated
-from cadence.engine.attention.torch_sdpa import TorchSDPABackend
+from cadence.engine.attention.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from tests.support.helpers import run_python
 
 pytestmark = pytest.mark.skipif(not cpu_paged_decode.available(), reason="numba cannot build the kernel here")
@@ -67,7 +69,9 @@ def _cache_with_sequences(
     "heads,kv_heads,dim,block_size,window",
     [(9, 3, 64, 16, None), (4, 4, 24, 4, None), (8, 2, 32, 16, 7), (6, 1, 16, 8, 40)],
 )
-def test_kernel_matches_float64_attention(heads: int, kv_heads: int, dim: int, block_size: int, window: int | None):
+def test_kernel_matches_float64_attention(
+    heads: int, kv_heads: int, dim: int, block_size: int, window: int | None
+) -> None:
     lengths = [1, 15, 16, 17, 100, 3, 64]
     k_cache, v_cache, tables, keys, values = _cache_with_sequences(lengths, kv_heads, dim, block_size, seed=1)
     query = torch.randn(len(lengths) + 2, heads, dim, generator=_gen(2))  # rows 0 and 1 are not asked for
@@ -83,7 +87,7 @@ def test_kernel_matches_float64_attention(heads: int, kv_heads: int, dim: int, b
         torch.testing.assert_close(out[row].double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_rows_bits_do_not_depend_on_the_others():
+def test_a_rows_bits_do_not_depend_on_the_others() -> None:
     """Alone, among other rows of other lengths, in another order, at another row of the
     batch and on one thread: the same bits."""
     lengths = [150, 7, 300, 33, 150, 1]
@@ -119,7 +123,7 @@ def test_a_rows_bits_do_not_depend_on_the_others():
     assert torch.equal(out[-1], together[0])
 
 
-def test_a_strided_output_gets_the_same_values():
+def test_a_strided_output_gets_the_same_values() -> None:
     k_cache, v_cache, tables, _, _ = _cache_with_sequences([20, 40], 2, 16, 4, seed=6)
     query = torch.randn(3, 4, 16, generator=_gen(7))
     generated = GeneratedRows.build([0, 2], tables, [19, 39], None)
@@ -148,7 +152,7 @@ def _step(
     qkv: tuple[torch.Tensor, ...],
     positions: range,
     prompt_len: int,
-):
+) -> tuple[TorchSDPAMetadata, torch.Tensor]:
     """One sequence adds ``positions`` (its rows of ``qkv``) on ``cache``: the metadata and output."""
     q, k, v = (t[positions.start : positions.stop] for t in qkv)
     slots = table[torch.tensor(list(positions)) // BLOCK].long() * BLOCK + torch.tensor(list(positions)) % BLOCK
@@ -165,7 +169,7 @@ def _step(
     return metadata, backend.forward(q, k, v, cache, metadata)
 
 
-def test_backend_routes_rows_by_token_kind_and_a_recompute_keeps_the_decode_bits():
+def test_backend_routes_rows_by_token_kind_and_a_recompute_keeps_the_decode_bits() -> None:
     backend = _backend()
     gen = _gen(5)
     length, prompt_len = 12, 7
@@ -198,7 +202,7 @@ def test_backend_routes_rows_by_token_kind_and_a_recompute_keeps_the_decode_bits
     assert metadata.generated is None and len(metadata.decode_groups) == 1
 
 
-def test_a_mixed_step_gives_each_row_what_it_gets_alone():
+def test_a_mixed_step_gives_each_row_what_it_gets_alone() -> None:
     """Generated decodes, a prompt's one-token chunk and a recomputed request's chunk (prompt
     rows, then generated ones) in one step: each row's output is the one its sequence's own
     step gives it, and the rows land where they belong."""
@@ -252,7 +256,9 @@ def test_a_mixed_step_gives_each_row_what_it_gets_alone():
     assert torch.equal(out[0:1], alone[0]) and torch.equal(out[1:2], alone[1]) and torch.equal(out[2:], alone[2])
 
 
-def test_the_kernel_serves_only_float32_attention_over_a_plain_cache(monkeypatch, tiny_model_dir):
+def test_the_kernel_serves_only_float32_attention_over_a_plain_cache(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Callable[[str], str]
+) -> None:
     cpu = torch.device("cpu")
     assert not TorchSDPABackend(SPEC, BLOCK).splits_generated_rows  # off until asked for
     assert not TorchSDPABackend(SPEC, BLOCK).use_paged_decode(cpu, None)  # a quantized cache
@@ -270,7 +276,7 @@ def test_the_kernel_serves_only_float32_attention_over_a_plain_cache(monkeypatch
     assert not TorchSDPABackend(SPEC, BLOCK).use_paged_decode(cpu, torch.float32)
 
 
-def test_starting_the_kernel_keeps_torchs_thread_count():
+def test_starting_the_kernel_keeps_torchs_thread_count() -> None:
     """numba's OpenMP threads set the OpenMP thread count as they start; torch's is put back."""
     code = (
         "import torch\n"
@@ -283,7 +289,7 @@ def test_starting_the_kernel_keeps_torchs_thread_count():
 
 
 @pytest.mark.parametrize("dim,window", [(64, None), (80, 37), (128, None)])
-def test_a_process_forked_after_the_kernel_ran_runs_it_serially(dim: int, window: int | None):
+def test_a_process_forked_after_the_kernel_ran_runs_it_serially(dim: int, window: int | None) -> None:
     """GNU OpenMP's threads do not survive a fork: the child runs the serial form. It is
     compiled apart from the parallel form, and LLVM may vectorize its sums otherwise, so
     the child's bits may differ from the parent's; within the child a row still has the

@@ -25,7 +25,9 @@ def _projection(t: int, heads: int, kv_heads: int, dim: int, seed: int) -> tuple
 
 @needs_kernel
 @pytest.mark.parametrize("t,heads,kv_heads,dim", [(8, 4, 2, 16), (37, 9, 3, 64), (300, 8, 8, 128), (64, 6, 1, 10)])
-def test_the_reference_bits_from_the_projection_rows(t: int, heads: int, kv_heads: int, dim: int, monkeypatch) -> None:
+def test_the_reference_bits_from_the_projection_rows(
+    t: int, heads: int, kv_heads: int, dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     q, k, _ = _projection(t, heads, kv_heads, dim, seed=t)
     rope = RotaryEmbedding(dim, 4096, theta=10000.0)
     positions = torch.randint(0, 4096, (t,), generator=gen(1))

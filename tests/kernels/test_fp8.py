@@ -19,6 +19,7 @@ Tolerances (relative Frobenius error ||out - ref|| / ||ref||), all measured:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -188,7 +189,7 @@ def test_fp8_linear_holds_fp8_weights_and_state() -> None:
 # ---------------------------------------------------------------- quantize_model and options
 
 
-def test_quantize_model_fp8_swaps_only_the_projections(tiny_model_dir) -> None:
+def test_quantize_model_fp8_swaps_only_the_projections(tiny_model_dir: Callable[[str], str]) -> None:
     model = load_llama(tiny_model_dir("llama"), torch.float32, "cpu", quantization="fp8")
     kinds = {
         name.rsplit(".", 1)[-1]: type(mod.method).__name__
@@ -213,7 +214,7 @@ def test_fp8_option_is_accepted_everywhere() -> None:
     torch.cuda.is_available(),
     reason="checks Fp8Method's CPU path; CUDA runs fp8_matmul, compared with its reference in the gpu tests above",
 )
-def test_tiny_model_end_to_end_fp8(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_model_end_to_end_fp8(tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch) -> None:
     path = tiny_model_dir("llama")
     dense = tiny_llm(path, None)
     ref_tokens = greedy_tokens(dense, TINY_PROMPTS, max_tokens=8)

@@ -95,7 +95,7 @@ def test_every_row_has_the_bits_it_has_alone(fmt: HalfFormat) -> None:
 
 
 @needs_fp16
-def test_the_planner_refuses_fp16_for_weights_beyond_its_range(caplog) -> None:
+def test_the_planner_refuses_fp16_for_weights_beyond_its_range(caplog: pytest.LogCaptureFixture) -> None:
     weight = torch.randn(64, 96)
     weight[3, 5] = 1e5  # beyond fp16's 65504
     layer = Int8Linear(*quantize_int8(weight))

@@ -7,6 +7,7 @@ served by it close to its dense values; both only for a user who names one."""
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -141,7 +142,7 @@ def test_nan_and_inf_propagate_and_tiny_blocks_quantize_to_zero() -> None:
     assert out[:2].isnan().all() and out[2:].isfinite().all()
 
 
-def test_the_kernel_is_never_compiled_for_a_target_without_avx2(monkeypatch) -> None:
+def test_the_kernel_is_never_compiled_for_a_target_without_avx2(monkeypatch: pytest.MonkeyPatch) -> None:
     """LLVM aborts the process on an intrinsic its target lacks: a numba told to compile
     for another CPU must be refused before anything compiles."""
     from numba.core import config
@@ -243,7 +244,9 @@ def test_an_int4_layer_on_an_integer_kernel_reads_its_own_codes(group_size: int,
 
 @needs_int8dot
 @pytest.mark.parametrize("kernel", [INT8X2DOT, INT8DOT])
-def test_only_a_user_who_names_an_integer_kernel_gets_it(tiny_model_dir, monkeypatch, kernel: str) -> None:
+def test_only_a_user_who_names_an_integer_kernel_gets_it(
+    tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
     """auto neither offers the integer kernels (nor asks the hardware, which compiles them)
     nor runs them; --cpu-kernels KERNEL runs it on every int4 projection."""
     with monkeypatch.context() as patch:

@@ -207,7 +207,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Launch], li
     return launches, json.loads(proc.stdout)
 
 
-def test_every_wrapper_launch_was_recorded(compiled) -> None:
+def test_every_wrapper_launch_was_recorded(compiled: tuple[list[Launch], list[dict]]) -> None:
     launches, _ = compiled
     kernels = {launch.kernel for launch in launches}
     assert kernels == {
@@ -228,7 +228,7 @@ def test_every_wrapper_launch_was_recorded(compiled) -> None:
     }
 
 
-def test_every_launch_compiles_for_a100_and_h100(compiled) -> None:
+def test_every_launch_compiles_for_a100_and_h100(compiled: tuple[list[Launch], list[dict]]) -> None:
     _, results = compiled
     print(f"\n{'launch':58} {'kernel':22} arch  regs  spill  smem")
     for r in results:
@@ -242,7 +242,7 @@ def test_every_launch_compiles_for_a100_and_h100(compiled) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_only_the_fp8_cache_write_needs_fp8_hardware(compiled) -> None:
+def test_only_the_fp8_cache_write_needs_fp8_hardware(compiled: tuple[list[Launch], list[dict]]) -> None:
     """Everything else reads fp8 as bytes; an fp8 cache on an A100 is written in torch."""
     launches, _ = compiled
     needs_fp8 = {(launch.kernel, launch.label) for launch in launches if launch.min_arch > 80}

@@ -50,29 +50,29 @@ MESSAGES: list[ChatMessage] = [{"role": "system", "content": "Be brief."}, {"rol
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir) -> str:
+def model_dir(tiny_model_dir: Callable[[str], str]) -> str:
     return tiny_model_dir("llama")
 
 
 @pytest.fixture(scope="module")
-def server(model_dir) -> Iterator[ServerProcess]:
+def server(model_dir: str) -> Iterator[ServerProcess]:
     with ServerProcess(model_dir, "--num-gpu-blocks", "512", "--served-model-name", "tiny") as process:
         yield process
 
 
 @pytest.fixture(scope="module")
-def client(server) -> Iterator[Client]:
+def client(server: ServerProcess) -> Iterator[Client]:
     with Client(server.base_url, max_retries=0) as made:
         yield made
 
 
 @pytest.fixture(scope="module")
-def sdk(server) -> openai.OpenAI:
+def sdk(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
-def eos_prompt(client, model_dir) -> tuple[list[int], int, int]:
+def eos_prompt(client: Client, model_dir: str) -> tuple[list[int], int, int]:
     """A prompt whose greedy answer ends on the model's EOS within 16 tokens: (prompt,
     tokens up to and with the EOS, the EOS id)."""
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
@@ -91,7 +91,7 @@ def usage_numbers(usage: object) -> tuple[int, int, int]:
     return (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)  # type: ignore[attr-defined]
 
 
-def test_models_health_and_the_default_model(server, client) -> None:
+def test_models_health_and_the_default_model(server: ServerProcess, client: Client) -> None:
     listed = client.models()
     assert [m.id for m in listed.data] == ["tiny"]
     assert listed.data[0].max_model_len == 512
@@ -103,7 +103,9 @@ def test_models_health_and_the_default_model(server, client) -> None:
 
 
 @pytest.mark.parametrize("prompt", ["The quick brown fox", [5, 6, 7]])
-def test_completions_plain_and_streamed_match_the_openai_sdk(client, sdk, prompt) -> None:
+def test_completions_plain_and_streamed_match_the_openai_sdk(
+    client: Client, sdk: openai.OpenAI, prompt: str | list[int]
+) -> None:
     expected = sdk.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
     got = client.completions(prompt, model="tiny", max_tokens=12, temperature=0)
     assert got.choices[0].text == expected.choices[0].text
@@ -119,8 +121,8 @@ def test_completions_plain_and_streamed_match_the_openai_sdk(client, sdk, prompt
     assert all(c.usage is None for c in client.completions_stream(prompt, max_tokens=3, temperature=0))
 
 
-def test_chat_plain_and_streamed_match_the_openai_sdk(client, sdk) -> None:
-    expected = sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0)
+def test_chat_plain_and_streamed_match_the_openai_sdk(client: Client, sdk: openai.OpenAI) -> None:
+    expected = sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0)  # type: ignore[arg-type]
     got = client.chat(MESSAGES, max_tokens=10, temperature=0)
     assert got.choices[0].message.content == expected.choices[0].message.content
     assert got.choices[0].message.role == "assistant"
@@ -133,7 +135,7 @@ def test_chat_plain_and_streamed_match_the_openai_sdk(client, sdk) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_eos_ignore_eos_min_tokens_and_stop_token_ids(client, eos_prompt) -> None:
+def test_eos_ignore_eos_min_tokens_and_stop_token_ids(client: Client, eos_prompt: tuple[list[int], int, int]) -> None:
     prompt, to_eos, eos = eos_prompt
     assert to_eos < 16
     run_on = client.completions(prompt, max_tokens=16, temperature=0, ignore_eos=True)
@@ -147,10 +149,10 @@ def test_eos_ignore_eos_min_tokens_and_stop_token_ids(client, eos_prompt) -> Non
     assert held.usage is not None and held.usage.completion_tokens >= to_eos + 2
 
 
-def test_top_k_min_p_and_repetition_penalty_are_honoured(client, sdk) -> None:
+def test_top_k_min_p_and_repetition_penalty_are_honoured(client: Client, sdk: openai.OpenAI) -> None:
     prompt = [5, 6, 7]
     greedy = client.completions(prompt, max_tokens=16, temperature=0, ignore_eos=True).choices[0].text
-    hot = {"max_tokens": 16, "temperature": 50.0, "seed": 1, "ignore_eos": True}
+    hot: dict[str, Any] = {"max_tokens": 16, "temperature": 50.0, "seed": 1, "ignore_eos": True}
     assert client.completions(prompt, **hot).choices[0].text != greedy
     assert client.completions(prompt, top_k=1, **hot).choices[0].text == greedy
     assert client.completions(prompt, min_p=1.0, priority=1, **hot).choices[0].text == greedy
@@ -161,7 +163,7 @@ def test_top_k_min_p_and_repetition_penalty_are_honoured(client, sdk) -> None:
     assert via_sdk.choices[0].text == penalized
 
 
-def test_tokenize_and_detokenize_round_trip(client) -> None:
+def test_tokenize_and_detokenize_round_trip(client: Client) -> None:
     text = "The quick brown fox"
     tokens = client.tokenize(text, add_special_tokens=False)
     assert tokens.count == len(tokens.tokens) > 0 and tokens.max_model_len == 512
@@ -174,7 +176,7 @@ def test_tokenize_and_detokenize_round_trip(client) -> None:
         client.tokenize(text, MESSAGES)
 
 
-def test_metrics_count_the_generated_tokens(client) -> None:
+def test_metrics_count_the_generated_tokens(client: Client) -> None:
     before = client.metrics()
     client.completions([5, 6, 7], max_tokens=7, temperature=0, ignore_eos=True)
     after = client.metrics()
@@ -187,7 +189,7 @@ def test_metrics_count_the_generated_tokens(client) -> None:
         metric_value(after, "cadence:generation_token_total")
 
 
-def test_errors_carry_the_server_body(client) -> None:
+def test_errors_carry_the_server_body(client: Client) -> None:
     with pytest.raises(BadRequestError) as caught:
         client.completions("x", max_tokens=-1)
     error = caught.value
@@ -204,10 +206,10 @@ def test_errors_carry_the_server_body(client) -> None:
     with pytest.raises(BadRequestError):
         client.chat_stream(MESSAGES, max_tokens=0)
     with pytest.raises(TypeError, match="extra_body"):
-        client.completions("x", topk=1)
+        client.completions("x", topk=1)  # type: ignore[call-arg]
 
 
-def test_async_client(server, client) -> None:
+def test_async_client(server: ServerProcess, client: Client) -> None:
     expected = client.completions([5, 6, 7], max_tokens=8, temperature=0)
     expected_chat = client.chat(MESSAGES, max_tokens=6, temperature=0)
 

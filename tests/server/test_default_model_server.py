@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
@@ -21,12 +23,12 @@ def offline() -> LLM:
 
 
 @pytest.fixture(scope="module")
-def server(offline: LLM):
+def server(offline: LLM) -> Iterator[ServerProcess]:
     with ServerProcess(None) as process:
         yield process
 
 
-def test_default_model_answers_a_chat_question(server) -> None:
+def test_default_model_answers_a_chat_question(server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
     raw = client.chat.completions.with_raw_response.create(
@@ -48,7 +50,7 @@ def test_default_model_answers_a_chat_question(server) -> None:
     assert reply.usage is not None and reply.usage.completion_tokens < 32
 
 
-def test_default_model_streams_the_same_answer(server) -> None:
+def test_default_model_streams_the_same_answer(server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three colours."}]
     # The first request reuses only the system-prompt blocks the Paris question cached,
@@ -72,7 +74,7 @@ def test_default_model_streams_the_same_answer(server) -> None:
     assert len(pieces) > 3, "the answer arrives in pieces, not at the end"
 
 
-def test_offline_llm_with_no_model_gives_the_servers_greedy_tokens(server, offline: LLM) -> None:
+def test_offline_llm_with_no_model_gives_the_servers_greedy_tokens(server: ServerProcess, offline: LLM) -> None:
     """`LLM()` and `cadence serve`, with no model: the same model, quantization (the file's
     Q4_1 blocks, its Q8_0 head as int8), kernels and tokenizer, so the same tokens."""
     llm = offline

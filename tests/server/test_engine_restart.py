@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -49,7 +50,7 @@ def _greedy_text(server: ServerProcess) -> str:
     return str(response.json()["choices"][0]["text"])
 
 
-def test_killed_engine_is_started_again_under_load(tiny_model_dir) -> None:
+def test_killed_engine_is_started_again_under_load(tiny_model_dir: Callable[[str], str]) -> None:
     with ServerProcess(tiny_model_dir("llama"), "--served-model-name", MODEL) as server:
         url = server.base_url
         greedy_before = _greedy_text(server)
@@ -79,7 +80,7 @@ def test_killed_engine_is_started_again_under_load(tiny_model_dir) -> None:
         assert "starting it again" in server.log() and "serving again" in server.log()
 
 
-def test_server_exits_nonzero_when_restarts_keep_failing(tiny_model_dir, tmp_path: Path) -> None:
+def test_server_exits_nonzero_when_restarts_keep_failing(tiny_model_dir: Callable[[str], str], tmp_path: Path) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir("llama"), model)
     with ServerProcess(str(model), "--served-model-name", MODEL, "--engine-restart-limit", "2") as server:
@@ -93,7 +94,9 @@ def test_server_exits_nonzero_when_restarts_keep_failing(tiny_model_dir, tmp_pat
         assert "try 2 of 2" in log, log
 
 
-def test_sigterm_during_the_backoff_stops_the_server_cleanly(tiny_model_dir, tmp_path: Path) -> None:
+def test_sigterm_during_the_backoff_stops_the_server_cleanly(
+    tiny_model_dir: Callable[[str], str], tmp_path: Path
+) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir("llama"), model)
     with ServerProcess(str(model), "--served-model-name", MODEL) as server:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -39,7 +41,7 @@ def _answers(server: ServerProcess) -> list[str]:
         return list(pool.map(ask, PROMPTS))
 
 
-def test_served_answers_match_with_and_without_offloading(tiny_model_dir) -> None:
+def test_served_answers_match_with_and_without_offloading(tiny_model_dir: Callable[[str], str]) -> None:
     """Same text for 16 concurrent completions; expert misses and bytes on /metrics."""
     path = tiny_model_dir("mixtral")
     common = ("--num-gpu-blocks", "256", "--dtype", "float32")
@@ -91,7 +93,7 @@ def _probe(path: str, options: dict[str, object]) -> dict[str, object]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_disk_offload_keeps_resident_memory_under_budget(tmp_path) -> None:
+def test_disk_offload_keeps_resident_memory_under_budget(tmp_path: Path) -> None:
     """A Mixtral whose experts take 192 MiB: served from disk with 2 slots per layer, the
     process grows (at its peak, loading included) by no more than the resident run's
     growth without the experts, plus the slots and 32 MiB; the tokens are the same."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ VLLM_FIELDS = (
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def server(tiny_model_dir: Callable[[str], str]) -> Iterator[ServerProcess]:
     args = ("--served-model-name", MODEL, "--block-size", "4", "--num-gpu-blocks", "512", "--max-num-seqs", "8")
     with ServerProcess(tiny_model_dir("llama"), *args) as process:
         yield process
@@ -131,7 +132,9 @@ def test_faults_are_answered_and_leave_the_server_idle(server: ServerProcess, tm
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
 
 
-def test_waiting_for_a_concurrency_slot_counts_against_latency(tiny_model_dir, tmp_path: Path) -> None:
+def test_waiting_for_a_concurrency_slot_counts_against_latency(
+    tiny_model_dir: Callable[[str], str], tmp_path: Path
+) -> None:
     # Every answer takes 0.2 s to its first token and 0.23 s in all; requests are due
     # every 0.05 s but only one may be in flight, so each waits longer than the last.
     with SyntheticServerProcess(ttft=0.2, itl=0.01) as synthetic:

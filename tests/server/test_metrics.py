@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -46,7 +47,7 @@ def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def server(tiny_model_dir: Callable[[str], str]) -> Iterator[ServerProcess]:
     args = ("--served-model-name", MODEL, "--metrics-prefix", "vllm", "--block-size", "4")
     limits = ("--num-gpu-blocks", "256", "--max-num-seqs", "2", "--max-waiting", "0")
     with ServerProcess(tiny_model_dir("llama"), *args, *limits) as process:

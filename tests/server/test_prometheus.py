@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -77,7 +78,9 @@ def concrete(expr: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def prometheus_url(tiny_model_dir, tmp_path_factory):
+def prometheus_url(
+    tiny_model_dir: Callable[[str], str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, ServerProcess]]:
     binary = prometheus_binary()
     args = ("--served-model-name", MODEL, "--prefill-workers", "1", "--decode-workers", "1")
     limits = ("--max-num-seqs", "2", "--max-waiting", "0")
@@ -131,7 +134,7 @@ def wait_for_scrapes(base: str, process: subprocess.Popen, folder: Path, count: 
     raise AssertionError(f"Prometheus did not scrape {count} times within a minute")
 
 
-def test_every_dashboard_query_returns_data(prometheus_url) -> None:
+def test_every_dashboard_query_returns_data(prometheus_url: tuple[str, ServerProcess]) -> None:
     base, server = prometheus_url
     board = json.loads(grafana_dashboard.OUTPUT.read_text(encoding="utf-8"))
     expert_names = {grafana_dashboard.name(series) for series in EXPERT_SERIES}
@@ -153,7 +156,7 @@ def test_every_dashboard_query_returns_data(prometheus_url) -> None:
     assert not any(name.removesuffix("_total") in exported for name in expert_names)
 
 
-def test_every_alert_signal_returns_data_and_every_rule_evaluates(prometheus_url) -> None:
+def test_every_alert_signal_returns_data_and_every_rule_evaluates(prometheus_url: tuple[str, ServerProcess]) -> None:
     base, _ = prometheus_url
     for alert in prometheus_alerts.ALERTS:
         assert query(base, alert.signal), f"no data for {alert.name}: {alert.signal}"

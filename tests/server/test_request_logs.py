@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -20,7 +21,7 @@ SECRET = "the prompt nobody may read"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def server(tiny_model_dir: Callable[[str], str]) -> Iterator[ServerProcess]:
     args = ("--served-model-name", MODEL, "--log-format", "json", "--log-level", "info")
     with ServerProcess(tiny_model_dir("llama"), *args) as process:
         yield process

@@ -15,7 +15,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -71,7 +71,7 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[Cluster]:
+def cluster(tiny_model_dir: Callable[[str], str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     model = tiny_model_dir("llama")
     with ExitStack() as stack:
         hosts = stack.enter_context(other_host())

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -23,23 +25,23 @@ MODEL_KIND = "llama"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir) -> str:
+def model_dir(tiny_model_dir: Callable[[str], str]) -> str:
     return tiny_model_dir(MODEL_KIND)
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
+def server(model_dir: str) -> Iterator[ServerProcess]:
     with ServerProcess(model_dir, "--num-gpu-blocks", "512", "--served-model-name", "tiny") as process:
         yield process
 
 
 @pytest.fixture(scope="module")
-def offline(model_dir) -> LLM:
+def offline(model_dir: str) -> LLM:
     return LLM(model_dir)
 
 
 @pytest.fixture()
-def client(server) -> openai.OpenAI:
+def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
@@ -68,7 +70,7 @@ def sse_payloads(response: httpx.Response) -> list[dict | str]:
     return payloads
 
 
-def test_models_version_health(server, client) -> None:
+def test_models_version_health(server: ServerProcess, client: openai.OpenAI) -> None:
     listed = client.models.list().data
     assert [m.id for m in listed] == ["tiny"]
     raw = httpx.get(f"{server.base_url}/v1/models").json()
@@ -78,12 +80,13 @@ def test_models_version_health(server, client) -> None:
     assert httpx.get(f"{server.base_url}/version").json()["version"]
 
 
-def test_completions_match_offline_greedy(server, client, offline) -> None:
+def test_completions_match_offline_greedy(server: ServerProcess, client: openai.OpenAI, offline: LLM) -> None:
     prompts = greedy_prompts(4)
     expected = offline_texts(offline, prompts, 12)
     response = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0)
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
     assert [c.text for c in response.choices] == expected
+    assert response.usage is not None
     assert response.usage.prompt_tokens == sum(len(p) for p in prompts)
     assert response.usage.completion_tokens == 4 * 12
     assert all(c.finish_reason == "length" for c in response.choices)
@@ -95,7 +98,7 @@ def test_completions_match_offline_greedy(server, client, offline) -> None:
     assert raw["choices"][0]["text"] == expected[0]
 
 
-def test_text_prompt_and_string_list(server, client, offline) -> None:
+def test_text_prompt_and_string_list(server: ServerProcess, client: openai.OpenAI, offline: LLM) -> None:
     texts = ["The quick brown fox", "Paris is the capital of"]
     ids = [offline.get_tokenizer().encode(t) for t in texts]
     expected = offline_texts(offline, ids, 8)
@@ -104,7 +107,7 @@ def test_text_prompt_and_string_list(server, client, offline) -> None:
     assert [c.text for c in response.choices] == [expected[0], expected[0], expected[1], expected[1]]
 
 
-def test_chat_matches_offline_and_validates(server, client, offline) -> None:
+def test_chat_matches_offline_and_validates(server: ServerProcess, client: openai.OpenAI, offline: LLM) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}]
     tokenizer = offline.get_tokenizer()
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -118,7 +121,7 @@ def test_chat_matches_offline_and_validates(server, client, offline) -> None:
     assert parsed.choices[0].message.content == expected
     assert parsed.usage is not None and parsed.usage.completion_tokens == 10
     # Text parts are joined like plain content.
-    parts = [
+    parts: list[Any] = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Name a fox."}]},
     ]
@@ -126,7 +129,7 @@ def test_chat_matches_offline_and_validates(server, client, offline) -> None:
     assert again.choices[0].message.content == expected
 
 
-def _collect_chat_stream(server, body: dict) -> tuple[dict[int, str], dict[int, list[str]], list[dict]]:
+def _collect_chat_stream(server: ServerProcess, body: dict) -> tuple[dict[int, str], dict[int, list[str]], list[dict]]:
     response = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=60)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
@@ -149,8 +152,8 @@ def _collect_chat_stream(server, body: dict) -> tuple[dict[int, str], dict[int, 
     return texts, finishes, chunks
 
 
-def test_chat_stream_equals_non_stream(server, client) -> None:
-    body = {
+def test_chat_stream_equals_non_stream(server: ServerProcess, client: openai.OpenAI) -> None:
+    body: dict[str, Any] = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Tell me about blocks."}],
         "max_tokens": 24,
@@ -167,7 +170,7 @@ def test_chat_stream_equals_non_stream(server, client) -> None:
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
-def test_completion_stream_equals_non_stream(server, client) -> None:
+def test_completion_stream_equals_non_stream(server: ServerProcess, client: openai.OpenAI) -> None:
     prompts = greedy_prompts(2, seed=5)
     whole = client.completions.create(model="tiny", prompt=prompts, max_tokens=16, temperature=0)
     streamed: dict[int, str] = {}
@@ -182,7 +185,7 @@ def test_completion_stream_equals_non_stream(server, client) -> None:
     assert finishes == {0: 1, 1: 1}
 
 
-def test_stop_string_is_never_streamed(server, client) -> None:
+def test_stop_string_is_never_streamed(server: ServerProcess, client: openai.OpenAI) -> None:
     prompt = greedy_prompts(1, seed=9)[0]
     full = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0).choices[0].text
     assert len(full) > 12, "the tiny model should say something to cut"
@@ -196,12 +199,12 @@ def test_stop_string_is_never_streamed(server, client) -> None:
         for choice in chunk.choices:
             pieces.append(choice.text)
             if choice.finish_reason:
-                finish.append((choice.finish_reason, choice.model_extra.get("stop_reason")))
+                finish.append((choice.finish_reason, choice.model_extra.get("stop_reason")))  # type: ignore[union-attr]
     assert "".join(pieces) == expected
     assert finish == [("stop", stop)]
 
 
-def test_32_concurrent_async_requests_equal_offline(server, offline) -> None:
+def test_32_concurrent_async_requests_equal_offline(server: ServerProcess, offline: LLM) -> None:
     prompts = greedy_prompts(32, seed=3)
     expected = offline_texts(offline, prompts, 20)
 
@@ -215,12 +218,14 @@ def test_32_concurrent_async_requests_equal_offline(server, offline) -> None:
     assert asyncio.run(run()) == expected
 
 
-def test_chat_logprobs_match_offline(server, client, offline) -> None:
-    messages = [{"role": "user", "content": "Count."}]
+def test_chat_logprobs_match_offline(server: ServerProcess, client: openai.OpenAI, offline: LLM) -> None:
+    messages: list[Any] = [{"role": "user", "content": "Count."}]
     response = client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
     )
-    content = response.choices[0].logprobs.content
+    logprobs = response.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    content = logprobs.content
     assert len(content) == 6
     tokenizer = offline.get_tokenizer()
     ids = tokenizer.encode(
@@ -235,27 +240,30 @@ def test_chat_logprobs_match_offline(server, client, offline) -> None:
         assert entry.bytes == list(entry.token.encode("utf-8"))
 
 
-def test_completion_echo_with_logprobs(server, client, offline) -> None:
+def test_completion_echo_with_logprobs(server: ServerProcess, client: openai.OpenAI, offline: LLM) -> None:
     text = "The quick brown fox"
     response = client.completions.create(model="tiny", prompt=text, max_tokens=4, temperature=0, echo=True, logprobs=2)
     choice = response.choices[0]
     assert choice.text.startswith(text)
     prompt_len = len(offline.get_tokenizer().encode(text))
     lp = choice.logprobs
+    assert lp is not None
+    assert lp.tokens is not None and lp.text_offset is not None
+    assert lp.token_logprobs is not None and lp.top_logprobs is not None
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == prompt_len + 4
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
     assert lp.text_offset == sorted(lp.text_offset)
 
 
-def test_seeded_sampling_is_reproducible(server, client) -> None:
-    body = dict(model="tiny", prompt="Paris is", max_tokens=12, temperature=1.0, seed=1234, n=2)
+def test_seeded_sampling_is_reproducible(server: ServerProcess, client: openai.OpenAI) -> None:
+    body: dict[str, Any] = dict(model="tiny", prompt="Paris is", max_tokens=12, temperature=1.0, seed=1234, n=2)
     first = client.completions.create(**body)
     second = client.completions.create(**body)
     assert [c.text for c in first.choices] == [c.text for c in second.choices]
 
 
-def test_tokenize_and_detokenize(server, offline) -> None:
+def test_tokenize_and_detokenize(server: ServerProcess, offline: LLM) -> None:
     tokenizer = offline.get_tokenizer()
     text = "A paged KV cache"
     got = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text}).json()
@@ -269,7 +277,7 @@ def test_tokenize_and_detokenize(server, offline) -> None:
     assert back["prompt"] == text
 
 
-def test_metrics_count_tokens(server, client) -> None:
+def test_metrics_count_tokens(server: ServerProcess, client: openai.OpenAI) -> None:
     before = server.metric("cadence:generation_tokens_total")
     client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=5, temperature=0)
     assert server.metric("cadence:generation_tokens_total") == before + 5
@@ -277,7 +285,7 @@ def test_metrics_count_tokens(server, client) -> None:
     assert server.wait_for_metric("cadence:kv_cache_usage_perc", 0) == 0
 
 
-def test_continuous_usage_stats_grow_chunk_by_chunk(server) -> None:
+def test_continuous_usage_stats_grow_chunk_by_chunk(server: ServerProcess) -> None:
     body = {
         "model": "tiny",
         "prompt": [5, 6, 7],

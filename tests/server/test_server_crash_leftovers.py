@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,9 @@ def dead_socket_folder(tmp: Path) -> Path:
     return folder
 
 
-def test_a_killed_server_leaves_nothing_and_the_next_sweeps_older_leftovers(tiny_model_dir, tmp_path) -> None:
+def test_a_killed_server_leaves_nothing_and_the_next_sweeps_older_leftovers(
+    tiny_model_dir: Callable[[str], str], tmp_path: Path
+) -> None:
     model = tiny_model_dir("llama")
     tmp = tmp_path / "tmp"
     tmp.mkdir()

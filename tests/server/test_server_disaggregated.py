@@ -13,7 +13,7 @@ import glob
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow  # three engine processes start, and start again
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir) -> str:
+def model_dir(tiny_model_dir: Callable[[str], str]) -> str:
     return tiny_model_dir("llama")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -47,7 +48,9 @@ def complete_until_killed(server: ServerProcess, prompt: list[int], max_tokens: 
         pass  # the server died under the request, as meant
 
 
-def test_a_killed_server_group_leaves_no_shared_memory_and_a_new_one_serves(tiny_model_dir) -> None:
+def test_a_killed_server_group_leaves_no_shared_memory_and_a_new_one_serves(
+    tiny_model_dir: Callable[[str], str],
+) -> None:
     model = tiny_model_dir("llama")
     server = ServerProcess(model, *SERVER_FLAGS, new_group=True)
     members: list[int] = []

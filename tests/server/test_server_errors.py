@@ -10,7 +10,7 @@ shutdown are in test_server_load.py.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -36,7 +36,7 @@ from tests.support.server_harness import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir) -> str:
+def model_dir(tiny_model_dir: Callable[[str], str]) -> str:
     return tiny_model_dir("llama")
 
 

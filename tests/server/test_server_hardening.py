@@ -9,7 +9,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -37,7 +37,7 @@ from tests.support.server_harness import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir) -> Iterator[ServerProcess]:
+def server(tiny_model_dir: Callable[[str], str]) -> Iterator[ServerProcess]:
     with ServerProcess(
         tiny_model_dir("llama"), "--served-model-name", MODEL, "--api-key", API_KEY, "--protect-metrics"
     ) as running:

@@ -13,7 +13,7 @@ import json
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,7 +41,7 @@ from tests.support.server_harness import ServerProcess, pid_alive
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir) -> str:
+def model_dir(tiny_model_dir: Callable[[str], str]) -> str:
     return tiny_model_dir("llama")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
@@ -43,7 +43,7 @@ LONG_REQUEST = {"model": MODEL, "max_tokens": LONG, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir) -> str:
+def model_dir(tiny_model_dir: Callable[[str], str]) -> str:
     return tiny_model_dir("llama")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -49,7 +50,9 @@ def complete(server: ServerProcess, prompt: list[int], max_tokens: int, n: int) 
     return httpx.post(f"{server.base_url}{CMPL}", json=body, timeout=120)
 
 
-def burst_texts(server: ServerProcess, burst: list[tuple[list[int], int, int]], during=None) -> list[httpx.Response]:
+def burst_texts(
+    server: ServerProcess, burst: list[tuple[list[int], int, int]], during: Callable[[], object] | None = None
+) -> list[httpx.Response]:
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(complete, server, *item) for item in burst]
         if during is not None:

@@ -53,7 +53,9 @@ def layout(kv_cache_dtype: str) -> KVLayout:
     return KVLayout("test", NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, "float32", kv_cache_dtype)
 
 
-def make_caches(kv_cache_dtype: str, num_blocks: int = 12, num_layers: int = NUM_LAYERS, head_dim: int = HEAD_DIM):
+def make_caches(
+    kv_cache_dtype: str, num_blocks: int = 12, num_layers: int = NUM_LAYERS, head_dim: int = HEAD_DIM
+) -> list[KVCache]:
     """Plain CPU caches of the tests' geometry."""
     shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
     return [allocate_kv_cache(shape, torch.float32, kv_cache_dtype, CPU) for _ in range(num_layers)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -34,7 +35,7 @@ def _f16_bits(value: np.ndarray) -> np.ndarray:
     return value.astype(np.float16).view(np.uint16).astype(_U32)
 
 
-def _f16x2(op, *operands: np.ndarray) -> np.ndarray:
+def _f16x2(op: Callable[..., np.ndarray], *operands: np.ndarray) -> np.ndarray:
     """Apply ``op`` to the low and the high fp16 halves; round each result to fp16 once."""
     lo = op(*[_f16(o) for o in operands])
     hi = op(*[_f16(o >> 16) for o in operands])

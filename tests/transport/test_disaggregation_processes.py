@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -100,7 +101,7 @@ async def serve(
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
+def model(tiny_model_dir: Callable[[str], str]) -> str:
     return tiny_model_dir("llama")
 
 

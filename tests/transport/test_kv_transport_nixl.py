@@ -58,7 +58,9 @@ def make_transport(nixl_works: None) -> Iterator[Callable[..., NixlTransport]]:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_a_load_copies_exactly_the_named_blocks(make_transport, kv_cache_dtype: str) -> None:
+def test_a_load_copies_exactly_the_named_blocks(
+    make_transport: Callable[..., NixlTransport], kv_cache_dtype: str
+) -> None:
     exporter, reader = make_transport(), make_transport(exporting=False)
     source_caches = make_caches(kv_cache_dtype)
     target = make_caches(kv_cache_dtype, num_blocks=10)  # block counts may differ
@@ -94,7 +96,12 @@ def test_a_load_copies_exactly_the_named_blocks(make_transport, kv_cache_dtype: 
         ("auto", {}, ([0, 1], [2])),
     ],
 )
-def test_a_source_that_does_not_fit_is_refused_unwritten(make_transport, kv_cache_dtype, options, load) -> None:
+def test_a_source_that_does_not_fit_is_refused_unwritten(
+    make_transport: Callable[..., NixlTransport],
+    kv_cache_dtype: str,
+    options: dict[str, int],
+    load: tuple[list[int], list[int]],
+) -> None:
     exporter, reader = make_transport(), make_transport(exporting=False)
     source_caches = make_caches("auto")
     source = exporter.export(source_caches, layout("auto"))
@@ -107,7 +114,7 @@ def test_a_source_that_does_not_fit_is_refused_unwritten(make_transport, kv_cach
     assert_bytes(target, before)
 
 
-def test_foreign_sources_are_refused(make_transport) -> None:
+def test_foreign_sources_are_refused(make_transport: Callable[..., NixlTransport]) -> None:
     reader = make_transport(exporting=False)
     target = make_caches("auto")
     with pytest.raises(ValueError, match="reading only"):
@@ -118,7 +125,7 @@ def test_foreign_sources_are_refused(make_transport) -> None:
     assert [r.num_blocks_loaded for r in results] == [0] * 3 and all(r.error for r in results)
 
 
-def test_a_cancelled_load_is_reported_once(make_transport) -> None:
+def test_a_cancelled_load_is_reported_once(make_transport: Callable[..., NixlTransport]) -> None:
     exporter, reader = make_transport(), make_transport(exporting=False)
     source = exporter.export(make_caches("auto"), layout("auto"))
     target = make_caches("auto")
@@ -142,7 +149,7 @@ def export_in_child(sources: Queue) -> None:
     time.sleep(60)
 
 
-def test_loads_across_processes_and_from_a_killed_source(make_transport) -> None:
+def test_loads_across_processes_and_from_a_killed_source(make_transport: Callable[..., NixlTransport]) -> None:
     # One child for both cache kinds: a spawned child spends seconds importing torch.
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
@@ -181,7 +188,7 @@ def test_loads_across_processes_and_from_a_killed_source(make_transport) -> None
         child.join()
 
 
-def test_engines_over_nixl_match_colocated(nixl_works: None, tiny_model_dir) -> None:
+def test_engines_over_nixl_match_colocated(nixl_works: None, tiny_model_dir: Callable[[str], str]) -> None:
     from tests.engine.test_disaggregation import collect, engine, run, workload
 
     model = tiny_model_dir("llama")

@@ -17,12 +17,14 @@ import multiprocessing
 import os
 import signal
 import tempfile
+from collections.abc import Callable
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 
 import pytest
 import torch
 
+from cadence.engine.attention.backend import KVCache
 from cadence.engine.kv_transfer.process_identity import own_start_time
 from cadence.engine.kv_transfer.shared_memory import SharedMemoryTransport
 from cadence.engine.kv_transfer.source import KVSource
@@ -48,7 +50,9 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs L
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
-def make_caches(zeros: TensorFactory, kv_cache_dtype: str, num_blocks: int = 12, head_dim: int = HEAD_DIM):
+def make_caches(
+    zeros: TensorFactory, kv_cache_dtype: str, num_blocks: int = 12, head_dim: int = HEAD_DIM
+) -> list[KVCache]:
     shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
     return [allocate_kv_cache(shape, torch.float32, kv_cache_dtype, CPU, zeros) for _ in range(NUM_LAYERS)]
 
@@ -110,7 +114,9 @@ def test_a_load_copies_exactly_the_named_blocks(kv_cache_dtype: str) -> None:
         ("auto", {}, ([0, 1], [2])),
     ],
 )
-def test_a_source_that_does_not_fit_is_refused_unwritten(kv_cache_dtype: str, options: dict, load) -> None:
+def test_a_source_that_does_not_fit_is_refused_unwritten(
+    kv_cache_dtype: str, options: dict[str, int], load: tuple[list[int], list[int]]
+) -> None:
     exporter, reader = SharedMemoryTransport(), SharedMemoryTransport()
     source_caches = make_caches(exporter.zeros, "auto")
     fill(source_caches, seed=1)
@@ -245,7 +251,7 @@ def test_a_source_whose_exporter_ended_is_an_error_and_its_memory_goes(ending: s
             assert_bytes(target, expected)
 
 
-def test_engines_over_shared_memory_match_colocated(tiny_model_dir) -> None:
+def test_engines_over_shared_memory_match_colocated(tiny_model_dir: Callable[[str], str]) -> None:
     # Imported here, not above: the spawned child imports this module, and needs no engine.
     from cadence.engine.protocol import EngineCoreRequest
     from cadence.engine.sampling_params import SamplingParams

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.queues import Queue
+from typing import Any
 
 import numpy as np
 import pytest
@@ -58,7 +59,9 @@ def at(source: KVSource, endpoint: str) -> KVSource:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_a_load_copies_exactly_the_named_blocks(make_transport, kv_cache_dtype: str) -> None:
+def test_a_load_copies_exactly_the_named_blocks(
+    make_transport: Callable[..., TcpTransport], kv_cache_dtype: str
+) -> None:
     exporter, reader = make_transport(), make_transport(exporting=False)
     source_caches = make_caches(kv_cache_dtype)
     target = make_caches(kv_cache_dtype, num_blocks=10)  # block counts may differ
@@ -98,7 +101,12 @@ def test_a_load_copies_exactly_the_named_blocks(make_transport, kv_cache_dtype: 
         ("auto", {}, ([0, 1], [2])),
     ],
 )
-def test_a_source_that_does_not_fit_is_refused_unwritten(make_transport, kv_cache_dtype, options, load) -> None:
+def test_a_source_that_does_not_fit_is_refused_unwritten(
+    make_transport: Callable[..., TcpTransport],
+    kv_cache_dtype: str,
+    options: dict[str, int],
+    load: tuple[list[int], list[int]],
+) -> None:
     exporter, reader = make_transport(), make_transport(exporting=False)
     source_caches = make_caches("auto")
     fill(source_caches, seed=1)
@@ -112,7 +120,7 @@ def test_a_source_that_does_not_fit_is_refused_unwritten(make_transport, kv_cach
     assert_bytes(target, before)
 
 
-def test_foreign_sources_and_unreachable_hosts_are_refused(make_transport) -> None:
+def test_foreign_sources_and_unreachable_hosts_are_refused(make_transport: Callable[..., TcpTransport]) -> None:
     reader = make_transport(exporting=False)
     target = make_caches("auto")
     with pytest.raises(ValueError, match="reading only"):
@@ -139,7 +147,9 @@ def test_foreign_sources_and_unreachable_hosts_are_refused(make_transport) -> No
     assert_bytes(target, expected)
 
 
-def test_the_exporter_answers_bad_reads_with_errors_and_keeps_serving(make_transport) -> None:
+def test_the_exporter_answers_bad_reads_with_errors_and_keeps_serving(
+    make_transport: Callable[..., TcpTransport],
+) -> None:
     exporter = make_transport()
     source_caches = make_caches("auto")
     fill(source_caches, seed=1)
@@ -164,7 +174,7 @@ def test_the_exporter_answers_bad_reads_with_errors_and_keeps_serving(make_trans
         assert dealer.poll(5000)
         seq, status, *data = dealer.recv_multipart()
         assert status == b"ok" and len(data) == NUM_LAYERS
-        assert data[0] == source_caches[0][:, 3].numpy().tobytes()
+        assert data[0] == source_caches[0][:, 3].numpy().tobytes()  # type: ignore[index]
     finally:
         dealer.close(linger=0)
         context.term()
@@ -183,7 +193,9 @@ class HeldExporter(TcpTransport):
         return super()._reply_buffers(ids)
 
 
-def test_a_cancelled_load_is_reported_once_and_its_late_reply_dropped(make_transport) -> None:
+def test_a_cancelled_load_is_reported_once_and_its_late_reply_dropped(
+    make_transport: Callable[..., Any],
+) -> None:
     exporter, reader = make_transport(kind=HeldExporter), make_transport(exporting=False)
     source_caches = make_caches("auto")
     fill(source_caches, seed=1)
@@ -221,7 +233,9 @@ class BadReplies(TcpTransport):
 
 
 @pytest.mark.parametrize("mode", ["truncated", "oversized", "a tensor short"])
-def test_a_reply_of_the_wrong_size_writes_nothing(make_transport, monkeypatch, mode: str) -> None:
+def test_a_reply_of_the_wrong_size_writes_nothing(
+    make_transport: Callable[..., TcpTransport], monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
     monkeypatch.setattr(BadReplies, "mode", mode)
     exporter, reader = make_transport(kind=BadReplies), make_transport(exporting=False)
     source_caches = make_caches("int8")
@@ -236,7 +250,9 @@ def test_a_reply_of_the_wrong_size_writes_nothing(make_transport, monkeypatch, m
     assert_bytes(target, before)
 
 
-def test_a_source_that_never_answers_fails_at_the_deadline(make_transport, monkeypatch) -> None:
+def test_a_source_that_never_answers_fails_at_the_deadline(
+    make_transport: Callable[..., TcpTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(tcp, "_TIMEOUT_S", 0.3)
     exporter, reader = make_transport(), make_transport(exporting=False)
     source = exporter.export(make_caches("auto"), layout("auto"))
@@ -263,7 +279,7 @@ def native_threads() -> set[str]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_close_is_prompt_and_leaves_no_threads(monkeypatch) -> None:
+def test_close_is_prompt_and_leaves_no_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     # Load "b" below never gets an answer: with no deadline in sight, only close can end it.
     monkeypatch.setattr(tcp, "_TIMEOUT_S", 3600.0)
     make_caches("auto")  # whatever torch starts on first use is not ours
@@ -306,7 +322,9 @@ def export_in_child(sources: Queue) -> None:
     time.sleep(60)
 
 
-def test_loads_across_processes_and_from_a_killed_source(make_transport, monkeypatch) -> None:
+def test_loads_across_processes_and_from_a_killed_source(
+    make_transport: Callable[..., TcpTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # One child for both cache kinds: a spawned child spends seconds importing torch.
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
@@ -345,7 +363,7 @@ def test_loads_across_processes_and_from_a_killed_source(make_transport, monkeyp
         child.join()
 
 
-def test_engines_over_tcp_match_colocated(tiny_model_dir) -> None:
+def test_engines_over_tcp_match_colocated(tiny_model_dir: Callable[[str], str]) -> None:
     from cadence.server.disaggregation.local_cluster import LocalCluster
     from tests.engine.test_disaggregation import collect, engine, run, workload
 

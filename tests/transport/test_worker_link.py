@@ -95,7 +95,7 @@ async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
 
 def run(
     scenario: Callable[[zmq.asyncio.Context, WorkerLink, list[Message]], Awaitable[None]],
-    monkeypatch,
+    monkeypatch: pytest.MonkeyPatch,
     timing: LinkTiming = FAST,
 ) -> None:
     """Run a scenario against a worker link whose engine records what reaches it."""
@@ -124,8 +124,8 @@ async def connected(context: zmq.asyncio.Context, listener: Listener, timing: Li
     return remote
 
 
-def test_each_router_hears_and_steers_only_its_own_requests(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_each_router_hears_and_steers_only_its_own_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         first, second = Listener(), Listener()
         a, b = await connected(context, first), await connected(context, second)
         a.send(request("a1"))
@@ -163,8 +163,8 @@ def test_each_router_hears_and_steers_only_its_own_requests(monkeypatch) -> None
     run(scenario, monkeypatch)
 
 
-def test_goodbye_aborts_the_unfinished_requests_of_that_session_only(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_goodbye_aborts_the_unfinished_requests_of_that_session_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         mine, other = Listener(), Listener()
         a, b = await connected(context, mine, PATIENT), await connected(context, other, PATIENT)
         for request_id in ("done", "pair", "open", "held", "stopped"):
@@ -192,8 +192,8 @@ def test_goodbye_aborts_the_unfinished_requests_of_that_session_only(monkeypatch
     run(scenario, monkeypatch, PATIENT)
 
 
-def test_a_router_whose_connection_drops_is_dropped_at_once(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_a_router_whose_connection_drops_is_dropped_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         raw = context.socket(zmq.DEALER)
         raw.connect(link.address)
         await raw.send_multipart([b"two", b"frames"])  # not a message: dropped, the link goes on
@@ -208,8 +208,8 @@ def test_a_router_whose_connection_drops_is_dropped_at_once(monkeypatch) -> None
     run(scenario, monkeypatch, PATIENT)
 
 
-def test_a_draining_worker_is_told_apart_and_waited_for(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_a_draining_worker_is_told_apart_and_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         listener = Listener()
         remote = await connected(context, listener)
         remote.send(request("last"))
@@ -232,12 +232,12 @@ def test_a_draining_worker_is_told_apart_and_waited_for(monkeypatch) -> None:
     run(scenario, monkeypatch)
 
 
-def test_a_router_failing_on_outputs_ends_the_session_instead_of_hanging_it(monkeypatch) -> None:
+def test_a_router_failing_on_outputs_ends_the_session_instead_of_hanging_it(monkeypatch: pytest.MonkeyPatch) -> None:
     class Broken(Listener):
         def on_outputs(self, engine: EngineHandle, message: EngineCoreOutputs) -> None:
             engine.fail(f"processing its events failed: {RuntimeError('a bug in the router')!r}")
 
-    async def scenario(context, link, engine) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         listener = Broken()
         remote = await connected(context, listener)
         link.on_outputs(EngineCoreOutputs([], EngineStats()))
@@ -249,8 +249,8 @@ def test_a_router_failing_on_outputs_ends_the_session_instead_of_hanging_it(monk
     run(scenario, monkeypatch)
 
 
-def test_a_silent_router_is_dropped_and_its_requests_aborted(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_a_silent_router_is_dropped_and_its_requests_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         raw = context.socket(zmq.DEALER)
         raw.connect(link.address)
         # Before the hello: the link can have heard from this router no earlier than this.
@@ -267,8 +267,8 @@ def test_a_silent_router_is_dropped_and_its_requests_aborted(monkeypatch) -> Non
     run(scenario, monkeypatch)
 
 
-def test_messages_of_unknown_sessions_never_reach_the_engine(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_messages_of_unknown_sessions_never_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         raw = context.socket(zmq.DEALER)
         raw.connect(link.address)
         await raw.send(b"\xc1 not msgpack")
@@ -280,14 +280,14 @@ def test_messages_of_unknown_sessions_never_reach_the_engine(monkeypatch) -> Non
         await raw.send(encode(EngineReady(1, 1, 1, "cpu", "float32", 1)))  # not a router's to send
         await raw.send(encode(request("fresh")))
         await eventually(lambda: len(engine) == 1)
-        assert [m.request_id for m in engine] == ["fresh"]
+        assert [m.request_id for m in engine] == ["fresh"]  # type: ignore[union-attr]
         raw.close(linger=0)
 
     run(scenario, monkeypatch)
 
 
-def test_engine_death_ends_sessions_and_a_new_engine_is_taken_up(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_engine_death_ends_sessions_and_a_new_engine_is_taken_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         listener = Listener()
         remote = await connected(context, listener)
         remote.send(request("r1"))
@@ -307,8 +307,8 @@ def test_engine_death_ends_sessions_and_a_new_engine_is_taken_up(monkeypatch) ->
     run(scenario, monkeypatch)
 
 
-def test_a_worker_that_goes_away_is_noticed_before_the_timeout(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_a_worker_that_goes_away_is_noticed_before_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         listener = Listener()
         remote = RemoteEngine("http://127.0.0.1:1", "decode", context, listener, PATIENT)
         remote.spawn()
@@ -322,8 +322,8 @@ def test_a_worker_that_goes_away_is_noticed_before_the_timeout(monkeypatch) -> N
     run(scenario, monkeypatch)
 
 
-def test_a_worker_of_the_wrong_role_is_never_admitted(monkeypatch) -> None:
-    async def scenario(context, link, engine) -> None:
+def test_a_worker_of_the_wrong_role_is_never_admitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(context: zmq.asyncio.Context, link: WorkerLink, engine: list[Message]) -> None:
         listener = Listener()
         remote = RemoteEngine("http://127.0.0.1:1", "prefill", context, listener, FAST)
         remote.spawn()

@@ -67,7 +67,7 @@ class FakeEngine:
         self.failures.append(reason)
 
 
-def run(scenario: Callable[[AsyncEngineClient, FakeEngine], Awaitable[None]], monkeypatch) -> None:
+def run(scenario: Callable[[AsyncEngineClient, FakeEngine], Awaitable[None]], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_supervisor, "LocalEngine", FakeEngine)
     monkeypatch.setattr(engine_supervisor, "remove_dead_socket_folders", lambda: None)
 
@@ -93,7 +93,7 @@ def step(*outputs: EngineCoreOutput) -> EngineCoreOutputs:
     return EngineCoreOutputs(list(outputs), EngineStats())
 
 
-def test_outputs_reach_the_stream_through_the_queue(monkeypatch) -> None:
+def test_outputs_reach_the_stream_through_the_queue(monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario(client: AsyncEngineClient, engine: FakeEngine) -> None:
         stream = client.add_request(request("r"), None)
         assert engine.sent == [request("r")]
@@ -109,7 +109,7 @@ def test_outputs_reach_the_stream_through_the_queue(monkeypatch) -> None:
     run(scenario, monkeypatch)
 
 
-def test_a_stream_aborts_through_its_callback_and_frees_its_seats(monkeypatch) -> None:
+def test_a_stream_aborts_through_its_callback_and_frees_its_seats(monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario(client: AsyncEngineClient, engine: FakeEngine) -> None:
         stream = client.add_request(request("r", n=2), None)
         with pytest.raises(EngineOverloadedError):  # 2 running and 1 waiting seats, 2 taken
@@ -122,7 +122,7 @@ def test_a_stream_aborts_through_its_callback_and_frees_its_seats(monkeypatch) -
     run(scenario, monkeypatch)
 
 
-def test_a_dead_engine_fails_its_requests(monkeypatch) -> None:
+def test_a_dead_engine_fails_its_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario(client: AsyncEngineClient, engine: FakeEngine) -> None:
         stream = client.add_request(request("r"), None)
         engine.dead_reason = "the engine process exited unexpectedly"
@@ -136,7 +136,9 @@ def test_a_dead_engine_fails_its_requests(monkeypatch) -> None:
     run(scenario, monkeypatch)
 
 
-def test_an_event_the_client_cannot_handle_fails_its_engine_and_the_next_ones_are_handled(monkeypatch) -> None:
+def test_an_event_the_client_cannot_handle_fails_its_engine_and_the_next_ones_are_handled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     async def scenario(client: AsyncEngineClient, engine: FakeEngine) -> None:
         stream = client.add_request(request("r"), None)
         broken = EngineCoreOutputs(None, EngineStats())  # type: ignore[arg-type]

@@ -53,7 +53,9 @@ def listen(path: Path, opened: list[socket.socket]) -> None:
     sock.listen()
 
 
-def test_only_folders_of_dead_servers_go(tmp_path: Path, listeners, caplog) -> None:
+def test_only_folders_of_dead_servers_go(
+    tmp_path: Path, listeners: list[socket.socket], caplog: pytest.LogCaptureFixture
+) -> None:
     dead = socket_folder(tmp_path, "cadence-dead0001", {"engine": ["inputs-1", "outputs-1"]})
     dead_disaggregated = socket_folder(
         tmp_path, "cadence-dead0002", {"prefill-0": ["inputs-3", "outputs-3"], "decode-0": ["inputs-1", "outputs-1"]}
@@ -92,7 +94,9 @@ def test_only_folders_of_dead_servers_go(tmp_path: Path, listeners, caplog) -> N
     assert any(str(dead_disaggregated) in m and "4 sockets" in m for m in messages), messages
 
 
-def test_a_folder_that_changes_during_the_pause_stays(tmp_path: Path, listeners, monkeypatch) -> None:
+def test_a_folder_that_changes_during_the_pause_stays(
+    tmp_path: Path, listeners: list[socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A live server of an older version closes one start's sockets just before it deletes
     them and binds the next start's: in between, every socket refuses."""
     folder = socket_folder(tmp_path, "cadence-rest0001", {"engine": ["inputs-1", "outputs-1"]})
@@ -107,7 +111,7 @@ def test_a_folder_that_changes_during_the_pause_stays(tmp_path: Path, listeners,
     assert (folder / "engine" / "inputs-2").exists()
 
 
-def test_nothing_to_sweep_takes_no_pause(tmp_path: Path, monkeypatch) -> None:
+def test_nothing_to_sweep_takes_no_pause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_pause(seconds: float) -> None:
         raise AssertionError("paused with no suspect")
 

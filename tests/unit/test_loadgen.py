@@ -8,6 +8,8 @@ import json
 import math
 import random
 import statistics
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -96,7 +98,7 @@ def test_faults_take_exactly_their_share_of_the_requests() -> None:
         assign_kinds(10, 0.6, 0.6, 0)
 
 
-def capacity_probe(threshold: float, calls: list[float]):
+def capacity_probe(threshold: float, calls: list[float]) -> Callable[[float, int], Awaitable[dict]]:
     """A fake run: it meets the SLO (p90 TTFT 100 ms) exactly when the rate is at most `threshold`."""
 
     async def probe(rate: float, index: int) -> dict:
@@ -184,7 +186,7 @@ def test_a_stream_cut_short_or_carrying_an_error_is_a_failure() -> None:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir) -> LocalTokenizer:
+def tokenizer(tiny_model_dir: Callable[[str], str]) -> LocalTokenizer:
     return LocalTokenizer(tiny_model_dir("llama"))
 
 
@@ -214,7 +216,9 @@ def test_prefix_repetition_shares_exactly_the_asked_prefixes(tokenizer: LocalTok
     assert all(35 <= s.prompt_len <= 45 and s.output_len == 128 for s in samples)
 
 
-def test_sharegpt_takes_first_exchanges_and_drops_what_cannot_be_timed(tokenizer, tmp_path) -> None:
+def test_sharegpt_takes_first_exchanges_and_drops_what_cannot_be_timed(
+    tokenizer: LocalTokenizer, tmp_path: Path
+) -> None:
     long_reply = "the quick brown fox jumps over the lazy dog " * 3
     conversations = [
         {
@@ -241,7 +245,7 @@ def test_sharegpt_takes_first_exchanges_and_drops_what_cannot_be_timed(tokenizer
         build_dataset(tokenizer, DatasetOptions("sharegpt", num_prompts=3, path=str(path)))
 
 
-def test_custom_jsonl_keeps_order_and_per_line_lengths(tokenizer, tmp_path) -> None:
+def test_custom_jsonl_keeps_order_and_per_line_lengths(tokenizer: LocalTokenizer, tmp_path: Path) -> None:
     path = tmp_path / "custom.jsonl"
     path.write_text('{"prompt": "one two", "output_tokens": 5}\n{"prompt": "three"}\n')
     samples = build_dataset(tokenizer, DatasetOptions("custom", num_prompts=3, path=str(path), custom_output_len=9))
@@ -273,7 +277,7 @@ def test_the_stream_reader_reads_crlf_events_however_the_bytes_are_cut() -> None
     assert whole.events == 3  # what an abort after N events counts
 
 
-def test_a_fixed_sharegpt_output_length_is_not_held_to_the_minimum(tokenizer, tmp_path) -> None:
+def test_a_fixed_sharegpt_output_length_is_not_held_to_the_minimum(tokenizer: LocalTokenizer, tmp_path: Path) -> None:
     turns = [{"from": "human", "value": "Tell me about Paris and Berlin"}, {"from": "gpt", "value": "ok"}]
     path = tmp_path / "share.json"
     path.write_text(json.dumps([{"conversations": turns}]))
@@ -281,7 +285,7 @@ def test_a_fixed_sharegpt_output_length_is_not_held_to_the_minimum(tokenizer, tm
     assert [s.output_len for s in build_dataset(tokenizer, options)] == [2]
 
 
-def test_the_result_files_are_strict_json(tmp_path) -> None:
+def test_the_result_files_are_strict_json(tmp_path: Path) -> None:
     lone = record(0, 0.0, 0.0, [0.1], 0.1, 1)  # one token: no TPOT, no ITL
     result = run_of([lone], 1.0)
     summary = {**summarize(result), "pair": (math.nan, math.inf)}

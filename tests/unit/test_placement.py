@@ -4,6 +4,7 @@ them (a prompt kept local counts in its decode engine's queue until its first to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -21,7 +22,7 @@ from cadence.engine.protocol import (
 from cadence.engine.sampling_params import SamplingParams
 from cadence.scheduler.remote_kv import KVReservation
 from cadence.server.disaggregation.coordinator import Coordinator, Phase
-from cadence.server.disaggregation.placement import DecodeLoad, PlacementPolicy, place_prompt
+from cadence.server.disaggregation.placement import DecodeLoad, Placement, PlacementPolicy, place_prompt
 from cadence.server.disaggregation.transfer_stats import TransferStats
 from tests.unit.test_coordinator import LAYOUT, ready
 
@@ -37,7 +38,14 @@ def transfer(seconds_per_byte: float) -> TransferStats:
     return stats
 
 
-def place(uncached: int, decode: DecodeLoad, queues=(0,), stats=MEASURED, moved=None, policy=COST):
+def place(
+    uncached: int,
+    decode: DecodeLoad,
+    queues: Sequence[int] = (0,),
+    stats: Sequence[EngineStats] = MEASURED,
+    moved: TransferStats | None = None,
+    policy: PlacementPolicy = COST,
+) -> Placement:
     return place_prompt(policy, uncached, decode, list(queues), list(stats), moved or transfer(0.0), 1000)
 
 

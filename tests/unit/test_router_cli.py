@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from cadence.server.disaggregation.cli import kv_host_for, topology_from, worker
 from cadence.server.disaggregation.topology import WorkerList
 
 
-def test_the_worker_list_joins_flags_and_file(tmp_path) -> None:
+def test_the_worker_list_joins_flags_and_file(tmp_path: Path) -> None:
     path = tmp_path / "workers.json"
     path.write_text(json.dumps({"decode": ["http://d2:8000/"]}))
     workers = WorkerList(("http://p:8000",), ("http://d1:8000",), str(path))
@@ -46,7 +47,7 @@ def test_a_worker_role_takes_no_engines_beside_it() -> None:
     assert worker.kv_transport == "tcp" and worker.placement.mode == "cost"
 
 
-def test_a_prefill_worker_listens_for_kv_where_decode_workers_reach_it(monkeypatch) -> None:
+def test_a_prefill_worker_listens_for_kv_where_decode_workers_reach_it(monkeypatch: pytest.MonkeyPatch) -> None:
     parse = build_parser().parse_args
     assert kv_host_for(parse(["serve", "--role", "prefill", "--host", "10.1.2.3"])) == "10.1.2.3"
     given = parse(["serve", "--role", "prefill", "--host", "0.0.0.0", "--kv-host", "10.9.9.9"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pickle
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -91,7 +92,7 @@ class FakeModel:
         return sampled
 
 
-def make_request(rid: str, prompt: list[int], seq: int, max_tokens: int = 8, priority: int = 0, **kw) -> Request:
+def make_request(rid: str, prompt: list[int], seq: int, max_tokens: int = 8, priority: int = 0, **kw: Any) -> Request:
     return Request(
         request_id=rid,
         prompt_token_ids=prompt,

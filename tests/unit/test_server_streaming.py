@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import pytest
 from transformers import AutoTokenizer
@@ -26,7 +27,7 @@ class RecordingClient:
 
 
 @pytest.fixture()
-def processor(tiny_model_dir) -> OutputProcessor:
+def processor(tiny_model_dir: Callable[[str], str]) -> OutputProcessor:
     return OutputProcessor(AutoTokenizer.from_pretrained(tiny_model_dir("llama")))
 
 
@@ -40,7 +41,7 @@ def make_group(processor: OutputProcessor, params: SamplingParams) -> tuple[Requ
     return group, client
 
 
-def frames_for(group: RequestGroup, n: int):
+def frames_for(group: RequestGroup, n: int) -> Callable[[], list[str]]:
     cursors = [ChoiceCursor() for _ in range(n)]
 
     def on_update() -> list[str]:
@@ -65,7 +66,7 @@ def parse(frames: list[str]) -> list[dict | str]:
     return [p if p == "[DONE]" else json.loads(p) for p in payloads]
 
 
-def test_a_slow_consumer_still_gets_the_last_frames(processor) -> None:
+def test_a_slow_consumer_still_gets_the_last_frames(processor: OutputProcessor) -> None:
     """The request finishes while the generator is suspended at a yield."""
 
     async def run() -> tuple[list[dict | str], RequestGroup]:
@@ -94,8 +95,9 @@ def test_a_slow_consumer_still_gets_the_last_frames(processor) -> None:
         assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["length"]
 
 
-def test_a_stop_string_is_never_sent_even_in_part(processor) -> None:
+def test_a_stop_string_is_never_sent_even_in_part(processor: OutputProcessor) -> None:
     tokenizer = processor.tokenizer
+    assert tokenizer is not None
     text = "Paris is the capital of France, and Berlin is the capital of Germany."
     ids = tokenizer.encode(text)
     stop = "capital of Germany"  # several tokens, and "capital of " appears earlier too
@@ -115,7 +117,7 @@ def test_a_stop_string_is_never_sent_even_in_part(processor) -> None:
     assert group.streams[0].output.outputs[0].finish_reason == "stop"
 
 
-def test_closing_the_stream_aborts_the_request(processor) -> None:
+def test_closing_the_stream_aborts_the_request(processor: OutputProcessor) -> None:
     async def run() -> RecordingClient:
         group, client = make_group(processor, SamplingParams(max_tokens=8))
         step(processor, group, [EngineCoreOutput("r", 0, [40])])

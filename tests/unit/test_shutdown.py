@@ -207,9 +207,10 @@ def family(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, Path]]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_child_dies_with_its_killed_parent_even_when_stopped(family) -> None:
+def test_a_child_dies_with_its_killed_parent_even_when_stopped(family: tuple[subprocess.Popen[str], int, Path]) -> None:
     parent, child, go = family
     go.touch()
+    assert parent.stdout is not None
     assert parent.stdout.readline().strip() == "armed"
     # Stopped, it could never look at its parent itself: only the kernel can end it.
     os.kill(child, signal.SIGSTOP)
@@ -217,7 +218,7 @@ def test_a_child_dies_with_its_killed_parent_even_when_stopped(family) -> None:
     _wait_gone(child, "the child outlived its parent")
 
 
-def test_a_child_whose_parent_died_before_it_armed_exits(family) -> None:
+def test_a_child_whose_parent_died_before_it_armed_exits(family: tuple[subprocess.Popen[str], int, Path]) -> None:
     parent, child, go = family
     parent.kill()
     parent.wait()
