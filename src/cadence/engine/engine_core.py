@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from cadence.engine.attention.backend import AttentionSpec
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.experts.offloaded import offloaded_stats
 from cadence.engine.host_memory import keep_freed_heap
@@ -72,6 +73,29 @@ def default_token_budget(device: torch.device) -> int:
     return 1024 if device.type == "cpu" else 2048
 
 
+def _kv_connectors(args: EngineArgs) -> tuple[WorkerSideConnector | None, SchedulerSideConnector | None]:
+    """The runner's and the scheduler's halves of the KV connector. Prompt KV crosses
+    engines only in a disaggregation role: a colocated engine has no connector."""
+    if args.kv_role == "colocated":
+        return None, None
+    transport = create_kv_transport(args.kv_transport, exporting=args.kv_role == "prefill", host=args.kv_host)
+    return WorkerSideConnector(transport), SchedulerSideConnector(args.kv_wait_timeout, args.kv_hold_timeout)
+
+
+def _kv_layout(args: EngineArgs, config: ModelConfig, spec: AttentionSpec, dtype: torch.dtype) -> KVLayout:
+    """What another engine must match to read this engine's KV blocks."""
+    return KVLayout(
+        model=weights_digest(args.model),
+        num_layers=config.num_hidden_layers,
+        block_size=args.block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=str(dtype).removeprefix("torch."),
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization or "none",
+    )
+
+
 class EngineCore:
     """Owns the scheduler and the model runner, and turns steps into per-sequence outputs.
 
@@ -98,60 +122,15 @@ class EngineCore:
         )
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         spec = self.model.attention_spec()
-        bytes_per_block = (
-            kv_cache_bytes_per_block(args, spec.num_kv_heads, spec.head_dim, self.dtype) * config.num_hidden_layers
-        )
-        num_blocks = resolve_num_blocks(
-            args, self.device, bytes_per_block, self.max_model_len, args.max_num_seqs, host_weights_bytes(self.model)
-        )
-        self.num_kv_blocks = num_blocks
-        # Prompt KV crosses engines only in a disaggregation role: a colocated engine has no connector.
-        worker_connector = None
-        self.kv_connector: SchedulerSideConnector | None = None
-        if args.kv_role != "colocated":
-            transport = create_kv_transport(args.kv_transport, exporting=args.kv_role == "prefill", host=args.kv_host)
-            worker_connector = WorkerSideConnector(transport)
-            self.kv_connector = SchedulerSideConnector(args.kv_wait_timeout, args.kv_hold_timeout)
-        self.runner = ModelRunner(
-            self.model,
-            num_blocks,
-            args.block_size,
-            self.dtype,
-            self.device,
-            args.attention_backend,
-            args.kv_cache_dtype,
-            enforce_eager=args.enforce_eager,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=self.max_model_len,
-            batch_invariant=args.batch_invariant,
-            kv_connector=worker_connector,
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens
-                or max(default_token_budget(self.device), args.max_num_seqs),
-                max_model_len=self.max_model_len,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
-            ),
-            # The runner knows whether a token's K/V depends on where its prompt ended.
-            CacheConfig(num_blocks, args.block_size, args.enable_prefix_caching, self.runner.splits_prompt_rows),
-            self.kv_connector,
-        )
+        self.num_kv_blocks = self._num_kv_blocks(config, spec)
+        worker_connector, self.kv_connector = _kv_connectors(args)
+        self.runner = self._build_runner(worker_connector)
+        self.scheduler = self._build_scheduler()
         # What a reader checks before loading our blocks, and where a prefill engine's are.
         self.kv_layout: KVLayout | None = None
         self.kv_source: KVSource | None = None
         if worker_connector is not None:
-            self.kv_layout = KVLayout(
-                model=weights_digest(args.model),
-                num_layers=config.num_hidden_layers,
-                block_size=args.block_size,
-                num_kv_heads=spec.num_kv_heads,
-                head_dim=spec.head_dim,
-                dtype=str(self.dtype).removeprefix("torch."),
-                kv_cache_dtype=args.kv_cache_dtype,
-                quantization=args.quantization or "none",
-            )
+            self.kv_layout = _kv_layout(args, config, spec, self.dtype)
             if args.kv_role == "prefill":
                 self.kv_source = worker_connector.export(self.kv_layout)
         self._forgotten: dict[str, str] = {}  # scheduler id -> client id, until events are taken
@@ -166,6 +145,50 @@ class EngineCore:
         self._sequences: dict[str, tuple[str, int]] = {}
         self._children: dict[str, list[str]] = {}
         self._num_preemptions = 0
+
+    def _num_kv_blocks(self, config: ModelConfig, spec: AttentionSpec) -> int:
+        """The KV cache's blocks: as set, or what the memory left beside the weights holds."""
+        args = self.args
+        bytes_per_block = (
+            kv_cache_bytes_per_block(args, spec.num_kv_heads, spec.head_dim, self.dtype) * config.num_hidden_layers
+        )
+        return resolve_num_blocks(
+            args, self.device, bytes_per_block, self.max_model_len, args.max_num_seqs, host_weights_bytes(self.model)
+        )
+
+    def _build_runner(self, worker_connector: WorkerSideConnector | None) -> ModelRunner:
+        args = self.args
+        return ModelRunner(
+            self.model,
+            self.num_kv_blocks,
+            args.block_size,
+            self.dtype,
+            self.device,
+            args.attention_backend,
+            args.kv_cache_dtype,
+            enforce_eager=args.enforce_eager,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len,
+            batch_invariant=args.batch_invariant,
+            kv_connector=worker_connector,
+        )
+
+    def _build_scheduler(self) -> Scheduler:
+        args = self.args
+        return Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens
+                or max(default_token_budget(self.device), args.max_num_seqs),
+                max_model_len=self.max_model_len,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+            ),
+            # The runner knows whether a token's K/V depends on where its prompt ended.
+            CacheConfig(
+                self.num_kv_blocks, args.block_size, args.enable_prefix_caching, self.runner.splits_prompt_rows
+            ),
+            self.kv_connector,
+        )
 
     def ready_message(self) -> EngineReady:
         """What a front end or router must know of this engine before sending it work."""

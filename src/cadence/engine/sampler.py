@@ -41,6 +41,10 @@ def _distinct_counts(rows: list[list[int]], device: torch.device) -> tuple[torch
     return torch.where(is_first, ids, 0), torch.where(is_first, count, 0).to(torch.float32)
 
 
+def _tensor(values: list[float] | list[int], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 @dataclass
 class SamplingMetadata:
     """Per-step batch tensors for the sampler, built once per step by `build`.
@@ -81,44 +85,59 @@ class SamplingMetadata:
         stop_token_ids: Sequence[AbstractSet[int]],
         device: torch.device,
     ) -> SamplingMetadata:
-        batch = len(params)
         greedy = [p.greedy for p in params]
-        random_rows = [i for i in range(batch) if not greedy[i]]
+        random_rows = [i for i in range(len(params)) if not greedy[i]]
         md = cls(all_greedy=not random_rows)
+        md._set_sampling_stages(params, greedy, random_rows, device)
+        md._set_penalties(params, prompt_token_ids, output_token_ids, device)
+        md._set_min_tokens(params, output_token_ids, stop_token_ids, device)
+        md._set_generators(random_rows, generators, device)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        md.max_num_logprobs = max(asked) if asked else None
+        return md
 
-        def tensor(values: list[float] | list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
+    def _set_sampling_stages(
+        self, params: list[SamplingParams], greedy: list[bool], random_rows: list[int], device: torch.device
+    ) -> None:
+        batch = len(params)
         # Only a batch that also samples needs them: an all-greedy batch takes the argmax
         # of every row, and on a GPU each host tensor made here is a copy to wait for.
         if random_rows and len(random_rows) < batch:
-            md.greedy_rows = tensor([i for i in range(batch) if greedy[i]], torch.int64)
+            self.greedy_rows = _tensor([i for i in range(batch) if greedy[i]], device, torch.int64)
 
         # Only random rows decide whether a sampling stage runs; greedy rows get neutral values.
         rand = [params[i] for i in random_rows]
         if any(p.temperature != 1.0 for p in rand):
-            md.temperature = tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+            self.temperature = _tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device)
         if any(p.top_k > 0 for p in rand):
-            md.top_k = tensor([0 if g else p.top_k for p, g in zip(params, greedy)], torch.int64)
+            self.top_k = _tensor([0 if g else p.top_k for p, g in zip(params, greedy)], device, torch.int64)
         if any(p.top_p < 1.0 for p in rand):
-            md.top_p = tensor([1.0 if g else p.top_p for p, g in zip(params, greedy)])
+            self.top_p = _tensor([1.0 if g else p.top_p for p, g in zip(params, greedy)], device)
         if any(p.min_p > 0.0 for p in rand):
-            md.min_p = tensor([0.0 if g else p.min_p for p, g in zip(params, greedy)])
+            self.min_p = _tensor([0.0 if g else p.min_p for p, g in zip(params, greedy)], device)
 
+    def _set_penalties(
+        self,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        device: torch.device,
+    ) -> None:
         # Penalties change greedy rows too, so every row counts here.
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = [
                 prompt_token_ids[i] + output_token_ids[i] if p.repetition_penalty != 1.0 else []
                 for i, p in enumerate(params)
             ]
-            md.repetition_penalty = tensor([p.repetition_penalty if s else 1.0 for p, s in zip(params, seen)])
-            md.seen_token_ids = _pad(seen, [s[0] if s else 0 for s in seen], device)
+            penalties = [p.repetition_penalty if s else 1.0 for p, s in zip(params, seen)]
+            self.repetition_penalty = _tensor(penalties, device)
+            self.seen_token_ids = _pad(seen, [s[0] if s else 0 for s in seen], device)
         if any(p.frequency_penalty != 0.0 for p in params):
-            md.frequency_penalty = tensor([p.frequency_penalty for p in params])
+            self.frequency_penalty = _tensor([p.frequency_penalty for p in params], device)
         if any(p.presence_penalty != 0.0 for p in params):
-            md.presence_penalty = tensor([p.presence_penalty for p in params])
-        if md.frequency_penalty is not None or md.presence_penalty is not None:
-            md.output_distinct_ids, md.output_counts = _distinct_counts(
+            self.presence_penalty = _tensor([p.presence_penalty for p in params], device)
+        if self.frequency_penalty is not None or self.presence_penalty is not None:
+            self.output_distinct_ids, self.output_counts = _distinct_counts(
                 [
                     output_token_ids[i] if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 else []
                     for i, p in enumerate(params)
@@ -126,6 +145,13 @@ class SamplingMetadata:
                 device,
             )
 
+    def _set_min_tokens(
+        self,
+        params: list[SamplingParams],
+        output_token_ids: list[list[int]],
+        stop_token_ids: Sequence[AbstractSet[int]],
+        device: torch.device,
+    ) -> None:
         rows: list[int] = []
         cols: list[int] = []
         for i, p in enumerate(params):
@@ -133,23 +159,22 @@ class SamplingMetadata:
                 rows.extend([i] * len(stop_token_ids[i]))
                 cols.extend(sorted(stop_token_ids[i]))
         if rows:
-            md.min_tokens_rows = tensor(rows, torch.int64)
-            md.min_tokens_cols = tensor(cols, torch.int64)
+            self.min_tokens_rows = _tensor(rows, device, torch.int64)
+            self.min_tokens_cols = _tensor(cols, device, torch.int64)
 
+    def _set_generators(
+        self, random_rows: list[int], generators: list[torch.Generator | None], device: torch.device
+    ) -> None:
         unseeded: list[int] = []
         for i in random_rows:
             g = generators[i]
             if g is None:
                 unseeded.append(i)
             else:
-                md.seeded_rows.append(i)
-                md.seeded_generators.append(g)
+                self.seeded_rows.append(i)
+                self.seeded_generators.append(g)
         if unseeded:
-            md.unseeded_rows = tensor(unseeded, torch.int64)
-
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        md.max_num_logprobs = max(asked) if asked else None
-        return md
+            self.unseeded_rows = _tensor(unseeded, device, torch.int64)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cadence.scheduler.connector import Admission, SchedulerConnector
 from cadence.scheduler.fair_share import FairShare
@@ -52,6 +52,19 @@ class FinishedRequest:
 
     request: Request
     status: RequestStatus
+
+
+@dataclass
+class _Step:
+    """What one `schedule` call has decided so far, handed from phase to phase."""
+
+    budget: int
+    chunks: StepChunks
+    fair: FairShare
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    copies: list[BlockCopy] = field(default_factory=list)
+    # Set once this step preempts for blocks; it then admits nothing new.
+    preempted: bool = False
 
 
 class Scheduler:
@@ -138,51 +151,71 @@ class Scheduler:
 
     # ----- one step ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
-        copies: list[BlockCopy] = []
-        preempted_now = False
+        step = _Step(
+            budget=self.config.max_num_batched_tokens,
+            chunks=StepChunks(self.config.long_prefill_token_threshold),
+            fair=FairShare(self.running, self.waiting, self.config.max_num_seqs),
+        )
+        self._free_fair_seats(step)
+        self._schedule_running(step)
+        self._admit_waiting(step)
+        step.copies.extend(step.fair.pass_on(self.running, step.scheduled, step.budget, self.kv_cache))
+        return self._build_output(step)
 
-        connector = self.connector
-        chunks = StepChunks(self.config.long_prefill_token_threshold)
-        fair = FairShare(self.running, self.waiting, self.config.max_num_seqs)
+    def _free_fair_seats(self, step: _Step) -> None:
+        """Preempt for the requests owed a seat, then share this step's tokens between
+        the running requests in turn order."""
+        fair = step.fair
         for victim in fair.seats_to_free(self.running):
-            self._preempt(victim, scheduled)
+            self._preempt(victim, step.scheduled)
         self.running.sort(key=fair.turn_key)
-        fair.share_tokens(self.running, chunks, budget, self.config.max_num_seqs - len(self.running))
+        fair.share_tokens(self.running, step.chunks, step.budget, self.config.max_num_seqs - len(self.running))
+
+    def _schedule_running(self, step: _Step) -> None:
+        chunks, fair = step.chunks, step.fair
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and step.budget > 0:
             request = self.running[index]
             remaining = request.num_tokens_left
-            num_new = min(chunks.size(request, remaining, budget), fair.grant(request))
+            num_new = min(chunks.size(request, remaining, step.budget), fair.grant(request))
             # Its share went to an earlier capped prompt, or to the other requests.
             if chunks.used_up(request, remaining) or num_new == 0:
                 index += 1
                 continue
-            while True:
-                new_copies = self.kv_cache.allocate_slots(request, num_new)
-                if new_copies is not None:
-                    break
-                if self._reclaim_waiting_blocks():
-                    continue
-                victim = fair.victim(self.running[index:])  # never one that has its tokens already
-                budget += self._preempt(victim, scheduled)
-                preempted_now = True
-                if victim is request:
-                    break
+            new_copies = self._allocate_or_preempt(step, request, num_new, index)
             if new_copies is None:
                 continue  # the request itself was preempted; the next one now stands at `index`
-            copies.extend(new_copies)
-            scheduled[request.request_id] = ScheduledRequest(request, num_new)
+            step.copies.extend(new_copies)
+            step.scheduled[request.request_id] = ScheduledRequest(request, num_new)
             chunks.took(request, remaining, num_new)
             fair.took(request, num_new)
-            budget -= num_new
+            step.budget -= num_new
             index += 1
 
-        # Admitting new work while preempting would only thrash the cache. Capped prompts
-        # with no share left wait a step, without holding up those behind them.
+    def _allocate_or_preempt(self, step: _Step, request: Request, num_new: int, index: int) -> list[BlockCopy] | None:
+        """Allocate a running request's slots, preempting from `index` on until they fit;
+        None when the request itself was preempted."""
+        while True:
+            new_copies = self.kv_cache.allocate_slots(request, num_new)
+            if new_copies is not None:
+                return new_copies
+            if self._reclaim_waiting_blocks():
+                continue
+            victim = step.fair.victim(self.running[index:])  # never one that has its tokens already
+            step.budget += self._preempt(victim, step.scheduled)
+            step.preempted = True
+            if victim is request:
+                return None
+
+    def _admit_waiting(self, step: _Step) -> None:
+        """Admit waiting requests while budget, seats and blocks allow.
+
+        Admitting new work while preempting would only thrash the cache. Capped prompts
+        with no share left wait a step, without holding up those behind them.
+        """
+        chunks, fair, connector = step.chunks, step.fair, self.connector
         passed_over: list[Request] = []
-        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and step.budget > 0 and not step.preempted and len(self.running) < self.config.max_num_seqs:
             position = fair.next_waiting(self.waiting)
             request = self.waiting[position]
             if chunks.used_up(request, request.num_tokens_left):
@@ -200,7 +233,7 @@ class Scheduler:
             cached_prefix = [] if request.block_ids else self.kv_cache.find_cached_prefix(request)
             num_computed = request.num_computed_tokens + len(cached_prefix) * self.kv_cache.block_size
             remaining = request.num_tokens_to_compute - num_computed
-            num_new = chunks.size(request, remaining, budget)
+            num_new = chunks.size(request, remaining, step.budget)
             new_copies = self.kv_cache.allocate_slots(request, num_new, cached_prefix)
             if new_copies is None:
                 # Children further back may pin the blocks this one needs; with nothing
@@ -214,25 +247,27 @@ class Scheduler:
                 request.num_cached_tokens = len(cached_prefix) * self.kv_cache.block_size
             if num_new == 0 and connector is not None and self._hand_to_connector(connector, request):
                 continue  # a prompt to send that the prefix cache holds whole
-            copies.extend(new_copies)
+            step.copies.extend(new_copies)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             fair.admitted(request)
-            scheduled[request.request_id] = ScheduledRequest(request, num_new)
+            step.scheduled[request.request_id] = ScheduledRequest(request, num_new)
             chunks.took(request, remaining, num_new)
-            budget -= num_new
+            step.budget -= num_new
         for request in passed_over:
             bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
-        copies.extend(fair.pass_on(self.running, scheduled, budget, self.kv_cache))
 
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        """The step's output for the runner; the scheduler keeps the step's requests for `update`."""
+        scheduled = step.scheduled
         output = SchedulerOutput(
             num_scheduled_tokens={request_id: item.num_new_tokens for request_id, item in scheduled.items()},
-            block_copies=copies,
+            block_copies=step.copies,
             finished_request_ids=self._finished_ids,
             preempted_request_ids=self._preempted_ids,
         )
-        if connector is not None:
-            output.kv_loads, output.kv_cancels = connector.take_step_work()
+        if self.connector is not None:
+            output.kv_loads, output.kv_cancels = self.connector.take_step_work()
         for item in scheduled.values():
             data = describe(item.request)
             if isinstance(data, NewRequestData):

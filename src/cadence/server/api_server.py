@@ -1,4 +1,6 @@
-"""The FastAPI app: routes, API-key and body-size guards, and the engine's lifetime.
+"""The FastAPI app: its configuration, API-key and body-size guards, and the engine's lifetime.
+
+The routes themselves are in server/routes.py.
 
 The engine process starts in the app's lifespan, so uvicorn accepts no connection before
 the model is loaded, and stops after uvicorn has drained in-flight requests.
@@ -7,32 +9,27 @@ the model is loaded, and stops after uvicorn has drained in-flight requests.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
 
 from cadence.engine.engine_args import EngineArgs
-from cadence.openai_schema.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from cadence.openai_schema.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from cadence.server.disaggregation.topology import LinkTiming, Topology, WorkerList
 from cadence.server.disaggregation.worker_link import tcp_address
 from cadence.server.engine_client import AsyncEngineClient
-from cadence.server.errors import APIError, install_error_handlers, unavailable
+from cadence.server.errors import install_error_handlers, unavailable
 from cadence.server.guards import install_guards
 from cadence.server.local_engine import RestartPolicy
-from cadence.server.metrics import build_registry, render
+from cadence.server.metrics import build_registry
 from cadence.server.prompts import PromptBuilder
 from cadence.server.request_limits import RequestLimits
+from cadence.server.routes import VERSION, Routes, Serving
 from cadence.server.serving_chat import ChatHandler
 from cadence.server.serving_completions import CompletionHandler
 from cadence.server.shutdown_deadline import CancelledAfterDeadline, ShutdownDeadline
 from cadence.tokenization.loading import load_tokenizer
-
-VERSION = "0.1.0"
 
 
 @dataclass
@@ -67,15 +64,6 @@ class ServerConfig:
     workers: WorkerList | None = None
 
 
-@dataclass
-class Serving:
-    """The request handlers, built once the engine reports its limits."""
-
-    prompts: PromptBuilder
-    completions: CompletionHandler
-    chat: ChatHandler
-
-
 def build_app(
     engine_args: EngineArgs,
     config: ServerConfig,
@@ -93,6 +81,28 @@ def build_app(
     client.log_prompts = config.log_prompts
     model_name = config.served_model_names[0]
     serving: list[Serving] = []  # filled once the engine has said what it can take
+
+    lifespan = _engine_lifespan(engine_args, config, client, serving)
+    app = FastAPI(title="Cadence", version=VERSION, lifespan=lifespan)
+    install_error_handlers(app)
+    registry = build_registry(client, model_name, config.metrics_prefix)
+    routes = Routes(client, serving, registry, config.served_model_names, engine_args.model, config.topology.role)
+
+    protected = config.protected_prefixes + (("/metrics",) if config.protect_metrics else ())
+    install_guards(app, config.api_key, protected, config.max_request_body_bytes)
+    if shutdown is not None:
+        shutdown.on_expiry(lambda: client.end_all_requests(lambda: unavailable("the server is shutting down")))
+        app.add_middleware(CancelledAfterDeadline, deadline=shutdown)  # outermost: nothing inside logs it
+    app.include_router(routes.router())
+    return app
+
+
+def _engine_lifespan(
+    engine_args: EngineArgs, config: ServerConfig, client: AsyncEngineClient, serving: list[Serving]
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: start or connect the engines and build the request handlers
+    into `serving`; afterwards drain the worker link and stop the engines."""
+    model_name = config.served_model_names[0]
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -127,92 +137,4 @@ def build_app(
             for built in serving:
                 built.prompts.close()
 
-    app = FastAPI(title="Cadence", version=VERSION, lifespan=lifespan)
-    install_error_handlers(app)
-    registry = build_registry(client, model_name, config.metrics_prefix)
-    created = int(time.time())
-
-    protected = config.protected_prefixes + (("/metrics",) if config.protect_metrics else ())
-    install_guards(app, config.api_key, protected, config.max_request_body_bytes)
-    if shutdown is not None:
-        shutdown.on_expiry(lambda: client.end_all_requests(lambda: unavailable("the server is shutting down")))
-        app.add_middleware(CancelledAfterDeadline, deadline=shutdown)  # outermost: nothing inside logs it
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in config.served_model_names:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist; this server serves {config.served_model_names}",
-                type="not_found_error",
-                param="model",
-                code="model_not_found",
-            )
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        return await serving[0].completions.create(body, request)
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        return await serving[0].chat.create(body, request)
-
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        assert client.info is not None
-        data = [
-            ModelCard(
-                id=name,
-                created=created,
-                owned_by="cadence",
-                root=engine_args.model,
-                max_model_len=client.info.max_model_len,
-            )
-            for name in config.served_model_names
-        ]
-        return ModelList(data=data)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not client.is_healthy:
-            return unavailable(client.unavailable_reason, client.retry_after).response()
-        if client.coordinator is None:
-            return Response(status_code=200)
-        # Disaggregated: healthy while a decode engine serves; each engine's state is shown.
-        return JSONResponse({"engines": client.health()})
-
-    @app.get("/worker")
-    async def worker() -> Response:
-        """What a router needs to drive this worker's engine."""
-        if client.link is None:
-            raise APIError(404, "this server is not a prefill or decode worker", type="not_found_error")
-        return JSONResponse({"role": config.topology.role, "link_port": client.link.port})
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": VERSION}
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        check_model(body.model)
-        prompts = serving[0].prompts
-        if body.messages is not None:
-            prompt = await prompts.from_messages(body.messages, body.add_generation_prompt)
-        else:
-            prompt = await prompts.from_completion_prompt(body.prompt or "", body.add_special_tokens)
-        return TokenizeResponse(
-            tokens=prompt.token_ids, count=len(prompt.token_ids), max_model_len=prompts.max_model_len
-        )
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        check_model(body.model)
-        prompts = serving[0].prompts
-        return DetokenizeResponse(prompt=await prompts.decode(body.tokens))
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    return app
+    return lifespan

@@ -13,11 +13,19 @@ import logging
 import re
 import signal
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
 from cadence.engine.engine_args import ENGINE_OPTIONS, EngineArgs, engine_args_for
 from cadence.engine.log_format import LOG_FORMATS, configure_logging
 from cadence.server.disaggregation.cli import add_disaggregation_flags, add_router_command, at_least_one
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from cadence.server.api_server import ServerConfig
+    from cadence.server.draining_server import DrainingServer
+    from cadence.server.shutdown_deadline import ShutdownDeadline
 
 logger = logging.getLogger("cadence")
 
@@ -51,18 +59,15 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("engine options", "as LLM(...) takes them; unset ones keep the engine's defaults")
     flag = functools.partial(group.add_argument, default=None)
     add_download_dir_flag(group)
-    flag("--max-model-len", type=int)
-    flag("--max-num-seqs", type=int)
-    flag("--max-num-batched-tokens", type=int)
-    flag(
-        "--long-prefill-token-threshold",
-        type=int,
-        help="the most tokens of one prompt a step computes (0: no cap), so a long prompt shares "
-        "steps with the running streams instead of stalling them",
-    )
-    flag("--num-gpu-blocks", type=int, help="KV-cache blocks (on any device)")
-    flag("--kv-cache-memory", type=parse_size, help="KV-cache size, e.g. 2GiB")
-    flag("--block-size", type=int)
+    _add_model_flags(flag)
+    _add_scheduling_flags(flag)
+    _add_kv_cache_flags(flag)
+    _add_kernel_flags(flag)
+    _add_expert_flags(flag)
+
+
+def _add_model_flags(flag: Callable[..., argparse.Action]) -> None:
+    """Where the model runs, in which dtype, and how its weights are quantized."""
     flag("--dtype", help="auto, float32, float16 or bfloat16")
     flag("--device", help="auto, cpu or cuda[:N]")
     flag("--seed", type=int)
@@ -79,11 +84,36 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
         help="store the LM head (and a tied embedding) as int8 per vocabulary row; default: "
         "only for a GGUF served with --quantization gguf whose file stores the head quantized",
     )
+
+
+def _add_scheduling_flags(flag: Callable[..., argparse.Action]) -> None:
+    """How long a sequence may be and how much one step computes."""
+    flag("--max-model-len", type=int)
+    flag("--max-num-seqs", type=int)
+    flag("--max-num-batched-tokens", type=int)
+    flag(
+        "--long-prefill-token-threshold",
+        type=int,
+        help="the most tokens of one prompt a step computes (0: no cap), so a long prompt shares "
+        "steps with the running streams instead of stalling them",
+    )
+
+
+def _add_kv_cache_flags(flag: Callable[..., argparse.Action]) -> None:
+    """The KV cache's size, layout and storage, and prefix reuse."""
+    flag("--num-gpu-blocks", type=int, help="KV-cache blocks (on any device)")
+    flag("--kv-cache-memory", type=parse_size, help="KV-cache size, e.g. 2GiB")
+    flag("--block-size", type=int)
     flag(
         "--kv-cache-dtype",
         choices=["auto", "int8", "fp8"],
         help="KV-cache storage: the model's dtype, or int8/fp8 with a scale per token and head",
     )
+    flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help="reuse KV of shared prefixes")
+
+
+def _add_kernel_flags(flag: Callable[..., argparse.Action]) -> None:
+    """Which attention and linear kernels run, and how they launch."""
     flag("--attention-backend", choices=["auto", "torch", "triton"], help="auto: Triton on CUDA, torch on CPU")
     flag(
         "--enforce-eager",
@@ -98,7 +128,18 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
         "size, which costs speed (bench/gpu_decode.py --batch-invariant measures it). CPU is always "
         "batch invariant under --cpu-kernels auto",
     )
-    flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help="reuse KV of shared prefixes")
+    flag(
+        "--cpu-kernels",
+        metavar="auto|packed|dequant|dense|fp16|bf16|bf16dot|int8x2dot|int8dot",
+        help="CPU: the kernel quantized layers run. auto (default) takes, by rule, the finest arithmetic "
+        "this CPU makes fast (bf16dot with AVX512-BF16, else fp16), so answers never depend on timings; "
+        "a kernel's name runs it wherever it can (int8dot: llama.cpp's 8-bit activations for 4-bit "
+        "weights, faster on CPUs without AVX-512 and less accurate). Greedy output is batch invariant",
+    )
+
+
+def _add_expert_flags(flag: Callable[..., argparse.Action]) -> None:
+    """MoE models: where the routed experts live and how they reach fast memory."""
     flag(
         "--expert-offload",
         choices=["none", "host", "disk"],
@@ -122,14 +163,6 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
         "--expert-cpu-compute",
         action="store_true",
         help="CUDA: run a cold expert with few tokens on the CPU when a measured cost model says that beats copying it",
-    )
-    flag(
-        "--cpu-kernels",
-        metavar="auto|packed|dequant|dense|fp16|bf16|bf16dot|int8x2dot|int8dot",
-        help="CPU: the kernel quantized layers run. auto (default) takes, by rule, the finest arithmetic "
-        "this CPU makes fast (bf16dot with AVX512-BF16, else fp16), so answers never depend on timings; "
-        "a kernel's name runs it wherever it can (int8dot: llama.cpp's 8-bit activations for 4-bit "
-        "weights, faster on CPUs without AVX-512 and less accurate). Greedy output is batch invariant",
     )
 
 
@@ -305,11 +338,8 @@ def serve(args: argparse.Namespace) -> None:
     # Imported here so `cadence --help` answers at once, without torch and FastAPI.
     import uvicorn
 
-    from cadence.server.api_server import ServerConfig, build_app
-    from cadence.server.disaggregation.cli import kv_host_for, topology_from, worker_list_from
-    from cadence.server.disaggregation.topology import LinkTiming
-    from cadence.server.draining_server import DrainingServer
-    from cadence.server.request_limits import RequestLimits
+    from cadence.server.api_server import build_app
+    from cadence.server.disaggregation.cli import kv_host_for
     from cadence.server.shutdown_deadline import ShutdownDeadline
 
     configure_logging(args.log_level.upper(), getattr(args, "log_format", "text"))
@@ -318,9 +348,47 @@ def serve(args: argparse.Namespace) -> None:
         engine_args = engine_args_from(args)
     except (ValueError, OSError) as error:  # an option's value, or a model file or cache folder
         exit_refused(args.command, error)
-    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    config = ServerConfig(
-        served_model_names=names,
+    config = server_config_from(args)
+    fatal: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        if server is not None:
+            server.should_exit = True  # drain, stop the engine, then exit 1 below
+
+    deadline = ShutdownDeadline(args.shutdown_timeout)
+    app = build_app(engine_args, config, on_fatal, deadline)
+    logger.info(
+        "serving %s as %s on http://%s:%d (quantization: %s)",
+        engine_args.model,
+        config.served_model_names[0],
+        args.host,
+        args.port,
+        engine_args.quantization or "none",
+    )
+    # uvicorn drains on SIGTERM and SIGINT, then raises the signal again under the handler it
+    # found; make that a clean exit, not a KeyboardInterrupt traceback after Ctrl-C.
+    for drained in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(drained, lambda *_: sys.exit(0))
+    server = draining_server(app, args, deadline)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # the app never started (the engine failed to load): as uvicorn.run exits
+    if fatal:
+        logger.error("exiting: %s", fatal[0])
+        sys.exit(1)
+
+
+def server_config_from(args: argparse.Namespace) -> ServerConfig:
+    """The HTTP side's configuration for `cadence serve` and `cadence router`."""
+    from cadence.server.api_server import ServerConfig
+    from cadence.server.disaggregation.cli import topology_from, worker_list_from
+    from cadence.server.disaggregation.topology import LinkTiming
+    from cadence.server.request_limits import RequestLimits
+
+    return ServerConfig(
+        served_model_names=args.served_model_name or [args.model or DEFAULT_MODEL_NAME],
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         max_request_body_bytes=args.max_request_body_bytes,
@@ -337,29 +405,15 @@ def serve(args: argparse.Namespace) -> None:
         link_timing=LinkTiming(timeout=args.link_timeout, heartbeat=min(LinkTiming.heartbeat, args.link_timeout / 4)),
         workers=worker_list_from(args),
     )
-    fatal: list[str] = []
-    server: uvicorn.Server | None = None
 
-    def on_fatal(reason: str) -> None:
-        fatal.append(reason)
-        if server is not None:
-            server.should_exit = True  # drain, stop the engine, then exit 1 below
 
-    deadline = ShutdownDeadline(args.shutdown_timeout)
-    app = build_app(engine_args, config, on_fatal, deadline)
-    logger.info(
-        "serving %s as %s on http://%s:%d (quantization: %s)",
-        engine_args.model,
-        names[0],
-        args.host,
-        args.port,
-        engine_args.quantization or "none",
-    )
-    # uvicorn drains on SIGTERM and SIGINT, then raises the signal again under the handler it
-    # found; make that a clean exit, not a KeyboardInterrupt traceback after Ctrl-C.
-    for drained in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(drained, lambda *_: sys.exit(0))
-    server = DrainingServer(
+def draining_server(app: FastAPI, args: argparse.Namespace, deadline: ShutdownDeadline) -> DrainingServer:
+    """uvicorn serving `app` on the flags' address, draining requests until `deadline`."""
+    import uvicorn
+
+    from cadence.server.draining_server import DrainingServer
+
+    return DrainingServer(
         uvicorn.Config(
             app,
             host=args.host,
@@ -371,12 +425,6 @@ def serve(args: argparse.Namespace) -> None:
         ),
         deadline,
     )
-    server.run()
-    if not server.started:
-        sys.exit(3)  # the app never started (the engine failed to load): as uvicorn.run exits
-    if fatal:
-        logger.error("exiting: %s", fatal[0])
-        sys.exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
