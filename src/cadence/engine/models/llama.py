@@ -17,7 +17,6 @@ from torch import nn
 
 from cadence.engine.attention.backend import AttentionContext, AttentionSpec
 from cadence.engine.model_config import ModelConfig
-from cadence.engine.models.fused_ops import rms_norm, silu_and_mul
 from cadence.engine.models.rotary import PositionedRotary, RotaryEmbedding
 from cadence.engine.models.weight_names import FUSED_SHARDS, LM_HEAD, expert_target, fused_target
 from cadence.engine.quantization.linear import Int8Method
@@ -29,7 +28,8 @@ from cadence.engine.quantization.method import (
     QuantConfig,
     batch_invariant_dense,
 )
-from cadence.kernels.batch_invariant import invariant_linear
+from cadence.kernels.batch_invariant.cpu_linear import invariant_linear
+from cadence.kernels.layer_ops import rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
