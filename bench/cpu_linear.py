@@ -64,7 +64,7 @@ def build_paths(n: int, k: int, m: int, group_size: int) -> dict[str, Callable[[
 def fp8_paths(n: int, k: int, m: int) -> dict[str, Callable[[], torch.Tensor]]:
     """FP8 W8A8 on CPU: the layer's own path and the torch ops it was chosen over."""
     from cadence.engine.quantization.fp8_linear import Fp8Linear
-    from cadence.kernels.fp8_format import quantize_fp8_per_token
+    from cadence.kernels.formats.fp8_format import quantize_fp8_per_token
 
     torch.manual_seed(0)
     linear = nn.Linear(k, n, bias=False).requires_grad_(False)

@@ -87,12 +87,12 @@ def pick_sizes(args: argparse.Namespace, num_sms: int) -> Sizes:
 
 
 def load_fp8_matmul(on_gpu: bool) -> tuple[object | None, str]:
-    """kernels/w8a8_fp8.py, where the device can run it."""
-    if importlib.util.find_spec("cadence.kernels.w8a8_fp8") is None:
-        return None, "kernels/w8a8_fp8.py not present"
+    """kernels/triton/w8a8_fp8.py, where the device can run it."""
+    if importlib.util.find_spec("cadence.kernels.triton.w8a8_fp8") is None:
+        return None, "kernels/triton/w8a8_fp8.py not present"
     if on_gpu and torch.cuda.get_device_capability() < (8, 9):
         return None, "fp8 needs compute capability 8.9+"
-    mod = importlib.import_module("cadence.kernels.w8a8_fp8")
+    mod = importlib.import_module("cadence.kernels.triton.w8a8_fp8")
     if not callable(getattr(mod, "fp8_matmul", None)) or not callable(getattr(mod, "reference", None)):
         return None, "w8a8_fp8 has no fp8_matmul()/reference()"
     return mod, ""
@@ -118,8 +118,8 @@ def bench_quant(b: Bench) -> None:
 
 def quant_shape(b: Bench, name: str, k: int, n: int, fp8: object | None) -> object | None:
     """Every M for one (K, N); returns the fp8 module, or None once its API proved different."""
-    from cadence.kernels import w4a16, w8a16
-    from cadence.kernels.quant_formats import quantize_int4, quantize_int8
+    from cadence.kernels.formats.quant_formats import quantize_int4, quantize_int8
+    from cadence.kernels.triton import w4a16, w8a16
 
     group = b.sizes.group
     w4_sym, w4_asym = f"w4 g{group} sym", f"w4 g{group} asym"
@@ -135,7 +135,7 @@ def quant_shape(b: Bench, name: str, k: int, n: int, fp8: object | None) -> obje
             w4_asym: quantize_int4(w, group, False),
         }
         if fp8 is not None:
-            ws["fp8"] = importlib.import_module("cadence.kernels.fp8_format").quantize_fp8_weight(w)
+            ws["fp8"] = importlib.import_module("cadence.kernels.formats.fp8_format").quantize_fp8_weight(w)
         weights.append(ws)
     kernels: dict[str, tuple[Callable, Callable]] = {
         "w8a16": (lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out), lambda x, wt: w8a16.reference(x, *wt)),
@@ -143,7 +143,7 @@ def quant_shape(b: Bench, name: str, k: int, n: int, fp8: object | None) -> obje
         w4_asym: (lambda x, wt, out: w4a16.w4a16_matmul(x, wt, out=out), w4a16.reference),
     }
     # From 256 rows, both sides of the tiled / dequantize-then-matmul switch
-    # (kernels/dequant.py's DEQUANT_MIN_M), whichever the default picks.
+    # (kernels/triton/dequant.py's DEQUANT_MIN_M), whichever the default picks.
     both_paths: dict[str, tuple[Callable, Callable]] = {
         "w8a16 tiled": (
             lambda x, wt, out: w8a16.w8a16_matmul(x, *wt, out=out, dequant_min_m=1 << 62),
@@ -223,7 +223,7 @@ def bench_fp8(
     x_scale, wq, w_scale, out_dtype). Any other API disables the variant (a printed note)
     instead of failing the run.
     """
-    from cadence.kernels.fp8_format import quantize_fp8_per_token
+    from cadence.kernels.formats.fp8_format import quantize_fp8_per_token
 
     try:
         wq, w_scale = weights[0]["fp8"]

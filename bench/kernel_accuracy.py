@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cadence import LLM, SamplingParams
-from cadence.engine.quantization.cpu_kernels import KERNELS
+from cadence.kernels.cpu.kernel_names import KERNELS
 from common.from_tests import EVAL_TEXT
 from common.machine import machine_info, machine_line
 

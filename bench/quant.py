@@ -124,7 +124,7 @@ def rtn_perplexity(path: str, group: int, symmetric: bool, ids: list[int]) -> fl
     `--quantization int4` picks a group per layer; GPTQ uses one for all, so rounding is
     applied here at GPTQ's group to compare like with like.
     """
-    from cadence.kernels.quant_formats import quantize_int4
+    from cadence.kernels.formats.quant_formats import quantize_int4
 
     llm = LLM(path, dtype="float32", max_model_len=1024, num_gpu_blocks=128)
     model = llm.engine.model

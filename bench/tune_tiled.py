@@ -75,7 +75,7 @@ class Weights:
     """Rotated weight copies per shape, quantized both ways, and their dense bf16 originals."""
 
     def __init__(self, l2_bytes: int, dtype: torch.dtype, copies: int | None = None) -> None:
-        from cadence.kernels.quant_formats import quantize_int4, quantize_int8
+        from cadence.kernels.formats.quant_formats import quantize_int4, quantize_int8
 
         self.sets: dict[str, list[dict[str, object]]] = {}
         for name, (k, n) in SHAPES.items():
@@ -89,7 +89,7 @@ class Weights:
 
 def kernel_call(kernel: str, x: torch.Tensor, weight: object, config: Config | None) -> Callable[[], object]:
     """One tiled launch (or the wrapper's default dispatch when config is None)."""
-    from cadence.kernels import w4a16, w8a16
+    from cadence.kernels.triton import w4a16, w8a16
 
     if kernel == "dense":
         return lambda: torch.matmul(x, weight.t())  # type: ignore[attr-defined]
@@ -109,7 +109,7 @@ def kernel_call(kernel: str, x: torch.Tensor, weight: object, config: Config | N
 
 
 def reference(kernel: str, x: torch.Tensor, weight: object) -> torch.Tensor:
-    from cadence.kernels import w4a16, w8a16
+    from cadence.kernels.triton import w4a16, w8a16
 
     return w4a16.reference(x, weight) if kernel == "w4" else w8a16.reference(x, *weight)  # type: ignore[arg-type,misc]
 

@@ -79,7 +79,7 @@ def bench_attention(b: Bench) -> None:
 
 def attention_case(b: Bench, batch: int, ctx: int, kinds: list[str]) -> None:
     """Decode of `batch` sequences of `ctx` tokens each, every KV format."""
-    from cadence.kernels import paged_attention as pa
+    from cadence.kernels.triton import paged_attention as pa
 
     hq, hkv, d, bs = b.sizes.heads
     splits = pa.choose_num_splits(batch, hkv, ctx, b.sizes.num_sms)  # what the wrapper will pick

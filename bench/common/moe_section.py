@@ -41,7 +41,7 @@ def bench_moe(b: Bench) -> None:
 
 def moe_shape(b: Bench, name: str, experts: int, top_k: int, hidden: int, inter: int) -> None:
     """Every M for one MoE shape; the expert weights (GBs for Mixtral) live only for this call."""
-    from cadence.kernels import fused_moe as fm
+    from cadence.kernels.triton import fused_moe as fm
 
     group = min(b.sizes.group, inter)
     sets = rotation_sets(experts * 3 * hidden * inter / 2, b.l2, cap=4)  # int4 experts, the smallest

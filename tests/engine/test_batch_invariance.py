@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import pytest
 
 from cadence import LLM
-from cadence.engine.attention import cpu_paged_decode, invariant_sdpa
 from cadence.engine.protocol import EngineCoreRequest
-from cadence.engine.quantization.cpu_kernels import INT_DOT_LEVELS, KERNELS
-from cadence.kernels import batch_invariant, int8_dot
-from cadence.kernels.half_linear import FORMATS, available
+from cadence.kernels.batch_invariant import cpu_linear, sdpa
+from cadence.kernels.cpu import int8_dot, paged_decode
+from cadence.kernels.cpu.half_linear import FORMATS, available
+from cadence.kernels.cpu.kernel_names import INT_DOT_LEVELS, KERNELS
 from tests.support.helpers import greedy, needs_smollm2, smollm2_path
 
 MAX_TOKENS = 10
@@ -170,12 +170,12 @@ def test_cpu_engine_measures_its_invariant_shapes_at_start(
     """What the invariant paths check on first use (each weight's GEMM tiles, the attention
     padding: which sizes give every row the same bits) is checked while the engine starts,
     not in the first request's time."""
-    monkeypatch.setattr(batch_invariant, "_plans", {})
-    monkeypatch.setattr(invariant_sdpa, "_shapes", {})
+    monkeypatch.setattr(cpu_linear, "_plans", {})
+    monkeypatch.setattr(sdpa, "_shapes", {})
     llm = LLM(tiny_model_dir(kind), **{**ENGINE, "quantization": quantization, "cpu_kernels": cpu_kernels})
     runner = llm.engine.runner
     # The rows are stated where the attention's paged kernel serves generated tokens.
-    assert runner.splits_prompt_rows == runner.backend.splits_generated_rows == cpu_paged_decode.available()
+    assert runner.splits_prompt_rows == runner.backend.splits_generated_rows == paged_decode.available()
     measured: list[str] = []
 
     def counted(name: str, measure: Callable[..., object]) -> Callable[..., object]:
@@ -185,12 +185,12 @@ def test_cpu_engine_measures_its_invariant_shapes_at_start(
 
         return call
 
-    monkeypatch.setattr(batch_invariant, "measure_tile_plan", counted("tiles", batch_invariant.measure_tile_plan))
-    monkeypatch.setattr(invariant_sdpa, "rows_agree", counted("attention", invariant_sdpa.rows_agree))
+    monkeypatch.setattr(cpu_linear, "measure_tile_plan", counted("tiles", cpu_linear.measure_tile_plan))
+    monkeypatch.setattr(sdpa, "rows_agree", counted("attention", sdpa.rows_agree))
     target, others = _prompts(seed=1, vocab=500, target_len=40)
     _run(llm, [(0, target), (1, others[0])])
     assert measured == []
-    assert batch_invariant._plans and invariant_sdpa._shapes  # measured, and kept
+    assert cpu_linear._plans and sdpa._shapes  # measured, and kept
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cadence.kernels.half_linear import BF16DOT, available
+from cadence.kernels.cpu.half_linear import BF16DOT, available
 from cadence.tools.avx2_only import AVX2_ONLY_ENV
 from tests.support.helpers import needs_smollm2
 

@@ -22,8 +22,8 @@ from cadence.engine.experts.store import ExpertSource, slot_tensors
 from cadence.engine.llm import LLM
 from cadence.engine.loader import load_model
 from cadence.engine.models.moe import SparseMoeBlock
-from cadence.engine.quantization.cpu_kernels import HELD_KERNELS
 from cadence.engine.quantization.linear_layer import LinearLayer
+from cadence.kernels.cpu.kernel_names import HELD_KERNELS
 from tests.support.helpers import greedy, make_llm, rel_err
 from tests.support.sdpa_contexts import VarlenSdpaContext
 from tests.support.tiny_models import MOE_KINDS

@@ -23,12 +23,12 @@ from gguf import GGMLQuantizationType as Q
 from cadence import LLM
 from cadence.engine.gguf_loader import SOURCE_FILE, convert_gguf
 from cadence.engine.loader import load_model
-from cadence.engine.quantization.cpu_kernels import INT8DOT
 from cadence.engine.quantization.gguf_native import decode_q4, decode_q8_0, int4_from_gguf, int8_from_q8_0
 from cadence.engine.quantization.linear import Int4Linear, Int4Method, Int8Method
 from cadence.engine.quantization.linear_layer import DenseMethod, LinearLayer
-from cadence.kernels import int8_dot
-from cadence.kernels.quant_formats import dequantize_int4, dequantize_int8
+from cadence.kernels.cpu import int8_dot
+from cadence.kernels.cpu.kernel_names import INT8DOT
+from cadence.kernels.formats.quant_formats import dequantize_int4, dequantize_int8
 from tests.support.gguf_writer import write_tiny_gguf_in
 from tests.support.helpers import gen, rel_err
 from tests.support.quant_eval import EVAL_TEXT, greedy_tokens, perplexity, prefix_agreement

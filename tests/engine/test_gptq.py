@@ -24,7 +24,7 @@ from cadence.engine.loader import iterate_weights, load_model
 from cadence.engine.models.llama import LlamaForCausalLM
 from cadence.engine.quantization.linear import Int4Method
 from cadence.engine.quantization.linear_layer import LinearLayer
-from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4
+from cadence.kernels.formats.quant_formats import Int4Weight, dequantize_int4, quantize_int4
 from cadence.tools import gptq_model
 from cadence.tools.gptq import HessianAccumulator, gptq_quantize
 from tests.support.helpers import gen

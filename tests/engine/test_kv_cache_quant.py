@@ -1,6 +1,6 @@
 """A quantized KV cache (int8 / fp8 with a scale per token and head) through the engine.
 
-Both attention backends read and write the same format (kernels/kv_quant.py); the
+Both attention backends read and write the same format (kernels/formats/kv_quant.py); the
 Triton one runs in the interpreter here. A quantized cache may flip a greedy token on a
 tiny random model, so what must hold exactly is that the two backends agree with each
 other on int8, and that int8 stays close to the unquantized cache in logprobs.

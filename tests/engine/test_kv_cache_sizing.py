@@ -13,17 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-from cadence.engine import kv_cache_size
+from cadence.engine import machine_memory
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.engine_core import EngineCore
 from cadence.engine.kv_cache_size import (
-    GiB,
     kv_cache_budget_bytes,
     kv_cache_bytes_per_block,
     resolve_num_blocks,
-    total_host_memory,
 )
 from cadence.engine.loader import load_model
+from cadence.engine.machine_memory import GiB, total_host_memory
 from cadence.engine.weights_memory import host_weights_bytes
 from cadence.server.disaggregation.topology import Topology
 
@@ -33,7 +32,7 @@ MiB = 1 << 20
 
 def fake_meminfo(monkeypatch: pytest.MonkeyPatch, total: int, available: int | None) -> None:
     """/proc/meminfo as a machine of `total` bytes with `available` free (None: as now)."""
-    real = kv_cache_size._meminfo
+    real = machine_memory._meminfo
 
     def meminfo(field: str) -> int | None:
         if field == "MemTotal:":
@@ -42,7 +41,7 @@ def fake_meminfo(monkeypatch: pytest.MonkeyPatch, total: int, available: int | N
             return available
         return real(field)
 
-    monkeypatch.setattr(kv_cache_size, "_meminfo", meminfo)
+    monkeypatch.setattr(machine_memory, "_meminfo", meminfo)
 
 
 def blocks(args: EngineArgs, weights: int, bytes_per_block: int = MiB) -> int:

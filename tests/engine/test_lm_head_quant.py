@@ -29,7 +29,7 @@ from cadence.engine.quantization.gguf_native import open_source_gguf
 from cadence.engine.quantization.linear import Int4Method, Int8Method
 from cadence.engine.quantization.linear_layer import LinearLayer
 from cadence.engine.quantization.lm_head import Int8Embedding
-from cadence.kernels.quant_formats import dequantize_int8, quantize_int8
+from cadence.kernels.formats.quant_formats import dequantize_int8, quantize_int8
 from cadence.tools import gptq_model
 from tests.support.gguf_writer import write_tiny_gguf_in
 from tests.support.helpers import CPU_PATH_TOL, dense_embedding, head_of, load_llama, rel_err
@@ -210,7 +210,7 @@ def test_gptq_checkpoint_with_a_quantized_head_loads_it(
 
     from safetensors.torch import load_file, save_file
 
-    from cadence.kernels.quant_formats import dequantize_int4, quantize_int4, to_gptq
+    from cadence.kernels.formats.quant_formats import dequantize_int4, quantize_int4, to_gptq
 
     source = tiny_model_dir(kind)
     out = str(tmp_path / "gptq-head")

@@ -21,7 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.rotary import _inv_freq
-from cadence.kernels.half_linear import native_bf16
+from cadence.kernels.cpu.half_linear import native_bf16
 from tests.support.sdpa_contexts import CachedSdpaContext, VarlenSdpaContext
 from tests.support.tiny_models import KINDS, make_tiny_model
 

@@ -130,7 +130,7 @@ def test_routing_settings_follow_each_config(tiny_model_dir: Callable[[str], str
 
 
 def test_fused_path_matches_grouped_path(tiny_model_dir: Callable[[str], str]) -> None:
-    """The CUDA branch (stacked experts through kernels/fused_moe.py; here its CPU path)
+    """The CUDA branch (stacked experts through kernels/triton/fused_moe.py; here its CPU path)
     gives the grouped torch path's output, and stacking keeps one copy of the weights."""
     model, _ = load_model(tiny_model_dir("qwen2_moe"), torch.float32, "cpu")
     block = model.get_submodule("model.layers.1.mlp")

@@ -33,11 +33,11 @@ from cadence.engine.quantization import (
     quantize_model,
     validate_quantization,
 )
-from cadence.engine.quantization import cpu_kernels as cpu_kernels_module
-from cadence.engine.quantization.cpu_int4_layout import dequantize_cpu_int4_transposed, unpack_cpu_int4
-from cadence.kernels import int8_dot, w4a16
-from cadence.kernels.half_linear import BF16, FP16, available
-from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
+from cadence.kernels.cpu import chunked_linear, int8_dot
+from cadence.kernels.cpu.half_linear import BF16, FP16, available
+from cadence.kernels.cpu.int4_layout import dequantize_cpu_int4_transposed, unpack_cpu_int4
+from cadence.kernels.formats.quant_formats import Int4Weight, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
+from cadence.kernels.triton import w4a16
 from tests.support.helpers import CPU_PATH_TOL, head_of, load_llama, rel_err
 from tests.support.quant_eval import (
     EVAL_TEXT,
@@ -64,7 +64,7 @@ def make_linear(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_cpu_kernels_match_reference(path: str, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if path == "dense in chunks":  # 96 output rows as 40 + 40 + 16, as a vocabulary-sized head is
-        monkeypatch.setattr(cpu_kernels_module, "DEQUANT_CHUNK_ELEMENTS", 40 * 160)
+        monkeypatch.setattr(chunked_linear, "DEQUANT_CHUNK_ELEMENTS", 40 * 160)
     kernel = path.split()[0]
     lin = make_linear(96, 160, bias, seed=1)
     mod = Int8Linear.from_linear(lin)
@@ -131,12 +131,12 @@ def test_int4_linear_cpu_dense_kernels_unpack_the_packed_bytes(
     packed op's values: they agree with it up to its bf16 activations, and with each other
     bit for bit."""
     if chunked:
-        monkeypatch.setattr(cpu_kernels_module, "DEQUANT_CHUNK_ELEMENTS", 64 * 256)
+        monkeypatch.setattr(chunked_linear, "DEQUANT_CHUNK_ELEMENTS", 64 * 256)
     lin = make_linear(192, 256, bias=True, seed=5)
     weight = quantize_int4(lin.weight, 64, symmetric)
     mod = Int4Linear(Int4Weight(weight.qweight.clone(), weight.scales, weight.zeros, 64), lin.bias)
     if mod.cpu_block_n is None:
-        pytest.skip("this torch/CPU packs int4 in a layout cpu_int4_layout does not recognise")
+        pytest.skip("this torch/CPU packs int4 in a layout kernels/cpu/int4_layout.py does not recognise")
     codes = unpack_int4(weight).t()
     assert mod.cpu_packed is not None
     assert torch.equal(unpack_cpu_int4(mod.cpu_packed, 192, 256, mod.cpu_block_n), codes)
@@ -193,7 +193,7 @@ def test_cpu_int4_dequantize_rounds_as_the_packed_ops_formula(zeros: str, group:
         )
     mod = Int4Linear(weight)
     if mod.cpu_block_n is None:
-        pytest.skip("this torch/CPU packs int4 in a layout cpu_int4_layout does not recognise")
+        pytest.skip("this torch/CPU packs int4 in a layout kernels/cpu/int4_layout.py does not recognise")
     cg, sz, packed = mod.cpu_group_size, mod.cpu_scales_zeros, mod.cpu_packed
     assert sz is not None and packed is not None
     codes = unpack_cpu_int4(packed, n, k, mod.cpu_block_n).to(torch.bfloat16).reshape(n, k // cg, cg)

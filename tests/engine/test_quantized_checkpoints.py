@@ -38,7 +38,7 @@ from cadence import LLM
 from cadence.engine.loader import load_model
 from cadence.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from cadence.engine.quantization import DenseMethod, Int4Method, LinearLayer, parse_quantization_config
-from cadence.kernels.quant_formats import dequantize_int4, quantize_int4, to_awq, to_gptq
+from cadence.kernels.formats.quant_formats import dequantize_int4, quantize_int4, to_awq, to_gptq
 from tests.support.helpers import dense_embedding, head_of, load_llama
 from tests.support.quant_eval import greedy_tokens, prompt_logprobs
 

@@ -19,15 +19,15 @@ from cadence import LLM
 from cadence.engine.attention.backend import AttentionSpec
 from cadence.engine.attention.selector import create_attention_backend
 from cadence.engine.quantization.linear_layer import LinearLayer
-from cadence.kernels import paged_attention as pa
-from cadence.kernels.batch_invariant_gemm import batch_invariant_linear, reference
-from cadence.kernels.fp8_format import quantize_fp8_weight
-from cadence.kernels.quant_formats import quantize_int4, quantize_int8
-from cadence.kernels.rms_norm import rms_norm
-from cadence.kernels.silu_and_mul import silu_and_mul
-from cadence.kernels.w4a16 import w4a16_matmul
-from cadence.kernels.w8a8_fp8 import fp8_matmul
-from cadence.kernels.w8a16 import w8a16_matmul
+from cadence.kernels.batch_invariant.triton_gemm import batch_invariant_linear, reference
+from cadence.kernels.formats.fp8_format import quantize_fp8_weight
+from cadence.kernels.formats.quant_formats import quantize_int4, quantize_int8
+from cadence.kernels.triton import paged_attention as pa
+from cadence.kernels.triton.rms_norm import rms_norm
+from cadence.kernels.triton.silu_and_mul import silu_and_mul
+from cadence.kernels.triton.w4a16 import w4a16_matmul
+from cadence.kernels.triton.w8a8_fp8 import fp8_matmul
+from cadence.kernels.triton.w8a16 import w8a16_matmul
 from cadence.server.cli import build_parser, engine_args_from
 from tests.support.helpers import DEVICE, KERNEL_TOL, gen, greedy, make_llm, poisoned, rel_err
 

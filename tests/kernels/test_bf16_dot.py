@@ -1,4 +1,4 @@
-"""Cadence's bf16 dot GEMM (kernels/bf16_dot.py) beyond what every half format is held to
+"""Cadence's bf16 dot GEMM (kernels/cpu/bf16_dot.py) beyond what every half format is held to
 in test_half_linear.py: offered exactly where the CPU has AVX512-BF16, and a row's bits
 the same whatever the thread count and in a process forked after the kernel ran."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.kernels import bf16_dot
-from cadence.kernels.half_linear import BF16DOT, available
+from cadence.kernels.cpu import bf16_dot
+from cadence.kernels.cpu.half_linear import BF16DOT, available
 from tests.support.helpers import bits_after_fork, bits_at_threads, run_python
 
 FLAGS = Path("/proc/cpuinfo").read_text().split() if platform.system() == "Linux" else []
@@ -54,7 +54,7 @@ def test_a_row_has_its_bits_alone_where_n_and_k_fill_no_block() -> None:
 
 _BITS = (
     "import hashlib, torch\n"
-    "from cadence.kernels import bf16_dot\n"
+    "from cadence.kernels.cpu import bf16_dot\n"
     "gen = torch.Generator().manual_seed(3)\n"
     "weight = bf16_dot.pack(torch.randn(960, 576, generator=gen) / 20)\n"
     "x = torch.randn(37, 576, generator=gen).bfloat16()\n"
@@ -79,8 +79,8 @@ def test_a_child_forked_after_one_kernel_ran_runs_the_other_serially() -> None:
     started, whichever kernel started them: the child runs every kernel's serial form."""
     code = _BITS + (
         "import os\n"
-        "from cadence.engine.attention import cpu_paged_decode\n"
-        "from cadence.engine.attention.cpu_paged_decode import GeneratedRows, attend_generated\n"
+        "from cadence.kernels.cpu import paged_decode\n"
+        "from cadence.kernels.cpu.paged_decode import GeneratedRows, attend_generated\n"
         "parent = bits()\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
@@ -88,7 +88,7 @@ def test_a_child_forked_after_one_kernel_ran_runs_the_other_serially() -> None:
         "    query, out = torch.ones(1, 1, 16), torch.zeros(1, 1, 16)\n"
         "    rows = GeneratedRows.build([0], torch.zeros(1, 4, dtype=torch.int32), [5], None)\n"
         "    attend_generated(query, out, cache, cache, rows, 16, 0.25)\n"
-        "    os._exit(0 if cpu_paged_decode.available() and bits() == parent else 3)\n"
+        "    os._exit(0 if paged_decode.available() and bits() == parent else 3)\n"
         "print(os.waitpid(pid, 0)[1] >> 8)"
     )
     assert run_python(code) == "0"

@@ -19,7 +19,7 @@ from cadence.engine.attention.backend import AttentionSpec, KVCache, QuantizedKV
 from cadence.engine.attention.torch_sdpa import TorchSDPABackend
 from cadence.engine.models.rotary import RotaryEmbedding
 from cadence.kernels import layer_ops_reference as reference
-from cadence.kernels.kv_quant import KV_CACHE_DTYPES, quantize_rows
+from cadence.kernels.formats.kv_quant import KV_CACHE_DTYPES, quantize_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention

@@ -17,12 +17,13 @@ import torch
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.models.llama import LlamaForCausalLM
 from cadence.engine.quantization import cpu_planner
-from cadence.engine.quantization.cpu_planner import group_summary, plan_cpu_kernels, validate_cpu_kernels
+from cadence.engine.quantization.cpu_planner import group_summary, plan_cpu_kernels
 from cadence.engine.quantization.linear import Int8Linear
 from cadence.engine.quantization.linear_layer import LinearLayer
 from cadence.engine.quantization.lm_head import Int8HeadMethod
-from cadence.kernels.half_linear import BF16, BF16DOT, FP16, available
-from cadence.kernels.quant_formats import quantize_int8
+from cadence.kernels.cpu.half_linear import BF16, BF16DOT, FP16, available
+from cadence.kernels.cpu.kernel_names import CPU_KERNEL_MODES, validate_cpu_kernels
+from cadence.kernels.formats.quant_formats import quantize_int8
 from cadence.server.cli import build_parser, engine_args_from
 from tests.support.helpers import load_llama
 
@@ -51,7 +52,7 @@ def _kernels(model: torch.nn.Module) -> tuple[list[str | None], list[str | None]
 
 
 def test_options_are_validated() -> None:
-    for mode in cpu_planner.CPU_KERNEL_MODES:
+    for mode in CPU_KERNEL_MODES:
         assert validate_cpu_kernels(mode) == mode
     # The modes that chose by timing are gone, and a timing table is no option any more.
     for bad in ("fast", "fastest", "throughput", "precise", "/tmp/table.json"):

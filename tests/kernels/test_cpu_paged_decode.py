@@ -1,4 +1,4 @@
-"""The CPU paged decode kernel (engine/attention/cpu_paged_decode.py) and how the torch
+"""The CPU paged decode kernel (kernels/cpu/paged_decode.py) and how the torch
 backend routes rows to it.
 
 The kernel against float64 attention over the same blocks (grouped query heads, windows,
@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from cadence import LLM
-from cadence.engine.attention import cpu_paged_decode
 from cadence.engine.attention.backend import AttentionSpec, StepBatch
-from cadence.engine.attention.cpu_paged_decode import GeneratedRows, attend_generated
 from cadence.engine.attention.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
+from cadence.kernels.cpu import paged_decode
+from cadence.kernels.cpu.paged_decode import GeneratedRows, attend_generated
 from tests.support.helpers import run_python
 
-pytestmark = pytest.mark.skipif(not cpu_paged_decode.available(), reason="numba cannot build the kernel here")
+pytestmark = pytest.mark.skipif(not paged_decode.available(), reason="numba cannot build the kernel here")
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -272,7 +272,7 @@ def test_the_kernel_serves_only_float32_attention_over_a_plain_cache(
     assert not quantized_cache.backend.splits_generated_rows and not quantized_cache.splits_prompt_rows
 
     # Without numba, every row goes through SDPA as before.
-    monkeypatch.setattr(cpu_paged_decode._kernel, "function", lambda: None)
+    monkeypatch.setattr(paged_decode._kernel, "function", lambda: None)
     assert not TorchSDPABackend(SPEC, BLOCK).use_paged_decode(cpu, torch.float32)
 
 
@@ -280,9 +280,9 @@ def test_starting_the_kernel_keeps_torchs_thread_count() -> None:
     """numba's OpenMP threads set the OpenMP thread count as they start; torch's is put back."""
     code = (
         "import torch\n"
-        "from cadence.engine.attention import cpu_paged_decode\n"
+        "from cadence.kernels.cpu import paged_decode\n"
         "before = torch.get_num_threads()\n"
-        "assert cpu_paged_decode.available()\n"
+        "assert paged_decode.available()\n"
         "print(before, torch.get_num_threads())"
     )
     assert run_python(code, OMP_NUM_THREADS="1") == "1 1"
@@ -296,8 +296,8 @@ def test_a_process_forked_after_the_kernel_ran_runs_it_serially(dim: int, window
     bits it has alone, and the values are right."""
     code = (
         "import os, torch\n"
-        "from cadence.engine.attention import cpu_paged_decode\n"
-        "from cadence.engine.attention.cpu_paged_decode import GeneratedRows, attend_generated\n"
+        "from cadence.kernels.cpu import paged_decode\n"
+        "from cadence.kernels.cpu.paged_decode import GeneratedRows, attend_generated\n"
         "gen = torch.Generator().manual_seed(0)\n"
         f"cache = [torch.randn(64 * 16, 3, {dim}, generator=gen) for _ in range(2)]\n"
         f"query = torch.randn(8, 9, {dim}, generator=gen)\n"
@@ -315,7 +315,7 @@ def test_a_process_forked_after_the_kernel_ran_runs_it_serially(dim: int, window
         "    child = run(list(range(8)))\n"
         "    alone = all((run([r])[0] == child[r]).all() for r in range(8))\n"
         "    close = abs(child - parent).max() < 1e-5\n"
-        "    os._exit(0 if cpu_paged_decode.available() and alone and close else 3)\n"
+        "    os._exit(0 if paged_decode.available() and alone and close else 3)\n"
         "print(os.waitpid(pid, 0)[1] >> 8)"
     )
     assert run_python(code) == "0"

@@ -1,4 +1,4 @@
-"""The CPU rotary kernel (kernels/cpu_rotary.py): the torch reference's bits for q and k
+"""The CPU rotary kernel (kernels/cpu/rotary.py): the torch reference's bits for q and k
 read from one projection's rows or from tensors of their own, on any thread count and in
 a forked child; the torch ops wherever it does not apply; and the model's rotary call
 taking it."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from cadence.engine.models.rotary import RotaryEmbedding
-from cadence.kernels import cpu_rotary
 from cadence.kernels import layer_ops_reference as reference
+from cadence.kernels.cpu import rotary as cpu_rotary
 from tests.support.helpers import bits_after_fork, bits_at_threads, gen
 
 needs_kernel = pytest.mark.skipif(cpu_rotary._rotate.function() is None, reason="numba is unavailable")
@@ -80,7 +80,7 @@ def test_the_torch_ops_serve_where_the_kernel_does_not_apply() -> None:
 
 _BITS = (
     "import hashlib, torch\n"
-    "from cadence.kernels import cpu_rotary\n"
+    "from cadence.kernels.cpu import rotary as cpu_rotary\n"
     "gen = torch.Generator().manual_seed(3)\n"
     "qkv = torch.randn(53, 15 * 64, generator=gen)\n"
     "q, k = qkv[:, :576].view(53, 9, 64), qkv[:, 576:768].view(53, 3, 64)\n"

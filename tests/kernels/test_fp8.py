@@ -35,9 +35,8 @@ from cadence.engine.quantization import (
     validate_quantization,
 )
 from cadence.engine.quantization import fp8_linear as fp8_linear_module
-from cadence.engine.quantization.cpu_policy import CpuQuantPolicy
-from cadence.kernels import w8a8_fp8
-from cadence.kernels.fp8_format import (
+from cadence.kernels.cpu.quant_policy import CpuQuantPolicy
+from cadence.kernels.formats.fp8_format import (
     FP8_DTYPE,
     FP8_MAX,
     FP16_DECODE_DIVISOR,
@@ -46,6 +45,7 @@ from cadence.kernels.fp8_format import (
     quantize_fp8_per_token,
     quantize_fp8_weight,
 )
+from cadence.kernels.triton import w8a8_fp8
 from tests.support.helpers import gen, head_of, load_llama, poisoned, rel_err
 from tests.support.quant_eval import TINY_PROMPTS, dense_sample, greedy_tokens, perplexity, prefix_agreement, tiny_llm
 

@@ -13,8 +13,8 @@ import torch
 
 from cadence.engine.quantization.cpu_planner import plan_cpu_kernels
 from cadence.engine.quantization.linear import Int8Linear
-from cadence.kernels.batch_invariant import cancellation_probe, measure_tiles
-from cadence.kernels.half_linear import (
+from cadence.kernels.batch_invariant.cpu_linear import cancellation_probe, measure_tiles
+from cadence.kernels.cpu.half_linear import (
     BF16,
     BF16DOT,
     FP16,
@@ -24,7 +24,7 @@ from cadence.kernels.half_linear import (
     pack,
     tile_plan,
 )
-from cadence.kernels.quant_formats import quantize_int8
+from cadence.kernels.formats.quant_formats import quantize_int8
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 

@@ -1,4 +1,4 @@
-"""Cadence's integer GEMM for int4 weights (kernels/int8_dot.py), at one and two int8
+"""Cadence's integer GEMM for int4 weights (kernels/cpu/int8_dot.py), at one and two int8
 levels of activations: offered where the CPU has AVX2; activations quantized per block of
 32 exactly as a torch reference does; each output the exact integer block sums scaled in
 fp32; a row's bits its own at any M, thread count and in a forked child; an int4 layer
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.engine.quantization.cpu_kernels import INT8DOT, INT8X2DOT
 from cadence.engine.quantization.linear import Int4Linear, Int4Method
 from cadence.engine.quantization.linear_layer import LinearLayer
-from cadence.kernels import int8_dot, int8_quantize
+from cadence.kernels.cpu import int8_dot, int8_quantize
+from cadence.kernels.cpu.kernel_names import INT8DOT, INT8X2DOT
 from tests.support.helpers import bits_after_fork, bits_at_threads, load_llama
 
 FLAGS = Path("/proc/cpuinfo").read_text().split() if platform.system() == "Linux" else []
@@ -195,7 +195,7 @@ def test_a_row_has_its_bits_alone_at_any_batch(levels: int) -> None:
 
 _BITS = (
     "import hashlib, torch\n"
-    "from cadence.kernels import int8_dot\n"
+    "from cadence.kernels.cpu import int8_dot\n"
     "gen = torch.Generator().manual_seed(3)\n"
     "codes = torch.randint(0, 16, (960, 576), generator=gen, dtype=torch.uint8)\n"
     "scales = torch.rand(960, 18, generator=gen) / 50\n"

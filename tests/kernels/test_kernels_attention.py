@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cadence.kernels import kv_cache_write, kv_quant
-from cadence.kernels import paged_attention as pa
+from cadence.kernels.formats import kv_quant
+from cadence.kernels.triton import kv_cache_write
+from cadence.kernels.triton import paged_attention as pa
 from tests.support.helpers import DEVICE, KERNEL_TOL, rel_err
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

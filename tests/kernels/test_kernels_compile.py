@@ -19,8 +19,10 @@ from functools import partial
 import pytest
 import torch
 
-from cadence.kernels import (
-    batch_invariant_gemm,
+from cadence.kernels.batch_invariant import triton_gemm
+from cadence.kernels.formats.fp8_format import quantize_fp8_weight
+from cadence.kernels.formats.quant_formats import Int4Weight, quantize_int4, quantize_int8
+from cadence.kernels.triton import (
     dequant,
     fused_moe,
     kv_cache_write,
@@ -32,8 +34,6 @@ from cadence.kernels import (
     w8a8_fp8,
     w8a16,
 )
-from cadence.kernels.fp8_format import quantize_fp8_weight
-from cadence.kernels.quant_formats import Int4Weight, quantize_int4, quantize_int8
 from tests.support.triton_aot import Launch, dump_launches, record_launches
 
 # The launches are recorded by running the wrappers on CPU tensors in the interpreter. A
@@ -84,7 +84,7 @@ def quant_cases() -> dict[str, Callable[[], object]]:
         # --batch-invariant: one configuration for every M, so M = 1 stands for all.
         x, name = torch.randn(1, k, dtype=dtype), f"{str(dtype)[6:]} M=1"
         dense, bias = w.to(dtype), torch.randn(n, dtype=dtype)
-        cases[f"invariant dense {name}"] = partial(batch_invariant_gemm.batch_invariant_linear, x, dense, bias)
+        cases[f"invariant dense {name}"] = partial(triton_gemm.batch_invariant_linear, x, dense, bias)
         cases[f"invariant w8a16 {name}"] = partial(w8a16.w8a16_matmul, x, q8, s8.to(dtype), batch_invariant=True)
         cases[f"invariant fp8 {name}"] = partial(w8a8_fp8.fp8_matmul, x, wq, ws, batch_invariant=True)
         if dtype in HALF:

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from cadence.kernels import dequant, w4a16, w8a16
-from cadence.kernels.quant_formats import Int4Weight, dequantize_int8, quantize_int4, quantize_int8
+from cadence.kernels.formats.quant_formats import Int4Weight, dequantize_int8, quantize_int4, quantize_int8
+from cadence.kernels.triton import dequant, w4a16, w8a16
 from tests.support.helpers import DEVICE, KERNEL_TOL, gen, poisoned, rel_err
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from cadence.kernels import layer_ops_reference as reference
-from cadence.kernels.rms_norm import rms_norm
-from cadence.kernels.rotary import apply_rotary
-from cadence.kernels.silu_and_mul import silu_and_mul
+from cadence.kernels.triton.rms_norm import rms_norm
+from cadence.kernels.triton.rotary import apply_rotary
+from cadence.kernels.triton.silu_and_mul import silu_and_mul
 from tests.support.helpers import DEVICE, gen, rel_err
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

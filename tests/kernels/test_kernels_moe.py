@@ -20,9 +20,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadence.kernels import fused_moe as fm
-from cadence.kernels.moe_align import max_padded_pairs, moe_align
-from cadence.kernels.quant_formats import quantize_int4
+from cadence.kernels.formats.quant_formats import quantize_int4
+from cadence.kernels.triton import fused_moe as fm
+from cadence.kernels.triton.moe_align import max_padded_pairs, moe_align
 from tests.support.helpers import KERNEL_TOL, gen, poisoned, rel_err
 
 QUANT_TOL = {"int8": 3e-2, "int4_sym": 0.35, "int4_zp": 0.35}

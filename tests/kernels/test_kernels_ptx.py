@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cadence.kernels import w4a16_gemv
+from cadence.kernels.triton import w4a16_gemv
 from tests.support.helpers import rel_err
 from tests.support.ptx_emulator import inline_asm_texts, run_ptx
 

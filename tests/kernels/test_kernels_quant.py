@@ -19,9 +19,7 @@ import pytest
 import torch
 import triton
 
-from cadence.kernels import launch, split_k, tile_configs, w4a16, w4a16_gemv, w8a16
-from cadence.kernels.launch import TILED_PROGRAMS_PER_SM, split_k_to_fill
-from cadence.kernels.quant_formats import (
+from cadence.kernels.formats.quant_formats import (
     Int4Weight,
     dequantize_int4,
     dequantize_int8,
@@ -33,6 +31,8 @@ from cadence.kernels.quant_formats import (
     to_gptq,
     unpack_int4,
 )
+from cadence.kernels.triton import launch, split_k, tile_configs, w4a16, w4a16_gemv, w8a16
+from cadence.kernels.triton.launch import TILED_PROGRAMS_PER_SM, split_k_to_fill
 from tests.support.helpers import DEVICE, KERNEL_TOL, gen, poisoned, rel_err
 
 # bf16: the reference rounds each dequantized weight to bf16, the GEMV keeps it in fp32.

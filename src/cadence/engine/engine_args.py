@@ -96,10 +96,10 @@ class EngineArgs:
     def __post_init__(self) -> None:
         # Imported here so building EngineArgs (the CLI does, early) stays light.
         from cadence.engine.quantization.load_time_config import validate_quantization
-        from cadence.kernels.kv_quant import KV_CACHE_DTYPES
+        from cadence.kernels.formats.kv_quant import KV_CACHE_DTYPES
 
         self.quantization = validate_quantization(self.quantization)
-        from cadence.engine.quantization.cpu_planner import validate_cpu_kernels
+        from cadence.kernels.cpu.kernel_names import validate_cpu_kernels
 
         self.cpu_kernels = validate_cpu_kernels(self.cpu_kernels)
         if self.quantize_lm_head is not None and not isinstance(self.quantize_lm_head, bool):

@@ -11,10 +11,10 @@ import logging
 import torch
 
 from cadence.engine.engine_args import EngineArgs
+from cadence.engine.machine_memory import GiB, available_host_memory, total_host_memory
 
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
 # CPU: the share of the machine's memory, after the weights, that the KV caches of the
 # engines on it take together.
 HOST_KV_CACHE_FRACTION = 0.25
@@ -27,38 +27,6 @@ def kv_cache_bytes_per_block(args: EngineArgs, num_kv_heads: int, head_dim: int,
     if args.kv_cache_dtype == "auto":
         return rows * head_dim * torch.empty((), dtype=dtype).element_size()
     return rows * (head_dim + 4)
-
-
-def available_host_memory() -> int:
-    """MemAvailable from /proc/meminfo, or a conservative guess where there is none."""
-    return _meminfo("MemAvailable:") or 4 * GiB
-
-
-def total_host_memory() -> int:
-    """The memory this process's machine has: MemTotal, or the cgroup's limit where that
-    is lower (a container's). A fact of the machine, unlike what is free at the moment."""
-    total = _meminfo("MemTotal:") or 4 * GiB
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path, encoding="ascii") as f:
-                limit = f.read().strip()
-        except OSError:
-            continue
-        if limit.isdigit():
-            total = min(total, int(limit))
-    return total
-
-
-def _meminfo(field: str) -> int | None:
-    """A /proc/meminfo field in bytes, or None where there is none."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def kv_cache_budget_bytes(args: EngineArgs, device: torch.device, weights_bytes: int) -> tuple[int, str]:

@@ -54,7 +54,7 @@ def resolve_dtype(name: str | torch.dtype, config: ModelConfig, device: torch.de
     stored = (config.torch_dtype or "float32").lower().removeprefix("torch.")
     dtype = _DTYPES.get(stored, torch.float32)
     if torch.device(device).type == "cpu" and dtype in (torch.float16, torch.bfloat16):
-        from cadence.kernels.half_linear import native_bf16
+        from cadence.kernels.cpu.half_linear import native_bf16
 
         return torch.bfloat16 if native_bf16() else torch.float32
     return dtype

@@ -33,8 +33,8 @@ from cadence.engine.models.moe import routes_on_host
 from cadence.engine.protocol import TokenLogprobs
 from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from cadence.engine.sampling_params import SamplingParams
-from cadence.kernels.kv_quant import KV_CACHE_DTYPES
-from cadence.kernels.launch import has_fp8_hardware
+from cadence.kernels.formats.kv_quant import KV_CACHE_DTYPES
+from cadence.kernels.triton.launch import has_fp8_hardware
 from cadence.scheduler.output import SchedulerOutput
 from cadence.scheduler.remote_kv import KVLoadResult
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, pack_nibbles
+from cadence.kernels.formats.quant_formats import SYMMETRIC_ZERO, Int4Weight, pack_nibbles
 
 # Hessian dampening, as a fraction of its mean diagonal (the paper's and AutoGPTQ's 1%).
 DEFAULT_DAMPING = 0.01

@@ -34,7 +34,7 @@ from cadence.engine.models.llama import LlamaForCausalLM
 from cadence.engine.models.weight_names import FUSED_SHARDS
 from cadence.engine.quantization.linear_layer import LinearLayer
 from cadence.engine.quantization.load_time_config import TARGET_LAYERS, group_size_for
-from cadence.kernels.quant_formats import Int4Weight, dequantize_int4, to_gptq
+from cadence.kernels.formats.quant_formats import Int4Weight, dequantize_int4, to_gptq
 from cadence.tools.gptq import DEFAULT_DAMPING, HessianAccumulator, gptq_quantize
 
 logger = logging.getLogger(__name__)

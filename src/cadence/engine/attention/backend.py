@@ -47,7 +47,7 @@ class StepBatch:
 class QuantizedKVCache:
     """One layer's quantized cache: int8/fp8 `values` shaped like a plain cache, and a
     float32 scale per (slot, KV head) in `scales [2, num_blocks, block_size, num_kv_heads]`
-    (the format of kernels/kv_quant.py)."""
+    (the format of kernels/formats/kv_quant.py)."""
 
     values: torch.Tensor
     scales: torch.Tensor

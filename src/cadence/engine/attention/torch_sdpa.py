@@ -6,7 +6,7 @@ so the number of attention calls per layer does not grow with the batch size (on
 big group takes one call per few MiB of gathered K/V, at the group's shape). Grouping
 decodes of similar length keeps the padded gather, the dominant cost of CPU decode, near
 the real context size when lengths are mixed. On CPU, once the runner calls
-``use_paged_decode``, generated tokens' rows skip all of this for ``cpu_paged_decode``,
+``use_paged_decode``, generated tokens' rows skip all of this for ``paged_decode``,
 and only prompt tokens' rows come here (a prompt's one-token chunk as a decode call of
 its own).
 """
@@ -19,10 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cadence.engine.attention import cpu_paged_decode
 from cadence.engine.attention.backend import AttentionBackend, AttentionSpec, KVCache, StepBatch, split_kv_cache
-from cadence.engine.attention.cpu_paged_decode import GeneratedRows
-from cadence.engine.attention.invariant_sdpa import (
+from cadence.kernels.batch_invariant.sdpa import (
     PREFILL_SEGMENT,
     InvariantShape,
     decode_attention,
@@ -31,7 +29,9 @@ from cadence.engine.attention.invariant_sdpa import (
     prefill_attention,
     prefill_mask,
 )
-from cadence.kernels.kv_quant import dequantize_rows, quantize_rows
+from cadence.kernels.cpu import paged_decode
+from cadence.kernels.cpu.paged_decode import GeneratedRows
+from cadence.kernels.formats.kv_quant import dequantize_rows, quantize_rows
 
 
 @dataclass
@@ -56,7 +56,7 @@ class PrefillChunk:
     # only; and on CPU, which reads blocks (``gather_blocks``).
     gather_slots: torch.Tensor | None
     # CUDA: [query_len, kv_len] bool, True = attend, or None = causal. CPU: always a float
-    # mask, its rows and keys padded as invariant_sdpa.prefill_mask makes them.
+    # mask, its rows and keys padded as kernels/batch_invariant/sdpa.py's prefill_mask makes them.
     attn_mask: torch.Tensor | None
     gather_blocks: BlockGather | None = None
 
@@ -70,7 +70,7 @@ class DecodeGroup:
     end: int
     gather_slots: torch.Tensor | None  # [rows, max_len] slots, padded (CUDA; CPU reads blocks)
     # [rows, 1, 1, max_len]: bool, True = attend, on CUDA (where a mask also keeps SDPA
-    # off the flash kernel); the additive float mask of invariant_sdpa.decode_mask on CPU.
+    # off the flash kernel); the additive float mask of kernels/batch_invariant/sdpa.py's decode_mask on CPU.
     attn_mask: torch.Tensor
     gather_blocks: BlockGather | None = None
 
@@ -176,7 +176,7 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 
 class TorchSDPABackend(AttentionBackend):
     """The reference paged attention: exact, portable, and fast enough on CPU, where every
-    row's output is also batch-invariant (``invariant_sdpa``). ``dtype`` is the model's:
+    row's output is also batch-invariant (``kernels/batch_invariant/sdpa.py``). ``dtype`` is the model's:
     the query padding that keeps rows invariant is measured for it."""
 
     def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype = torch.float32) -> None:
@@ -186,11 +186,11 @@ class TorchSDPABackend(AttentionBackend):
         self._generated_kernel = False
 
     def use_paged_decode(self, device: torch.device, cache_dtype: torch.dtype | None) -> bool:
-        """Answer generated tokens' rows with ``cpu_paged_decode`` from now on, where it
+        """Answer generated tokens' rows with ``paged_decode`` from now on, where it
         serves: on CPU, float32 attention over a float32 cache (``cache_dtype`` None: a
         quantized one), with numba there. Whether it does."""
         plain = self.dtype == torch.float32 and cache_dtype == torch.float32
-        self._generated_kernel = device.type == "cpu" and plain and cpu_paged_decode.available()
+        self._generated_kernel = device.type == "cpu" and plain and paged_decode.available()
         return self._generated_kernel
 
     @property
@@ -244,7 +244,7 @@ class TorchSDPABackend(AttentionBackend):
         return TorchSDPAMetadata(batch.slot_mapping, decode_groups, prefills)
 
     def _invariant_metadata(self, batch: StepBatch) -> TorchSDPAMetadata:
-        """The CPU's batch-invariant calls (``invariant_sdpa``): key lengths padded by
+        """The CPU's batch-invariant calls (``kernels/batch_invariant/sdpa.py``): key lengths padded by
         ``InvariantShape.kv_len`` and read in whole blocks (``BlockGather``), float masks
         always, and each prefill chunk cut into segments that see keys up to their own end."""
         device = batch.slot_mapping.device
@@ -295,7 +295,7 @@ class TorchSDPABackend(AttentionBackend):
         """How many leading positions of each sequence are prompt tokens' rows, answered by
         SDPA; None where SDPA answers every row (without the paged kernel, or where numba
         cannot build it)."""
-        if not (self._generated_kernel and cpu_paged_decode.available()):
+        if not (self._generated_kernel and paged_decode.available()):
             return None
         if batch.prompt_lens is None:
             raise ValueError("a step for the CPU paged decode kernel must state its prompt_lens")
@@ -416,11 +416,11 @@ class TorchSDPABackend(AttentionBackend):
         value_cache: _SlotRows,
         metadata: TorchSDPAMetadata,
     ) -> None:
-        """The CPU path: every call shaped by ``invariant_sdpa``, every K/V read from the
+        """The CPU path: every call shaped by ``kernels/batch_invariant/sdpa.py``, every K/V read from the
         cache as stored (so a prompt reads the same fresh, chunked or cached)."""
         num_kv_heads, head_dim = key_cache.rows.shape[1], key_cache.rows.shape[2]
         if metadata.generated is not None:
-            cpu_paged_decode.attend_generated(
+            paged_decode.attend_generated(
                 query, out, key_cache.rows, value_cache.rows, metadata.generated, self.block_size, self.spec.scale
             )
         for group in metadata.decode_groups:

@@ -20,9 +20,9 @@ from cadence.engine.attention.backend import (
     StepBatch,
     split_kv_cache,
 )
-from cadence.kernels.kv_cache_write import write_kv_cache
-from cadence.kernels.launch import num_sms
-from cadence.kernels.paged_attention import choose_num_splits, paged_attention
+from cadence.kernels.triton.kv_cache_write import write_kv_cache
+from cadence.kernels.triton.launch import num_sms
+from cadence.kernels.triton.paged_attention import choose_num_splits, paged_attention
 
 
 @dataclass

@@ -19,7 +19,6 @@ from torch import nn
 from cadence.engine.attention.backend import AttentionSpec
 from cadence.engine.forward_context import ForwardContext
 from cadence.engine.model_config import ModelConfig
-from cadence.engine.models.fused_ops import rms_norm, silu_and_mul
 from cadence.engine.models.rotary import PositionedRotary, RotaryEmbedding
 from cadence.engine.models.weight_names import FUSED_SHARDS, LM_HEAD, expert_target, fused_target
 from cadence.engine.quantization.linear import Int8Method
@@ -31,7 +30,8 @@ from cadence.engine.quantization.linear_layer import (
     batch_invariant_dense,
 )
 from cadence.engine.quantization.lm_head import Int8Embedding
-from cadence.kernels.batch_invariant import invariant_linear
+from cadence.kernels.batch_invariant.cpu_linear import invariant_linear
+from cadence.kernels.layer_ops import rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,7 @@ the weights in fp32, Qwen rounds them to the model's dtype. On CPU, tokens are g
 expert and each routed expert runs once per step on its tokens, its weighted output
 index-added in ascending expert order (as transformers sums them). On CUDA, dense experts
 are stacked once after loading and run through the fused Triton kernel
-(``kernels/fused_moe.py``).
+(``kernels/triton/fused_moe.py``).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class SparseMoeBlock(nn.Module):
         x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     ) -> torch.Tensor:
         """The fused Triton MoE (CUDA): two grouped GEMMs over the stacked experts."""
-        from cadence.kernels.fused_moe import fused_moe  # imports triton: only where it runs
+        from cadence.kernels.triton.fused_moe import fused_moe  # imports triton: only where it runs
 
         return fused_moe(x, w13, w2, weights.float(), ids.to(torch.int32))
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from cadence.kernels import cpu_rotary
 from cadence.kernels import layer_ops_reference as reference
+from cadence.kernels.cpu import rotary as cpu_rotary
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -138,7 +138,7 @@ class PositionedRotary:
 
     On a CPU the per-token cos/sin factors are gathered and cast once per pass, not once
     per layer: at batch 1 that took about as long as the rotation itself; fp32 q and k
-    are then rotated in one numba call (``kernels/cpu_rotary.py``, the torch code's
+    are then rotated in one numba call (``kernels/cpu/rotary.py``, the torch code's
     bits). A GPU's Triton kernel reads the tables by position itself (and rotates in place).
     """
 
@@ -152,7 +152,7 @@ class PositionedRotary:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if q.is_cuda:  # triton is only imported where its kernels run
-            from cadence.kernels.rotary import apply_rotary
+            from cadence.kernels.triton.rotary import apply_rotary
 
             return apply_rotary(self.positions, q, k, self.cos, self.sin)
         rows = self._rows.get(q.dtype)

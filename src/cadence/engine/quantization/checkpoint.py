@@ -36,7 +36,7 @@ from cadence.engine.quantization.linear_layer import (
     QuantMethod,
     load_rows,
 )
-from cadence.kernels.quant_formats import (
+from cadence.kernels.formats.quant_formats import (
     SYMMETRIC_ZERO,
     Int4Weight,
     from_awq,

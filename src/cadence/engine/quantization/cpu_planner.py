@@ -1,6 +1,6 @@
 """Each quantized layer's CPU kernel, chosen by rule: a model's numerics never follow a timing.
 
-The kernels of ``cpu_kernels.py`` each give bits of their own, so which one a layer runs
+The kernels of ``kernels/cpu/kernel_names.py`` each give bits of their own, so which one a layer runs
 decides every answer the model gives. The choice is therefore a rule of the weight format,
 ``--cpu-kernels`` and the CPU's instruction set, and never a measurement: timings taken
 while other work runs on the machine would otherwise decide, once and for every later
@@ -43,8 +43,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cadence.engine.kv_cache_size import total_host_memory
-from cadence.engine.quantization.cpu_kernels import (
+from cadence.engine.machine_memory import total_host_memory
+from cadence.engine.quantization.linear import QuantizedMethod, dense_bytes
+from cadence.engine.quantization.linear_layer import LinearLayer
+from cadence.kernels.cpu import int8_dot
+from cadence.kernels.cpu.half_linear import FORMATS, available
+from cadence.kernels.cpu.kernel_names import (
     BF16DOT,
     DENSE,
     DEQUANT,
@@ -52,29 +56,17 @@ from cadence.engine.quantization.cpu_kernels import (
     HALF_KERNELS,
     HELD_KERNELS,
     INT_DOT_LEVELS,
-    KERNELS,
     PACKED,
+    validate_cpu_kernels,
 )
-from cadence.engine.quantization.linear import QuantizedMethod, dense_bytes
-from cadence.engine.quantization.linear_layer import LinearLayer
-from cadence.kernels import int8_dot
-from cadence.kernels.half_linear import FORMATS, available
 
 logger = logging.getLogger(__name__)
 
-CPU_KERNEL_MODES = ("auto", *KERNELS)
 # What ``auto`` runs: the first of these a layer's format, this CPU and the memory allow.
 AUTO_ORDER = (BF16DOT, FP16, DENSE, PACKED, DEQUANT)
 # Kernels that run only where ``--cpu-kernels`` names them (and are never compiled otherwise).
 OPT_IN_KERNELS = tuple(INT_DOT_LEVELS)
 DENSE_MEMORY_FRACTION = 0.25  # of the machine's memory, for every kept copy together
-
-
-def validate_cpu_kernels(mode: str) -> str:
-    """A mode name; ValueError otherwise."""
-    if mode not in CPU_KERNEL_MODES:
-        raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNEL_MODES)}, got {mode!r}")
-    return mode
 
 
 @dataclass

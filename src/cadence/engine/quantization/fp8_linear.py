@@ -2,12 +2,12 @@
 
 What vLLM's ``--quantization fp8`` does to a bf16/fp16 checkpoint ("dynamic" FP8): the
 weight is quantized once, at load, to float8_e4m3fn with a float32 scale per output
-channel; activations are quantized per token on every call (``kernels/fp8_format.py``).
+channel; activations are quantized per token on every call (``kernels/formats/fp8_format.py``).
 Embeddings and lm_head stay dense (``apply.TARGET_LAYERS``).
 
 Dispatch by device:
 
-* CUDA: ``fp8_matmul`` (``kernels/w8a8_fp8.py``): ``torch._scaled_mm`` on compute
+* CUDA: ``fp8_matmul`` (``kernels/triton/w8a8_fp8.py``): ``torch._scaled_mm`` on compute
   capability 8.9+, the Triton kernel elsewhere. Imported only when used: a CPU install
   has no triton.
 * CPU: the same W8A8 arithmetic in plain torch. Both operands' codes are decoded to
@@ -32,11 +32,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cadence.engine.quantization.cpu_policy import cpu_policy
 from cadence.engine.quantization.linear import QuantizedMethod, _ready_tensors, check_shape
 from cadence.engine.quantization.linear_layer import LinearLayer, take_dense_weight
-from cadence.kernels.batch_invariant import invariant_linear
-from cadence.kernels.fp8_format import (
+from cadence.kernels.batch_invariant.cpu_linear import invariant_linear
+from cadence.kernels.cpu.quant_policy import cpu_policy
+from cadence.kernels.formats.fp8_format import (
     FP8_DTYPE,
     FP16_DECODE_DIVISOR,
     dequantize_fp8,
@@ -74,7 +74,7 @@ class Fp8Method(QuantizedMethod):
         return dequantize_fp8(layer.qweight, layer.weight_scale, dtype)
 
     def cuda_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
-        from cadence.kernels.w8a8_fp8 import (
+        from cadence.kernels.triton.w8a8_fp8 import (
             fp8_matmul,  # imports triton: only when used
         )
 

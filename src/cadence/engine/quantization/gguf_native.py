@@ -53,7 +53,7 @@ from cadence.engine.quantization.linear_layer import (
     QuantConfig,
     QuantMethod,
 )
-from cadence.kernels.quant_formats import Int4Weight, pack_nibbles, quantize_int8
+from cadence.kernels.formats.quant_formats import Int4Weight, pack_nibbles, quantize_int8
 
 logger = logging.getLogger(__name__)
 

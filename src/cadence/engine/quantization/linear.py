@@ -1,7 +1,7 @@
 """Weight-only quantization methods: int8 per output channel (``Int8Method``), int4 per
 group (``Int4Method``), both quantizing a dense checkpoint at load time.
 
-Both hold the packed layouts of ``cadence.kernels.quant_formats`` as buffers on their
+Both hold the packed layouts of ``cadence.kernels.formats.quant_formats`` as buffers on their
 ``LinearLayer`` and dispatch by device:
 
 * CUDA: the Triton GEMMs ``w8a16_matmul`` / ``w4a16_matmul``.
@@ -25,17 +25,14 @@ import logging
 import torch
 from torch import nn
 
-from cadence.engine.quantization.cpu_int4_layout import (
-    dequantize_cpu_int4_transposed,
-    matching_block_n,
-    unpack_cpu_int4,
+from cadence.engine.quantization.linear_layer import (
+    DenseMethod,
+    LinearLayer,
+    take_dense_weight,
 )
-from cadence.engine.quantization.cpu_kernels import (
-    DENSE,
-    HALF_KERNELS,
-    INT_DOT_LEVELS,
-    KERNELS,
-    PACKED,
+from cadence.kernels.batch_invariant.cpu_linear import invariant_linear
+from cadence.kernels.cpu import int8_dot
+from cadence.kernels.cpu.chunked_linear import (
     ChunkMaker,
     chunk_bounds,
     chunked_half_matmul,
@@ -43,14 +40,13 @@ from cadence.engine.quantization.cpu_kernels import (
     held_chunks,
     held_half,
 )
-from cadence.engine.quantization.linear_layer import (
-    DenseMethod,
-    LinearLayer,
-    take_dense_weight,
+from cadence.kernels.cpu.int4_layout import (
+    dequantize_cpu_int4_transposed,
+    matching_block_n,
+    unpack_cpu_int4,
 )
-from cadence.kernels import int8_dot
-from cadence.kernels.batch_invariant import invariant_linear
-from cadence.kernels.quant_formats import (
+from cadence.kernels.cpu.kernel_names import DENSE, HALF_KERNELS, INT_DOT_LEVELS, KERNELS, PACKED
+from cadence.kernels.formats.quant_formats import (
     SYMMETRIC_ZERO,
     Int4Weight,
     dequantize_int4,
@@ -94,10 +90,10 @@ class QuantizedMethod(DenseMethod):
     def cpu_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
         return self.run_cpu_kernel(layer, x2, layer.cpu_kernel or self.cpu_kernels(layer)[0])
 
-    # ---- the CPU kernels (cpu_kernels.py): what the planner chooses from
+    # ---- the CPU kernels (kernels/cpu/kernel_names.py): what the planner chooses from
 
     def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:
-        """The kernels of ``cpu_kernels.py`` this layer can run, the one for a layer without a
+        """The kernels of ``kernels/cpu/kernel_names.py`` this layer can run, the one for a layer without a
         plan first; () when its format has one CPU path."""
         return ()
 
@@ -185,7 +181,7 @@ class Int8Method(QuantizedMethod):
         return dequantize_int8(layer.qweight, layer.scale, dtype)
 
     def cuda_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
-        from cadence.kernels.w8a16 import w8a16_matmul  # imports triton: only when used
+        from cadence.kernels.triton.w8a16 import w8a16_matmul  # imports triton: only when used
 
         return w8a16_matmul(x2, layer.qweight, layer.scale, batch_invariant=layer.batch_invariant)
 
@@ -296,7 +292,7 @@ class Int4Method(QuantizedMethod):
         return y.to(x2.dtype)
 
     def cuda_matmul(self, layer: LinearLayer, x2: torch.Tensor) -> torch.Tensor:
-        from cadence.kernels.w4a16 import w4a16_matmul  # imports triton: only when used
+        from cadence.kernels.triton.w4a16 import w4a16_matmul  # imports triton: only when used
 
         return w4a16_matmul(x2, self.int4_weight(layer), batch_invariant=layer.batch_invariant)
 

@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.kernels.batch_invariant import invariant_linear
+from cadence.kernels.batch_invariant.cpu_linear import invariant_linear
 
 if TYPE_CHECKING:
-    from cadence.engine.quantization.cpu_kernels import HeldHalf
-    from cadence.kernels.int8_dot import DotWeight
+    from cadence.kernels.cpu.chunked_linear import HeldHalf
+    from cadence.kernels.cpu.int8_dot import DotWeight
 
 
 class QuantMethod(ABC):
@@ -103,7 +103,7 @@ class LinearLayer(nn.Module):
     cpu_group_size: int
     dense_dtype: torch.dtype  # the dtype the staged dense weight was loaded in
     pending: list[dict[str, torch.Tensor]]  # packed checkpoint tensors per shard, until processed
-    # CPU, quantized methods: the kernel every row runs (cpu_kernels.py, chosen by cpu_planner.py;
+    # CPU, quantized methods: the kernel every row runs (kernels/cpu/kernel_names.py, chosen by cpu_planner.py;
     # None: the format's first), and the dense copy the "dense" kernel reads, if held.
     cpu_kernel: str | None
     cpu_dense: Callable[[int, int], torch.Tensor] | None
@@ -251,8 +251,8 @@ class DenseMethod(QuantMethod):
 
 def batch_invariant_dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` through the Triton GEMM with one configuration for every M, where cuBLAS
-    would choose by M (``kernels/batch_invariant_gemm.py``)."""
-    from cadence.kernels.batch_invariant_gemm import batch_invariant_linear  # imports triton: only when used
+    would choose by M (``kernels/batch_invariant/triton_gemm.py``)."""
+    from cadence.kernels.batch_invariant.triton_gemm import batch_invariant_linear  # imports triton: only when used
 
     return batch_invariant_linear(x, weight, bias)
 

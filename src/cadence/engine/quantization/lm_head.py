@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from cadence.engine.quantization.cpu_kernels import DENSE, DEQUANT, FP16
 from cadence.engine.quantization.linear import Int8Method
 from cadence.engine.quantization.linear_layer import LinearLayer
-from cadence.kernels.quant_formats import quantize_int8
+from cadence.kernels.cpu.kernel_names import DENSE, DEQUANT, FP16
+from cadence.kernels.formats.quant_formats import quantize_int8
 
 # Vocabulary rows quantized at a time: the fp32 temporaries of a whole 128k-row head
 # would be gigabytes on the GPU, and the caching allocator would keep them from the KV cache.

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cadence.kernels.numba_runtime import NumbaKernel
+from cadence.kernels.cpu.numba_runtime import NumbaKernel
 
 BLOCK = 32  # K per block: one scale per row and level
 LEVELS = (1, 2)

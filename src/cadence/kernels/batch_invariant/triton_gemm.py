@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cadence.kernels.launch import as_rows, check_activations, triton_usable
+from cadence.kernels.triton.launch import as_rows, check_activations, triton_usable
 
 # One configuration for every M. 64 rows keep a prefill's weight re-reads low; a decode
 # step computes a mostly empty tile instead, which costs little next to reading the weight.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from cadence.kernels.fp8_format import FP16_DECODE_DIVISOR
+from cadence.kernels.formats.fp8_format import FP16_DECODE_DIVISOR
 
 __all__ = ["FP16_DECODE_DIVISOR", "e4m3_bits_to_fp16"]
 

@@ -23,15 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from cadence.kernels import split_k
-from cadence.kernels.dequant import DEQUANT_MIN_M, int8_to_dense
-from cadence.kernels.launch import (
+from cadence.kernels.triton import split_k
+from cadence.kernels.triton.dequant import DEQUANT_MIN_M, int8_to_dense
+from cadence.kernels.triton.launch import (
     as_rows,
     check_activations,
     tiled_split_k,
     triton_usable,
 )
-from cadence.kernels.tile_configs import INVARIANT, w8a16_tile
+from cadence.kernels.triton.tile_configs import INVARIANT, w8a16_tile
 
 
 def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -144,7 +144,7 @@ def w8a16_matmul(
     ``block_*``, ``num_warps`` and ``num_stages`` override the tiled kernel's launch
     (``bench/tune_tiled.py`` sweeps them).
     ``batch_invariant`` runs every M through the tiled kernel with one tile and no
-    split, so a row's bits do not depend on the other rows (``batch_invariant_gemm.py``).
+    split, so a row's bits do not depend on the other rows (``kernels/batch_invariant/triton_gemm.py``).
     """
     n, k = qweight.shape
     if x.shape[-1] != k or scale.shape != (n,):

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
+from cadence.kernels.formats.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
 
 # Rows from which the wrappers take this path. Decode batches stay below it (CUDA graphs
 # capture at most 256 rows, and a transient weight inside a graph would pin its memory);

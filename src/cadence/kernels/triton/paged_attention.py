@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cadence.kernels.fp8_bits import FP16_DECODE_DIVISOR, e4m3_bits_to_fp16
-from cadence.kernels.launch import num_sms as gpu_sm_count
+from cadence.kernels.triton.fp8_bits import FP16_DECODE_DIVISOR, e4m3_bits_to_fp16
+from cadence.kernels.triton.launch import num_sms as gpu_sm_count
 
 FP8_UNDO = tl.constexpr(FP16_DECODE_DIVISOR)  # decoded e4m3 bytes are this much too small
 
@@ -208,7 +208,7 @@ def _attention_kernel(
         if QUANT_KV:  # one scale per (position, KV head): dequantize the tile in registers
             scale_off = block * stride_sb + in_block * stride_ss + kv_head
             k_scale = tl.load(k_scale_ptr + scale_off, mask=pos_valid, other=0.0)
-            if KV_FP8_BITS:  # uint8 view of an e4m3 cache (see kernels/fp8_bits.py)
+            if KV_FP8_BITS:  # uint8 view of an e4m3 cache (see kernels/triton/fp8_bits.py)
                 k = e4m3_bits_to_fp16(k).to(tl.float32) * FP8_UNDO
             k = (k.to(tl.float32) * k_scale[None, :]).to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units

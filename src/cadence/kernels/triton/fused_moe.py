@@ -37,9 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from cadence.kernels.launch import triton_usable
-from cadence.kernels.moe_align import MoEAlignment, moe_align
-from cadence.kernels.quant_formats import (
+from cadence.kernels.formats.quant_formats import (
     SYMMETRIC_ZERO,
     Int4Weight,
     dequantize_int4,
@@ -47,7 +45,9 @@ from cadence.kernels.quant_formats import (
     quantize_int4,
     quantize_int8,
 )
-from cadence.kernels.w4a16 import _block_k_for, _dequant_tile
+from cadence.kernels.triton.launch import triton_usable
+from cadence.kernels.triton.moe_align import MoEAlignment, moe_align
+from cadence.kernels.triton.w4a16 import _block_k_for, _dequant_tile
 
 DENSE, INT8, INT4 = 0, 1, 2
 

@@ -3,11 +3,11 @@
 RMSNorm (with the residual add before it), rotary embedding and SwiGLU's activation are
 a few kilobytes of work per token; as torch ops they were ~30 launches per decoder layer,
 which dominated a batch-1 decode step's GPU time once CUDA graphs removed the launch cost.
-The kernels round as the torch code does where it matters (``kernels/layer_ops_reference.py``),
+The kernels round as the torch code does where it matters (``layer_ops_reference.py``),
 so the two paths agree to a unit in the last place. CPU tensors take the torch code;
 triton is only needed where the kernels run, so it is imported on first use.
 
-Rotary embedding dispatches in ``rotary.PositionedRotary`` instead, because its CPU
+Rotary embedding dispatches in ``engine/models/rotary.PositionedRotary`` instead, because its CPU
 path prepares the per-token factors once per forward pass, for all layers.
 """
 
@@ -23,7 +23,7 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``weight * rmsnorm(x)``, or with ``residual`` ``(weight * rmsnorm(x + residual), x + residual)``."""
     if x.is_cuda:
-        from cadence.kernels.rms_norm import rms_norm as kernel
+        from cadence.kernels.triton.rms_norm import rms_norm as kernel
 
         return kernel(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
@@ -32,7 +32,7 @@ def rms_norm(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of the fused ``[..., 2 * I]`` projection output."""
     if gate_up.is_cuda:
-        from cadence.kernels.silu_and_mul import silu_and_mul as kernel
+        from cadence.kernels.triton.silu_and_mul import silu_and_mul as kernel
 
         return kernel(gate_up)
     return reference.silu_and_mul(gate_up)

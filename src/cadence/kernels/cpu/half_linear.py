@@ -18,7 +18,7 @@ Three formats, each a GEMM that reads a weight packed once for it:
 The weight's values are rounded once (a quantized model's dequantized values, whose own
 quantization error is far larger than this rounding). Like a BLAS GEMM, a kernel's sum
 order may follow the number of rows, so calls run at tile sizes measured to give every
-row the same bits (``batch_invariant.measure_tiles``), per format, weight shape and
+row the same bits (``batch_invariant/cpu_linear.measure_tiles``), per format, weight shape and
 thread count (``bf16dot`` needs none). Where a format's GEMM is missing or no tile size
 verifies, it is not offered.
 """
@@ -31,8 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.kernels import bf16_dot
-from cadence.kernels.batch_invariant import TILE_LADDER, TilePlan, cancellation_probe, measure_tiles, run_tiles
+from cadence.kernels.batch_invariant.cpu_linear import (
+    TILE_LADDER,
+    TilePlan,
+    cancellation_probe,
+    measure_tiles,
+    run_tiles,
+)
+from cadence.kernels.cpu import bf16_dot
 
 logger = logging.getLogger(__name__)
 

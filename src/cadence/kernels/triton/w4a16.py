@@ -24,13 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from cadence.kernels import split_k
-from cadence.kernels.dequant import DEQUANT_MIN_M, int4_to_dense
-from cadence.kernels.launch import as_rows, check_activations, num_sms, tiled_split_k, triton_usable
-from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
-from cadence.kernels.tile_configs import INVARIANT, w4a16_tile
-from cadence.kernels.w4a16_gemv import GEMV_MAX_M, w4a16_gemv
-from cadence.kernels.w4a16_gemv import supports as gemv_supports
+from cadence.kernels.formats.quant_formats import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
+from cadence.kernels.triton import split_k
+from cadence.kernels.triton.dequant import DEQUANT_MIN_M, int4_to_dense
+from cadence.kernels.triton.launch import as_rows, check_activations, num_sms, tiled_split_k, triton_usable
+from cadence.kernels.triton.tile_configs import INVARIANT, w4a16_tile
+from cadence.kernels.triton.w4a16_gemv import GEMV_MAX_M, w4a16_gemv
+from cadence.kernels.triton.w4a16_gemv import supports as gemv_supports
 
 # On an H100 (Llama-8B's four projections, bf16, CUDA-graph replays) the GEMV took 112 µs
 # at M = 2 and 135 at M = 3, and the tuned tiled GEMM 121 at M = 4 (tile_configs.py), about
@@ -212,7 +212,7 @@ def w4a16_matmul(
     ``words_once`` override the tiled GEMM's launch (``bench/tune_tiled.py`` sweeps them).
     ``batch_invariant``
     runs every M through the tiled GEMM with one M tile and no split, so a row's bits do not
-    depend on the other rows (``batch_invariant_gemm.py``).
+    depend on the other rows (``kernels/batch_invariant/triton_gemm.py``).
     """
     k, n, group = weight.in_features, weight.out_features, weight.group_size
     if x.shape[-1] != k:

@@ -1,10 +1,11 @@
 """Whether oneDNN runs fp16 matmuls natively on the CPU the process runs on, which decides
 the dtype fp8 codes are decoded to: fp16 where it does (AVX512-FP16 / AMX-FP16), else
-fp32, which holds them exactly (``fp8_linear.py``).
+fp32, which holds them exactly (``engine/quantization/fp8_linear.py``).
 
-Which kernel a quantized linear layer runs is not decided here but measured on the machine
-(``cpu_planner.py``); whether the CPU has bf16 instructions, which decides the model's
-activation dtype on CPU (``loader.resolve_dtype``), is ``kernels.half_linear.native_bf16``.
+Which kernel a quantized linear layer runs is not decided here but by rule in
+``engine/quantization/cpu_planner.py``; whether the CPU has bf16 instructions, which
+decides the model's activation dtype on CPU (``loader.resolve_dtype``), is
+``half_linear.native_bf16``.
 """
 
 from __future__ import annotations

@@ -49,9 +49,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from cadence.kernels import int8_quantize
-from cadence.kernels.int8_quantize import quantize, quantize_ready
-from cadence.kernels.numba_runtime import NumbaKernel
+from cadence.kernels.cpu import int8_quantize
+from cadence.kernels.cpu.int8_quantize import quantize, quantize_ready
+from cadence.kernels.cpu.numba_runtime import NumbaKernel
 
 # K per block, spelled out here: the register tile below is compiled with it, and numba's
 # disk cache checks only this file's stamp.

@@ -5,7 +5,7 @@ The cache for one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 a slot of -1 (padding) is skipped. One program writes one token, all heads.
 
 Quantized caches (int8 or fp8) carry a scale per token and KV head in `kv_scales`; the
-format is defined in kernels/kv_quant.py.
+format is defined in kernels/formats/kv_quant.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cadence.kernels.kv_quant import quantize_rows, quantized_max
-from cadence.kernels.launch import has_fp8_hardware
+from cadence.kernels.formats.kv_quant import quantize_rows, quantized_max
+from cadence.kernels.triton.launch import has_fp8_hardware
 
 
 def reference(

@@ -30,13 +30,28 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from cadence.engine.attention.backend import AttentionSpec
-
 logger = logging.getLogger(__name__)
+
+
+class AttentionShape(Protocol):
+    """What the measurement reads of a model's attention (the engine's ``AttentionSpec``)."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def scale(self) -> float: ...
+    @property
+    def sliding_window(self) -> int | None: ...
+
 
 # Beyond the measured short-key limit, a call's keys are padded to whole blocks of the
 # flash kernel's block size.
@@ -131,7 +146,7 @@ _CANDIDATE_SHORT_KEYS = (256, 192, 128, 64, 32, 0)
 _shapes: dict[tuple[int, int, int, int | None, torch.dtype, int], InvariantShape] = {}
 
 
-def invariant_shape(spec: AttentionSpec, dtype: torch.dtype) -> InvariantShape:
+def invariant_shape(spec: AttentionShape, dtype: torch.dtype) -> InvariantShape:
     """The cached padding for this attention shape, measured on first use on the machine
     the process runs on (it follows the CPU's SDPA kernel and BLAS)."""
     key = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_window, dtype, torch.get_num_threads())
@@ -152,7 +167,7 @@ def invariant_shape(spec: AttentionSpec, dtype: torch.dtype) -> InvariantShape:
     return shape
 
 
-def rows_agree(spec: AttentionSpec, dtype: torch.dtype, shape: InvariantShape, length: int = 700) -> bool:
+def rows_agree(spec: AttentionShape, dtype: torch.dtype, shape: InvariantShape, length: int = 700) -> bool:
     """Whether, under ``shape``, each position's output is the same from a whole prompt, a
     prompt cut into chunks (one-token chunks are decodes), and a decode alone or grouped
     with longer and shorter rows, at every padded key length up to a whole key block and

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cadence.kernels.numba_runtime import NumbaKernel
+from cadence.kernels.cpu.numba_runtime import NumbaKernel
 
 BLOCK_COLUMNS = 32  # output columns per packed block: two 16-lane fp32 accumulators per row
 TILE_ROWS = 6  # rows of x per register tile: 12 accumulators hide the dot product's latency

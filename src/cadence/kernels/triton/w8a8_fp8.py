@@ -28,10 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cadence.kernels.batch_invariant_gemm import BLOCK_M as INVARIANT_BLOCK_M
-from cadence.kernels.fp8_bits import FP16_DECODE_DIVISOR, e4m3_bits_to_fp16
-from cadence.kernels.fp8_format import quantize_fp8_per_token
-from cadence.kernels.launch import check_activations, has_fp8_hardware, triton_usable
+from cadence.kernels.batch_invariant.triton_gemm import BLOCK_M as INVARIANT_BLOCK_M
+from cadence.kernels.formats.fp8_format import quantize_fp8_per_token
+from cadence.kernels.triton.fp8_bits import FP16_DECODE_DIVISOR, e4m3_bits_to_fp16
+from cadence.kernels.triton.launch import check_activations, has_fp8_hardware, triton_usable
 
 # Both decoded operands are FP16_DECODE_DIVISOR times too small, so the accumulator is
 # its square too small.

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cadence.kernels.numba_runtime import NumbaKernel
+from cadence.kernels.cpu.numba_runtime import NumbaKernel
 
 MIN_ROWS = 8  # tokens from which one numba call beats the torch ops
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cadence.kernels.batch_invariant_gemm import BLOCK_M as INVARIANT_BLOCK_M
+from cadence.kernels.batch_invariant.triton_gemm import BLOCK_M as INVARIANT_BLOCK_M
 
 
 @dataclass(frozen=True)

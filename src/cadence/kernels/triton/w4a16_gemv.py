@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cadence.kernels import split_k
-from cadence.kernels.quant_formats import SYMMETRIC_ZERO, Int4Weight
+from cadence.kernels.formats.quant_formats import SYMMETRIC_ZERO, Int4Weight
+from cadence.kernels.triton import split_k
 
 GEMV_MAX_M = 4
 BLOCK_N, BLOCK_K = 128, 128

@@ -10,7 +10,7 @@ side, so each block is one contiguous read).
 
 It is compiled by numba (LLVM) on first use and cached on disk, and runs on as many
 threads as torch uses, serially in a process forked after it ran
-(``kernels/numba_runtime.py``); where numba cannot build it (or its OpenMP threading
+(``kernels/cpu/numba_runtime.py``); where numba cannot build it (or its OpenMP threading
 layer cannot load: no system ``libgomp``), ``available`` is false and every row stays on
 SDPA.
 
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cadence.kernels.numba_runtime import NumbaKernel, prefetch_intrinsic
+from cadence.kernels.cpu.numba_runtime import NumbaKernel, prefetch_intrinsic
 
 
 @dataclass(frozen=True)
