@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -205,7 +206,7 @@ class DecodeGraphs:
             self._uploaded.record()
 
 
-def _split_scalars(flat, batch: int) -> tuple:
+def _split_scalars(flat: Any, batch: int) -> tuple:
     """(ids, positions, slots, seq lens) of a batch: consecutive `batch`-long runs of `flat`
     (a tensor or a numpy array)."""
     return tuple(flat[i * batch : (i + 1) * batch] for i in range(4))

@@ -23,6 +23,7 @@ has AVX512-BF16 (``hardware_ready``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,7 +227,18 @@ def _microkernel(rows: int) -> Any:
         return nt.void(*args), codegen
 
     # intrinsic reads the typer's parameter names: spell them out.
-    def tile(typingctx, x, x_at, x_stride, blocks, w_at, out, out_at, out_stride, pairs):
+    def tile(
+        typingctx: Any,
+        x: Any,
+        x_at: Any,
+        x_stride: Any,
+        blocks: Any,
+        w_at: Any,
+        out: Any,
+        out_at: Any,
+        out_stride: Any,
+        pairs: Any,
+    ) -> tuple[Any, Callable[..., Any]]:
         return typer(typingctx, x, x_at, x_stride, blocks, w_at, out, out_at, out_stride, pairs)
 
     return intrinsic(tile)

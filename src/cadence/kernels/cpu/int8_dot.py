@@ -43,6 +43,7 @@ its own: numba's disk cache checks only the stamp of the file that defines the k
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -345,7 +346,22 @@ def _microkernel(rows: int) -> Any:
         return context.get_dummy_value()
 
     # intrinsic reads the typer's parameter names: spell them out.
-    def tile(typingctx, qa, qa_at, qa_stride, fields, f_at, kb, levels, codes, scales, block, out, out_at, out_stride):
+    def tile(  # numba types in, a signature and its code generator out
+        typingctx: Any,
+        qa: Any,
+        qa_at: Any,
+        qa_stride: Any,
+        fields: Any,
+        f_at: Any,
+        kb: Any,
+        levels: Any,
+        codes: Any,
+        scales: Any,
+        block: Any,
+        out: Any,
+        out_at: Any,
+        out_stride: Any,
+    ) -> tuple[Any, Callable[..., Any]]:
         args = (qa, qa_at, qa_stride, fields, f_at, kb, levels, codes, scales, block, out, out_at, out_stride)
         return nt.void(*args), codegen
 

@@ -11,6 +11,7 @@ that its outputs are NaN as a float GEMM's would be; one whose values all lie un
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -174,7 +175,9 @@ def _first_level_intrinsic() -> Any:
         return builder.fmul(scale, builder.sitofp(summed, f32))
 
     # intrinsic reads the typer's parameter names: spell them out.
-    def first_level(typingctx, x, x_at, qa, qa_at, fields, f_at):
+    def first_level(
+        typingctx: Any, x: Any, x_at: Any, qa: Any, qa_at: Any, fields: Any, f_at: Any
+    ) -> tuple[Any, Callable[..., Any]]:
         return nt.float32(x, x_at, qa, qa_at, fields, f_at), codegen
 
     return intrinsic(first_level)

@@ -149,7 +149,7 @@ def prefetch_intrinsic() -> Any:
         builder.call(prefetch, [address, read, keep_everywhere, data_cache])
         return context.get_dummy_value()
 
-    def prefetch(typingctx, array, at):
+    def prefetch(typingctx: Any, array: Any, at: Any) -> tuple[Any, Callable[..., Any]]:
         return nt.void(array, at), codegen
 
     return intrinsic(prefetch)
