@@ -1,7 +1,7 @@
 """How much memory the host has: its total (a fact of the machine, which budgets are cut
 from) and what is available at the moment.
 
-The KV-cache sizing of ``engine_args.py`` and the CPU kernel planner's budget for kept
+The KV-cache sizing of ``kv_cache_size.py`` and the CPU kernel planner's budget for kept
 weight copies both read it.
 """
 

@@ -1,5 +1,5 @@
 """Prefill and decode engines in one process, routed by the `Coordinator`: the
-disaggregated flow without processes, for the offline API and for tests."""
+disaggregated flow without processes, for the tests."""
 
 from __future__ import annotations
 
