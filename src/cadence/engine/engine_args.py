@@ -39,7 +39,7 @@ class EngineArgs:
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
     gpu_memory_utilization: float = 0.9
-    # CPU engines on this machine that split its memory for their KV caches: the server
+    # How many CPU engines share one machine's memory for their KV caches: the server
     # sets it for the prefill and decode engines it runs beside itself.
     engines_per_host: int = 1
     seed: int = 0

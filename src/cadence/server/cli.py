@@ -132,7 +132,7 @@ def _add_kernel_flags(flag: Callable[..., argparse.Action]) -> None:
         "--cpu-kernels",
         metavar="auto|packed|dequant|dense|fp16|bf16|bf16dot|int8x2dot|int8dot",
         help="CPU: the kernel quantized layers run. auto (default) takes, by rule, the finest arithmetic "
-        "this CPU makes fast (bf16dot with AVX512-BF16, else fp16), so answers never depend on timings; "
+        "the CPU it runs on makes fast (bf16dot with AVX512-BF16, else fp16), so answers never depend on timings; "
         "a kernel's name runs it wherever it can (int8dot: llama.cpp's 8-bit activations for 4-bit "
         "weights, faster on CPUs without AVX-512 and less accurate). Greedy output is batch invariant",
     )

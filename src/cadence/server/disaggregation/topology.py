@@ -42,7 +42,7 @@ class Topology:
         if not self.disaggregated:
             return {"engine": args}
         engines = {}
-        # They share this host's memory: each sizes its KV cache as one of them.
+        # They share the memory of the machine the server runs on: each sizes its KV cache as one of them.
         on_host = self.num_prefill + self.num_decode
         for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for index in range(count):
