@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from cadence.sampling_limits import FLOAT32_MAX, INT64_MAX, MAX_LOGPROBS
+from cadence.structured_outputs.params import StructuredOutputsParams
 
 # Below this temperature sampling is greedy: dividing logits by it would overflow (vLLM
 # uses the same cut-off).
@@ -40,6 +41,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias: token id -> value added to its logit, from -100 to 100.
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +97,14 @@ class SamplingParams:
             check(
                 value is None or 0 <= value <= MAX_LOGPROBS,
                 f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}",
+            )
+        for token_id, bias in (self.logit_bias or {}).items():
+            check(
+                isinstance(token_id, int) and 0 <= token_id <= INT64_MAX,
+                f"logit_bias keys must be token ids, got {token_id!r}",
+            )
+            check(
+                math.isfinite(bias) and -100.0 <= bias <= 100.0, f"logit_bias values must be in [-100, 100], got {bias}"
             )
         check(all(isinstance(s, str) and s for s in self.stop_strings), "stop strings must be non-empty")
         check(

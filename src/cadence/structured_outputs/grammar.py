@@ -1,0 +1,102 @@
+"""A request's constraint as llguidance grammar text, bounded and checked.
+
+Schemas, regexes and grammars come from clients and are untrusted: their text is bounded
+here, and llguidance's parser limits bound the work a grammar can cause when it is built
+and at every token. The same text is built in the API process (to refuse a bad request
+with a 400 before it is queued) and in the engine (to compile it).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+
+from cadence.structured_outputs.params import StructuredOutputsParams
+
+# The longest schema, regex or grammar text a request may carry. Large tool sets stay
+# well inside it; a multi-megabyte schema is an attack or a mistake.
+MAX_GRAMMAR_TEXT = 256 * 1024
+MAX_CHOICES = 4096
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be served: the message says why, for a 400 body."""
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    """The bounds every grammar is built and run under.
+
+    llguidance's defaults already stop runaway regexes and Earley blow-ups; verbose errors
+    are off because their parser dumps would echo the client's grammar back in logs.
+    """
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def _json_text(schema: dict[str, Any] | str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be a JSON object")
+    return json.dumps(schema)
+
+
+def _bounded(text: str, what: str) -> str:
+    if len(text) > MAX_GRAMMAR_TEXT:
+        raise GrammarError(f"the {what} has {len(text)} characters; at most {MAX_GRAMMAR_TEXT} are accepted")
+    return text
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """llguidance's grammar text for the constraint; GrammarError for text it cannot take."""
+    json_options: Any = {"whitespace_flexible": params.whitespace_flexible}
+    if not params.whitespace_flexible:
+        json_options.update(item_separator=", ", key_separator=": ")
+    kind = params.kind
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=json_options)
+    if kind == "json":
+        assert params.json is not None
+        schema = _bounded(_json_text(params.json), "JSON schema")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options)
+        except ValueError as error:
+            raise GrammarError(f"the JSON schema could not be read: {error}") from None
+    if kind == "regex":
+        assert params.regex is not None
+        return llguidance.LLMatcher.grammar_from_regex(_bounded(params.regex, "regex"))
+    if kind == "choice":
+        assert params.choice is not None
+        if len(params.choice) > MAX_CHOICES:
+            raise GrammarError(f"at most {MAX_CHOICES} choices are accepted, not {len(params.choice)}")
+        _bounded("".join(params.choice), "choice list")
+        # Each choice as a Lark string literal: matched exactly, nothing added around it.
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+    assert params.grammar is not None
+    try:
+        return llguidance.grammar_from("grammar", _bounded(params.grammar, "grammar"))
+    except ValueError as error:
+        raise GrammarError(str(error)) from None
+
+
+def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None = None) -> None:
+    """GrammarError naming the first problem llguidance finds in the grammar, if any.
+
+    Drops the GIL while llguidance builds the grammar, which is bounded by the parser limits."""
+    message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=parser_limits())
+    if message and not message.startswith("WARNING"):
+        raise GrammarError(message)
+
+
+def ll_tokenizer(backend_tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of a tokenizer, from the `tokenizers` JSON of a fast tokenizer.
+
+    `vocab_size` is the model's logits width, which may exceed the tokenizer's (padded
+    embedding tables): masks are that wide, and ids beyond the tokenizer are never allowed.
+    Building it takes about a second for a large vocabulary: build it once per process.
+    """
+    return llguidance.LLTokenizer(backend_tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)
