@@ -1,5 +1,5 @@
 """A small tool-aware chat template in the Hermes/Qwen2.5 style, for tiny test models:
-tools in the system turn, calls as <tool_call> JSON, tool answers as <tool_response>, and
+the tools' names in the system turn (their schemas would not fit a tiny model's context), calls as <tool_call> JSON, tool answers as <tool_response>, and
 a <think> opened at the generation prompt when `enable_thinking` is passed.
 
 transformers renders templates with trim_blocks (a newline right after a block tag is
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 TOOL_CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:\n"
-    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "{% for tool in tools %}{{ tool.function.name }}\n{% endfor %}"
     "<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
     "{% if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
