@@ -367,7 +367,13 @@ def test_registry() -> None:
 
 
 def _json_values() -> st.SearchStrategy[Any]:
-    scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6)
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.text(max_size=6)
+    )
     return st.recursive(
         scalars,
         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),

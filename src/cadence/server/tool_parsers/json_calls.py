@@ -129,7 +129,7 @@ class Separator:
         return "" if self._literal_start < 0 else self.text[self._literal_start :]
 
     def push(self, char: str) -> str:
-        """"more", "matched" (the character completed a literal) or "failed" (not consumed)."""
+        """ "more", "matched" (the character completed a literal) or "failed" (not consumed)."""
         if self._literal_start < 0:
             if char.isspace():
                 self.text += char
