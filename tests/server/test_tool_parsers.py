@@ -168,6 +168,13 @@ RECORDED = [
         "<tool_call> ",
         [("get_time", "{}")],
     ),
+    Recorded(
+        "hermes-misspelt-closing-tag-is-content",
+        "hermes",
+        '<tool_call>{"name": "get_time", "arguments": {}}\n</tool_cal> <tool_call>{"name": "get_time"}</tool_call>',
+        "\n</tool_cal> ",
+        [("get_time", "{}"), ("get_time", "{}")],
+    ),
     # llama3_json: Llama 3.1/3.2 answer with the calls alone, `parameters` for the arguments.
     Recorded(
         "llama-one-call",
@@ -221,6 +228,13 @@ RECORDED = [
         [("get_weather", '{"city": "Par')],
         unfinished=[0],
     ),
+    Recorded(
+        "llama-separator-then-text",
+        "llama3_json",
+        '{"name": "get_time", "parameters": {}}; thanks',
+        "; thanks",
+        [("get_time", "{}")],
+    ),
     # mistral: the list form (tokenizer v3) and the named form (v11+), after [TOOL_CALLS].
     Recorded(
         "mistral-list-form",
@@ -259,6 +273,20 @@ RECORDED = [
         "",
         [("get_weather", '{"city": "Ber')],
         unfinished=[0],
+    ),
+    Recorded(
+        "mistral-list-form-with-spaces",
+        "mistral",
+        '[TOOL_CALLS] [ {"name": "get_weather", "arguments": {"city": "Nice"}} ,{"name": "get_time"} ]\nDone.',
+        "\nDone.",
+        [("get_weather", '{"city": "Nice"}'), ("get_time", "{}")],
+    ),
+    Recorded(
+        "mistral-broken-args-marker-is-read-again",
+        "mistral",
+        "[TOOL_CALLS]get_time[AR[TOOL_CALLS]get_time[ARGS]{}",
+        "[TOOL_CALLS]get_time[AR",
+        [("get_time", "{}")],
     ),
     Recorded(
         "mistral-plain-text-with-brackets",
