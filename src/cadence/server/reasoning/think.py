@@ -11,6 +11,7 @@ between reasoning and content.
 from __future__ import annotations
 
 from cadence.server.reasoning.base import ReasoningDelta, ReasoningParser
+from cadence.server.text_markers import held_tail
 
 START = "<think>"
 END = "</think>"
@@ -50,18 +51,10 @@ class ThinkReasoningParser(ReasoningParser):
             delta.reasoning = buffer[:end]
             delta.content = buffer[end + len(END) :]
             return delta
-        held = 0 if final else _partial_marker_length(buffer, END)
+        held = 0 if final else held_tail(buffer, 0, [END])
         delta.reasoning = buffer[: len(buffer) - held]
         self._pending = buffer[len(buffer) - held :]
         return delta
-
-
-def _partial_marker_length(text: str, marker: str) -> int:
-    """Length of the longest tail of text that is a proper prefix of marker."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:length]):
-            return length
-    return 0
 
 
 def prompt_ends_with(prompt_text: str, marker: str) -> bool:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cadence.server.text_markers import find_trigger
 from cadence.server.tool_parsers.base import DeltaBuilder, ToolSpec
 from cadence.server.tool_parsers.call_object import CallObject
-from cadence.server.tool_parsers.json_calls import JsonCallParser, Separator, find_trigger
+from cadence.server.tool_parsers.json_calls import JsonCallParser, Separator
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
