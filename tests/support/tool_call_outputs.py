@@ -276,6 +276,20 @@ RECORDED = [
         [("get_time", "{}")],
     ),
     Recorded(
+        "mistral-named-form-with-call-ids",
+        "mistral",
+        '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[CALL_ID]x[ARGS]{}',
+        "",
+        [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")],
+    ),
+    Recorded(
+        "mistral-bad-call-id-is-content",
+        "mistral",
+        "[TOOL_CALLS]get_time[CALL_ID]a-1[ARGS]{}",
+        "[TOOL_CALLS]get_time[CALL_ID]a-1[ARGS]{}",
+        [],
+    ),
+    Recorded(
         "mistral-plain-text-with-brackets",
         "mistral",
         "Use [TOOL_CALLS] and [ARGS] markers [TOOL_",

@@ -2,6 +2,9 @@
 
     [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {...}]    (tokenizer v3 and earlier)
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}      (tokenizer v11 and later)
+    [TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}              (with the model's call id)
+
+The model's call id is markup: the server gives every call an id of its own.
 
 `[TOOL_CALLS]` is a special token: the server must detokenize with special tokens kept
 for this parser to see it.
@@ -18,6 +21,7 @@ from cadence.server.tool_parsers.json_calls import JsonCallParser, Separator
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
+CALL_ID = "[CALL_ID]"
 
 
 class MistralToolParser(JsonCallParser):
@@ -25,10 +29,11 @@ class MistralToolParser(JsonCallParser):
 
     def __init__(self, tools: Sequence[ToolSpec]) -> None:
         super().__init__(tools)
-        # text; form (after the marker: `[` or a name); name (then ARGS); call; listed (between list items)
+        # text; form (after the marker: `[` or a name); name, then call_id where the model writes
+        # one, then ARGS; call; listed (between list items)
         self._mode = "text"
         self._name = ""
-        self._args_tag = ""  # how much of ARGS has been read after the name
+        self._tag = ""  # how much of ARGS or CALL_ID has been read after the name or the id
         self._between = Separator([",", "]"])
 
     def _advance(self, text: str, out: DeltaBuilder, final: bool) -> None:
@@ -79,12 +84,12 @@ class MistralToolParser(JsonCallParser):
                 self._finish_call(out)
             elif self._mode == "listed":
                 out.content(self._between.text)
-            elif self._mode in ("form", "name"):
+            elif self._mode in ("form", "name", "call_id"):
                 out.content(self._held)
             self._mode = "text"
 
     def _read_head(self, buffer: str, position: int, out: DeltaBuilder) -> tuple[str, int]:
-        """One character after the marker: the list's `[`, or the name and ARGS of the named form."""
+        """One character after the marker: the list's `[`, or the name (id) and ARGS of the named form."""
         char = buffer[position]
         if self._mode == "form":
             if char.isspace():
@@ -96,24 +101,36 @@ class MistralToolParser(JsonCallParser):
                 self._mode = "call"
                 return buffer, position + 1
             self._name = ""
-            self._args_tag = ""
+            self._tag = ""
             self._mode = "name"
-        if not self._args_tag and char != "[" and any(tool.startswith(self._name + char) for tool in self.tools):
-            self._name += char
+        tag = self._tag + char
+        if self._mode == "name" and not self._tag and char != "[":
+            if any(tool.startswith(self._name + char) for tool in self.tools):
+                self._name += char
+                self._held += char
+                return buffer, position + 1
+        elif self._mode == "call_id" and not self._tag and char.isascii() and char.isalnum():
             self._held += char
             return buffer, position + 1
-        if self._name in self.tools and ARGS.startswith(self._args_tag + char):
-            self._args_tag += char
+        elif self._name in self.tools and any(marker.startswith(tag) for marker in self._markers_after()):
+            self._tag = tag
             self._held += char
-            if self._args_tag == ARGS:
+            if tag == CALL_ID:
+                self._mode = "call_id"
+                self._tag = ""
+            elif tag == ARGS:
                 self._start_call(self._held, CallObject.arguments_only(self.tools, self._name))
                 self._mode = "call"
             return buffer, position + 1
-        # Not a call of a known tool: its text is content; a partial ARGS is read again as text.
-        out.content(self._held[: len(self._held) - len(self._args_tag)])
+        # Not a call of a known tool: its text is content; a partial marker is read again as text.
+        out.content(self._held[: len(self._held) - len(self._tag)])
         self._mode = "text"
         self._name = ""
-        return self._args_tag + buffer[position:], 0
+        return self._tag + buffer[position:], 0
+
+    def _markers_after(self) -> tuple[str, ...]:
+        """What may follow the name (an id first, in some versions) or the id."""
+        return (ARGS, CALL_ID) if self._mode == "name" else (ARGS,)
 
     def auto_grammar(self) -> str | None:
         # The trigger is a special token, which a grammar written in text cannot name.
