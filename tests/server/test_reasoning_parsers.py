@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cadence.server.reasoning import REASONING_PARSERS, ReasoningDelta, get_reasoning_parser
+from cadence.server.tool_parsers import get_tool_parser
+from tests.support.tool_call_outputs import TOOLS
 
 # Generation prompts as the models' chat templates render them.
 QWEN3_PROMPT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
@@ -199,3 +201,36 @@ def test_registry() -> None:
     assert all(parser.end_marker == "</think>" for parser in REASONING_PARSERS.values())
     with pytest.raises(ValueError, match="qwen3"):
         get_reasoning_parser("nope")
+
+
+def test_tool_calls_parsed_from_the_content_after_the_reasoning() -> None:
+    """The chat handler chains the parsers: reasoning first, its content into the tool parser."""
+    text = (
+        "<think>\nThe user wants weather; a <tool_call> is needed.\n</think>\n\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n</tool_call>'
+    )
+
+    def run(chunks: list[str]) -> tuple[str, str, list[tuple[str | None, str]]]:
+        reasoning_parser = get_reasoning_parser("qwen3")(starts_in_reasoning=False)
+        tool_parser = get_tool_parser("hermes")(TOOLS)
+        reasoning, content, calls = "", "", []
+        for chunk in [*chunks, None]:
+            split = reasoning_parser.feed(chunk) if chunk is not None else reasoning_parser.finish()
+            parsed = tool_parser.feed(split.content)
+            if chunk is None:
+                finished = tool_parser.finish()
+                parsed.content += finished.content
+                parsed.calls += finished.calls
+            reasoning += split.reasoning
+            content += parsed.content
+            calls += [(call.name, call.arguments) for call in parsed.calls]
+        return reasoning, content, calls
+
+    whole = run([text])
+    assert whole[:2] == ("\nThe user wants weather; a <tool_call> is needed.\n", "\n\n")
+    assert [name for name, _ in whole[2]] == ["get_weather"]
+    assert "".join(arguments for _, arguments in whole[2]) == '{"city": "Köln"}'
+    for cut in range(len(text) + 1):
+        streamed = run([text[:cut], text[cut:]])
+        assert streamed[:2] == whole[:2]
+        assert "".join(arguments for _, arguments in streamed[2]) == '{"city": "Köln"}'
