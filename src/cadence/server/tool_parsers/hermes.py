@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cadence.server.text_markers import find_trigger
 from cadence.server.tool_parsers.base import DeltaBuilder, ToolSpec
 from cadence.server.tool_parsers.call_grammar import tagged_call_grammar
-from cadence.server.tool_parsers.json_calls import JsonCallParser, Separator, find_trigger
+from cadence.server.tool_parsers.json_calls import JsonCallParser, Separator
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"

@@ -1,4 +1,4 @@
-"""What the JSON tool-call parsers share: finding a trigger in free text and running one call.
+"""What the JSON tool-call parsers share: running one call, and reading the separators between calls.
 
 Every decision depends only on the text up to the character where it is taken (a
 trigger's prefix at the end of a feed is held, never guessed at), so any cutting of
@@ -11,31 +11,6 @@ from collections.abc import Sequence
 
 from cadence.server.tool_parsers.base import DeltaBuilder, ToolParser, ToolSpec
 from cadence.server.tool_parsers.call_object import CallObject
-
-
-def find_trigger(text: str, start: int, triggers: Sequence[str], final: bool) -> tuple[int, str | None]:
-    """Where content ends in text[start:], and the trigger found there (None: none yet).
-
-    Without a trigger, content ends before the longest tail that could still grow into
-    one, unless the output is final."""
-    found = [(position, trigger) for trigger in triggers if (position := text.find(trigger, start)) >= 0]
-    if found:
-        position, trigger = min(found, key=lambda item: (item[0], -len(item[1])))
-        return position, trigger
-    if final:
-        return len(text), None
-    return len(text) - held_tail(text, start, triggers), None
-
-
-def held_tail(text: str, start: int, markers: Sequence[str]) -> int:
-    """Length of the longest tail of text[start:] that is a proper prefix of one of the markers."""
-    longest = 0
-    for marker in markers:
-        for length in range(min(len(marker) - 1, len(text) - start), longest, -1):
-            if text.endswith(marker[:length]):
-                longest = length
-                break
-    return longest
 
 
 class JsonCallParser(ToolParser):
@@ -129,7 +104,7 @@ class Separator:
         return "" if self._literal_start < 0 else self.text[self._literal_start :]
 
     def push(self, char: str) -> str:
-        """"more", "matched" (the character completed a literal) or "failed" (not consumed)."""
+        """ "more", "matched" (the character completed a literal) or "failed" (not consumed)."""
         if self._literal_start < 0:
             if char.isspace():
                 self.text += char

@@ -128,9 +128,7 @@ class JsonPrefixScanner:
             return True
         if not _NUMBER.fullmatch(self._number):
             return False
-        if not self._stack:
-            return False  # only whitespace may follow a top-level value, and a number takes no more
-        if char not in _WHITESPACE and char not in ",]}":
+        if char not in _WHITESPACE and (not self._stack or char not in ",]}"):
             return False
         self._number = ""
         self._end_value(len(self.chars))
