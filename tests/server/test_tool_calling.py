@@ -33,7 +33,7 @@ class SearchArgs(BaseModel):
     limit: int = Field(ge=1, le=5)
 
 
-ARGUMENTS = {"get_weather": WeatherArgs, "search": SearchArgs}
+ARGUMENTS: dict[str, type[BaseModel]] = {"get_weather": WeatherArgs, "search": SearchArgs}
 # Small hand-written schemas: the tiny model's context is 512 tokens of a tiny vocabulary.
 SCHEMAS = {
     "get_weather": {

@@ -1,6 +1,7 @@
 """A small tool-aware chat template in the Hermes/Qwen2.5 style, for tiny test models:
-the tools' names in the system turn (their schemas would not fit a tiny model's context), calls as <tool_call> JSON, tool answers as <tool_response>, and
-a <think> opened at the generation prompt when `enable_thinking` is passed.
+the tools' names in the system turn (their schemas would not fit a tiny model's
+context), calls as <tool_call> JSON, tool answers as <tool_response>, and a <think>
+opened at the generation prompt when `enable_thinking` is passed.
 
 transformers renders templates with trim_blocks (a newline right after a block tag is
 dropped), so no block tag here is followed by a newline that should be kept.

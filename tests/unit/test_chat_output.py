@@ -5,9 +5,10 @@ character boundary (the two must agree)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
-from openai.types.chat import ChatCompletionMessage
+from openai.types.chat import ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from cadence.openai_schema.constraint_fields import Tool
@@ -45,7 +46,7 @@ def whole(read: OutputReading, text: str) -> tuple[ChoiceReader, ChatCompletionM
     return reader, ChatCompletionMessage.model_validate(message.model_dump())
 
 
-def streamed(read: OutputReading, pieces: list[str]) -> dict[str, object]:
+def streamed(read: OutputReading, pieces: list[str]) -> dict[str, Any]:
     """The message the SDK would assemble from the deltas of `pieces`, checking each delta."""
     reader = read.reader()
     content, reasoning = "", ""
@@ -73,14 +74,22 @@ def splits(text: str) -> list[list[str]]:
     return [[text], list(text)] + [[text[:i], text[i:]] for i in range(1, len(text))]
 
 
+def function_calls(message: ChatCompletionMessage) -> list[tuple[str, str]]:
+    calls = message.tool_calls or []
+    assert all(isinstance(c, ChatCompletionMessageFunctionToolCall) for c in calls)
+    return [
+        (c.function.name, c.function.arguments) for c in calls if isinstance(c, ChatCompletionMessageFunctionToolCall)
+    ]
+
+
 def check_agrees(read: OutputReading, text: str) -> ChatCompletionMessage:
     reader, message = whole(read, text)
-    expected_calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    expected_calls = function_calls(message)
     for pieces in splits(text):
         got = streamed(read, pieces)
         assert got["content"] == (message.content or "")
         assert got["reasoning"] == (getattr(message, "reasoning_content", None) or "")
-        assert [(c["name"], c["arguments"]) for c in got["calls"]] == expected_calls  # type: ignore[index]
+        assert [(c["name"], c["arguments"]) for c in got["calls"]] == expected_calls
     return message
 
 
@@ -93,7 +102,7 @@ HERMES_TEXT = (
 def test_hermes_calls_become_tool_calls() -> None:
     reader, message = whole(reading("auto", "hermes"), HERMES_TEXT)
     assert message.content == "Let me look. \n"  # the text between the calls is content too
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == [
+    assert [(name, json.loads(arguments)) for name, arguments in function_calls(message)] == [
         ("get_weather", {"city": "Paris"}),
         ("search", {"q": "rain"}),
     ]
@@ -132,7 +141,7 @@ def test_reasoning_then_calls(reasoning: str, open_: bool, text: str) -> None:
     message = check_agrees(reading("auto", "hermes", reasoning, open_), text)
     assert message.model_extra is not None and message.model_extra["reasoning_content"] == "Paris? Check."
     assert (message.content or "").strip() == "Let me look."
-    assert [c.function.name for c in message.tool_calls or []] == ["get_weather", "search"]
+    assert [name for name, _ in function_calls(message)] == ["get_weather", "search"]
 
 
 def test_reasoning_without_tools() -> None:
@@ -149,7 +158,7 @@ REQUIRED_TEXT = (
 def test_required_calls() -> None:
     reader, message = whole(reading("required"), REQUIRED_TEXT)
     assert message.content is None
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == [
+    assert [(name, json.loads(arguments)) for name, arguments in function_calls(message)] == [
         ("get_weather", {"city": "Paris", "n": [1, {"x": "]}"}]}),
         ("search", 5),
     ]
@@ -160,7 +169,7 @@ def test_required_calls() -> None:
 def test_named_call() -> None:
     text = '{"city": "Paris", "unit": "c"}'
     _, message = whole(reading("named", named="get_weather"), text)
-    assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == [("get_weather", text)]
+    assert function_calls(message) == [("get_weather", text)]
     check_agrees(reading("named", named="get_weather"), text)
 
 

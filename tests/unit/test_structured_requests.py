@@ -61,7 +61,10 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def test_each_form_maps_to_its_params(
     fields: dict[str, Any], expected: StructuredOutputsParams | None, param: str | None
 ) -> None:
-    for body in (CompletionRequest(prompt="x", **fields), ChatCompletionRequest(messages=MESSAGES, **fields)):
+    for body in (
+        CompletionRequest.model_validate({"prompt": "x", **fields}),
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields}),
+    ):
         constraint = requested_constraint(body)
         assert constraint == (None if expected is None else Constraint(expected, param or ""))
 
@@ -109,7 +112,7 @@ def test_a_grammar_past_the_time_limit_is_a_400(tokenizer: PreTrainedTokenizerBa
 
 def tool_request(**fields: Any) -> ChatCompletionRequest:
     tools = [{"type": "function", "function": {"name": n, "parameters": SCHEMA}} for n in ("f", "g")]
-    return ChatCompletionRequest(messages=MESSAGES, tools=tools, **fields)
+    return ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": tools, **fields})
 
 
 def matches(tokenizer: PreTrainedTokenizerBase, params: StructuredOutputsParams, text: str) -> bool:

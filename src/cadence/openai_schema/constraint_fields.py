@@ -21,7 +21,7 @@ class JsonSchemaFormat(Lenient):
     name: Text = "response"
     description: Text | None = None
     # `schema` would shadow BaseModel.schema(); the wire name is kept by the alias.
-    json_schema: dict[str, Any] = Field(default_factory=lambda: {}, alias="schema")
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
 

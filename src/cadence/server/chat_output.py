@@ -105,7 +105,9 @@ class ChoiceReader:
         return self._record(reasoning, "", ParsedDelta(parsed.content + final.content, parsed.calls + final.calls))
 
     def _record(self, reasoning: str, answer: str, parsed: ParsedDelta | None) -> OutputPiece:
-        piece = OutputPiece(reasoning, answer) if parsed is None else OutputPiece(reasoning, parsed.content, parsed.calls)
+        piece = (
+            OutputPiece(reasoning, answer) if parsed is None else OutputPiece(reasoning, parsed.content, parsed.calls)
+        )
         self.reasoning += piece.reasoning
         self.content += piece.content
         for call in piece.calls:

@@ -61,4 +61,3 @@ def after_reasoning(
         start = "start: (thinking GAP)? answer"
     rules = [start, thinking, "GAP: /[ \\t\\n]*/", "answer: " + _answer_rule(params)]
     return StructuredOutputsParams(grammar="\n".join(rules) + "\n")
-

@@ -87,9 +87,7 @@ class GrammarChecker:
     syntax checked.
     """
 
-    def __init__(
-        self, tokenizer_json: str | None, vocab_size: int, eos_token_ids: list[int], timeout: float
-    ) -> None:
+    def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_token_ids: list[int], timeout: float) -> None:
         self.tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids

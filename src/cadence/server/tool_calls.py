@@ -83,7 +83,9 @@ def plan_tools(body: ChatCompletionRequest, auto_tool_choice: bool) -> ToolPlan:
         name = choice.function.name
         if all(t.function.name != name for t in tools):
             known = ", ".join(repr(t.function.name) for t in tools)
-            raise bad_request(f"tool_choice names the function {name!r}, which is not in tools ({known})", "tool_choice")
+            raise bad_request(
+                f"tool_choice names the function {name!r}, which is not in tools ({known})", "tool_choice"
+            )
         plan = ToolPlan("named", tools, name)
     elif choice == "required":
         plan = ToolPlan("required", tools)
