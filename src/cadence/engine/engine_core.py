@@ -23,6 +23,7 @@ from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineReady, EngineStats
+from cadence.engine.request_checks import check_token_ids
 from cadence.engine.step_stats import StepRecorder, mark_first_scheduled
 from cadence.engine.structured_output.manager import StructuredOutputManager
 from cadence.engine.weights_memory import host_weights_bytes
@@ -181,22 +182,7 @@ class EngineCore:
     # ----- requests ------------------------------------------------------------------
     def validate(self, request: EngineCoreRequest) -> None:
         """Raise ValueError for a request the engine cannot serve, before touching state."""
-        tokens = request.prompt_token_ids
-        if not tokens:
-            raise ValueError("the prompt is empty")
-        if len(tokens) > self.max_model_len:
-            raise ValueError(f"the prompt has {len(tokens)} tokens, more than max_model_len={self.max_model_len}")
-        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        params = request.sampling_params
-        # Ids past the vocabulary can never be sampled; the min_tokens mask would index with them.
-        bad_stop = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad_stop is not None:
-            raise ValueError(f"stop token id {bad_stop} is outside the vocabulary [0, {self.vocab_size})")
-        bad_bias = next((t for t in params.logit_bias or {} if not 0 <= t < self.vocab_size), None)
-        if bad_bias is not None:
-            raise ValueError(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids(request, self.max_model_len, self.vocab_size)
         if request.remote_kv is not None:
             self._validate_remote_kv(request)
         taken = [i for i in self._sequence_ids(request) if i in self._sequences]
