@@ -7,7 +7,7 @@ import enum
 import json
 import re
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -50,7 +50,7 @@ def llm(tiny_model_dir: Callable[[str], str]) -> LLM:
     return make_llm(tiny_model_dir("llama"), max_model_len=512, num_gpu_blocks=1024)
 
 
-def constrained(max_tokens: int = 300, **constraint: object) -> SamplingParams:
+def constrained(max_tokens: int = 300, **constraint: Any) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens, temperature=0.0, structured_outputs=StructuredOutputsParams(**constraint)
     )
