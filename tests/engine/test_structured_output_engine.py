@@ -10,11 +10,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import zmq
 
 from cadence import LLM, SamplingParams
+from cadence.engine.core_process import EngineCoreLoop
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.engine_core import EngineCore
-from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from cadence.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Shutdown, decode, encode
 from cadence.engine.structured_output.manager import StructuredOutputManager
 from cadence.server.disaggregation.local_cluster import LocalCluster
 from cadence.structured_outputs.params import StructuredOutputsParams
@@ -188,13 +190,15 @@ def test_a_grammar_the_engine_cannot_compile_fails_its_request_alone(path: str) 
 
 
 class SlowCompiles:
-    """Holds every grammar compile until released."""
+    """Holds every grammar compile until released; `started` counts the compiles begun."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.release = threading.Event()
+        self.started = threading.Semaphore(0)
         compile_grammar = StructuredOutputManager._compile
 
         def slow(manager: StructuredOutputManager, params: StructuredOutputsParams) -> Any:
+            self.started.release()
             self.release.wait(30)
             return compile_grammar(manager, params)
 
@@ -243,3 +247,45 @@ def test_disaggregated_constrained_output_matches_colocated(path: str) -> None:
     tokens, _ = run_cluster(cluster, requests)
     assert cluster.coordinator.stats.num_remote_prefills >= 1
     assert tokens == {f"{rid}/0": [t for o in outs for t in o.new_token_ids] for rid, outs in expected.items()}
+
+
+def test_the_engine_loop_waits_for_a_compile_and_reports_a_failed_grammar(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the engine process's sockets (msgpacked requests): a request whose grammar
+    compiles while the loop is otherwise idle still runs, and one whose grammar the
+    engine cannot compile comes back as rejected, with the reason."""
+    compiles = SlowCompiles(monkeypatch)
+    core = engine_core(path, max_model_len=256, num_gpu_blocks=256)
+    context = zmq.Context()
+    inputs, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    inputs.bind("inproc://inputs")
+    outputs.bind("inproc://outputs")
+    send, receive = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    send.connect("inproc://inputs")
+    receive.connect("inproc://outputs")
+    loop = threading.Thread(target=EngineCoreLoop(core, inputs, outputs).run)
+    loop.start()
+    try:
+        bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(grammar="start: foo"))
+        send.send(encode(EngineCoreRequest("bad", PROMPTS[0], bad)))
+        send.send(encode(EngineCoreRequest("good", PROMPTS[1], constrained())))
+        # Both compiles run (on the pool's two threads) while the loop has nothing else to do.
+        assert compiles.started.acquire(timeout=30) and compiles.started.acquire(timeout=30)
+        compiles.release.set()
+        rejected: dict[str, str] = {}
+        finish_reason = None
+        while finish_reason is None or "bad" not in rejected:
+            assert receive.poll(30_000), "the engine loop went quiet"
+            message = decode(receive.recv())
+            assert isinstance(message, EngineCoreOutputs)
+            rejected.update(message.rejected)
+            finish_reason = next((o.finish_reason for o in message.outputs if o.finished), finish_reason)
+        assert "foo" in rejected["bad"] and finish_reason == "stop"
+    finally:
+        compiles.release.set()
+        send.send(encode(Shutdown()))
+        loop.join(30)
+        for socket in (inputs, outputs, send, receive):
+            socket.close(linger=0)
+        context.term()
