@@ -146,6 +146,11 @@ def test_logit_bias_forces_and_bans_tokens_for_every_request_kind(llm: LLM) -> N
     assert output.outputs[0].text in ("yes", "no")
 
 
+def test_logit_bias_outside_the_vocabulary_is_refused(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="logit_bias token id 512 is outside the vocabulary"):
+        llm.generate([PROMPTS[0]], greedy(2, logit_bias={512: 1.0}))
+
+
 def test_logprobs_stay_those_of_the_model(llm: LLM) -> None:
     """A constrained row reports the model's own logprobs of the token it sampled, as an
     unconstrained run of the same tokens does."""
