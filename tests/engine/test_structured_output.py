@@ -119,7 +119,7 @@ def test_an_invalid_grammar_is_refused_before_anything_runs(llm: LLM) -> None:
     assert texts(llm, constrained(choice=("a", "b"), max_tokens=5))  # and the engine serves on
 
 
-def test_pydantic_model_round_trips_through_validation_error_when_cut_short(llm: LLM) -> None:
+def test_max_tokens_reached_first_ends_with_length_not_a_complete_object(llm: LLM) -> None:
     """max_tokens that ends a constrained output early says "length": never a claim of
     completion, and the text is not valid against the schema."""
     outputs = llm.generate(PROMPTS, constrained(json=Person.model_json_schema(), max_tokens=6))

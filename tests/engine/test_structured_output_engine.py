@@ -152,18 +152,16 @@ def test_logit_bias_outside_the_vocabulary_is_refused(llm: LLM) -> None:
 
 
 def test_logprobs_stay_those_of_the_model(llm: LLM) -> None:
-    """A constrained row reports the model's own logprobs of the token it sampled, as an
-    unconstrained run of the same tokens does."""
+    """A constrained row reports the model's own logprobs of the tokens it sampled: what
+    the model gives those tokens as a prompt."""
     (output,) = llm.generate([PROMPTS[0]], constrained(max_tokens=10, logprobs=0))
-    tokens = output.outputs[0].token_ids
-    assert output.outputs[0].logprobs is not None
-    (forced,) = llm.generate([PROMPTS[0]], greedy(1, prompt_logprobs=0, logprobs=0))
-    prompt = PROMPTS[0] + tokens[:3]
-    (scored,) = llm.generate([prompt], greedy(1, prompt_logprobs=0))
-    assert scored.prompt_logprobs is not None and forced.outputs[0].logprobs is not None
-    for position in range(3):
-        expected = scored.prompt_logprobs[len(PROMPTS[0]) + position][tokens[position]].logprob
-        assert output.outputs[0].logprobs[position][tokens[position]].logprob == pytest.approx(expected, abs=1e-4)
+    tokens, logprobs = output.outputs[0].token_ids, output.outputs[0].logprobs
+    assert logprobs is not None
+    (scored,) = llm.generate([PROMPTS[0] + tokens], greedy(1, prompt_logprobs=0))
+    assert scored.prompt_logprobs is not None
+    for position, token in enumerate(tokens):
+        expected = scored.prompt_logprobs[len(PROMPTS[0]) + position][token].logprob
+        assert logprobs[position][token].logprob == pytest.approx(expected, abs=1e-4)
 
 
 def engine_core(path: str, **options: Any) -> EngineCore:

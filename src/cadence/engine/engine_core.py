@@ -280,8 +280,8 @@ class EngineCore:
         return self.scheduler.has_work() or self.structured.has_ready()
 
     def take_failed_requests(self) -> dict[str, str]:
-        """Client requests ended since the last call because their grammar failed to
-        compile (or in time), or refused a token: request id -> why. Their sequences
+        """Client requests ended since the last call because their grammar did not
+        compile (or not in time), or refused a token: request id -> why. Their sequences
         are aborted; a front end ends their streams with the error."""
         failed, self._failed = self._failed, {}
         return failed

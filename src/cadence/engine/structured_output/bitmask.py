@@ -39,6 +39,7 @@ def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, r
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """In place: the grammar masks of `rows` on their logits, by the fastest path here."""
     if logits.is_cuda and triton_usable(logits):
+        # Imported on use: Triton ships for Linux only, and CPU hosts elsewhere never need it.
         from cadence.kernels.triton.token_bitmask import apply_token_bitmask as triton_apply
 
         triton_apply(logits, bitmask, rows)

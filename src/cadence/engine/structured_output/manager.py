@@ -172,10 +172,6 @@ class StructuredOutputManager:
         if len(futures) == len(self._held):
             concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def next_deadline(self) -> float | None:
-        """When the earliest held request's compile time runs out (time.monotonic)."""
-        return min((held.deadline for held in self._held.values()), default=None)
-
     def drop(self, client_id: str) -> list[Request]:
         """Stop holding a request (aborted): its sequences."""
         held = self._held.pop(client_id, None)
