@@ -15,6 +15,7 @@ import pickle
 import random
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
@@ -24,6 +25,7 @@ from cadence.engine.engine_core import EngineCore
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreRequest, decode, encode
 from cadence.engine.sampling_params import SamplingParams
+from cadence.engine.structured_output.manager import GrammarMasks
 from cadence.scheduler.output import SchedulerOutput
 
 BLOCK_SIZE = 4
@@ -87,13 +89,13 @@ class WireRunner:
         self.scheduler = engine.scheduler
         self.seen = seen
 
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, output: SchedulerOutput, grammar_masks: Future[GrammarMasks] | None = None) -> ModelRunnerOutput:
         assert pickle.loads(pickle.dumps(output)) == output
         wire = decode(encode(output))
         assert isinstance(wire, SchedulerOutput)
         self._count(wire)
-        expected = self.engine_execute(output)
-        got = self.remote.execute(wire)
+        expected = self.engine_execute(output, grammar_masks)
+        got = self.remote.execute(wire, grammar_masks)
         assert got == expected
         # Both runners share the code, so hold the remote one's copy to the scheduler's.
         batch = self.remote.input_batch

@@ -377,3 +377,24 @@ def test_higher_priority_arrival_does_not_strand_forked_children() -> None:
     scheduler.add_request(make_request("x", list(range(20, 34)), 2, max_tokens=1, priority=0))
     finished = run_to_completion(scheduler, model, max_steps=50)
     assert set(finished) == {"a#1", "x"}
+
+
+def test_a_complete_grammar_stops_a_request_before_min_and_at_max_tokens() -> None:
+    """`complete` (the engine's matchers say the output's grammar is done) ends a request
+    with its sampled token as stopped, whatever min_tokens asks, and wins over a length
+    reached with the same token."""
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(16, 4))
+    early = make_request("early", [1, 2, 3], 0, max_tokens=8)
+    early.stop = StopConditions(max_tokens=8, min_tokens=6)
+    last = make_request("last", [4, 5], 1, max_tokens=1)
+    plain = make_request("plain", [6, 7], 2, max_tokens=8)
+    for request in (early, last, plain):
+        scheduler.add_request(request)
+    output = scheduler.schedule()
+    finished = scheduler.update(output, {"early": 9, "last": 9, "plain": 9}, complete={"early", "last"})
+    assert {f.request.request_id: f.status for f in finished} == {
+        "early": RequestStatus.FINISHED_STOPPED,
+        "last": RequestStatus.FINISHED_STOPPED,
+    }
+    assert early.output_token_ids == [9] and early.stop_token_id is None
+    assert plain.status == RequestStatus.RUNNING

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 # How long an idle engine sleeps on its input before checking that its parent lives.
 _IDLE_POLL_MS = 500
+# How often an engine with nothing else to do looks whether a grammar finished compiling.
+_GRAMMAR_POLL_MS = 2
 
 
 @dataclass
@@ -84,7 +86,10 @@ class EngineCoreLoop:
                 self._send_outputs([])
 
     def _idle_wait_ms(self) -> int:
-        """Sleep on the input socket until the next KV deadline, or the idle poll."""
+        """Sleep on the input socket until the next KV deadline, or the idle poll; only
+        briefly while a grammar compiles (its thread cannot wake the socket)."""
+        if self.core.structured.num_held:
+            return _GRAMMAR_POLL_MS
         deadline = self.core.next_kv_deadline()
         if deadline is None:
             return _IDLE_POLL_MS
@@ -127,6 +132,7 @@ class EngineCoreLoop:
 
     def _send_outputs(self, outputs: list) -> None:
         events = self.core.take_kv_events()
+        self._rejected.update(self.core.take_failed_requests())
         message = EngineCoreOutputs(
             outputs,
             self.core.stats(),

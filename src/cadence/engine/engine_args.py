@@ -78,6 +78,9 @@ class EngineArgs:
     # and a prefill engine holds computed KV for a reader that never says it is done.
     kv_wait_timeout: float = 30.0
     kv_hold_timeout: float = 60.0
+    # Seconds a request's grammar (structured outputs) may take to compile before the
+    # request fails with an error; compiling never holds up other requests.
+    structured_outputs_compile_timeout: float = 10.0
     # Mixture-of-experts models (engine/experts/): keep the routed experts in host memory
     # ("host") or memory-mapped files ("disk") with `expert_cache_size` slots per layer in
     # fast memory (None: twice the experts per token), evicting by `expert_cache_policy`
@@ -113,6 +116,8 @@ class EngineArgs:
         # both are known, when the router admits them.
         if not (self.kv_wait_timeout > 0 and self.kv_hold_timeout > 0):
             raise ValueError("kv_wait_timeout and kv_hold_timeout must be positive seconds")
+        if not self.structured_outputs_compile_timeout > 0:
+            raise ValueError("structured_outputs_compile_timeout must be positive seconds")
         if self.engines_per_host < 1:
             raise ValueError("engines_per_host must be at least 1")
         if self.long_prefill_token_threshold < 0:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -12,20 +10,22 @@ from dataclasses import dataclass, replace
 import torch
 
 from cadence.engine.attention.backend import AttentionSpec
+from cadence.engine.core_setup import default_token_budget, generation_eos_ids, kv_connectors, kv_layout_of
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.experts.offloaded import offloaded_stats
 from cadence.engine.host_memory import keep_freed_heap
 from cadence.engine.kv_cache_size import kv_cache_bytes_per_block, resolve_num_blocks
-from cadence.engine.kv_connector.scheduler_side import KVEvents, SchedulerSideConnector
+from cadence.engine.kv_connector.scheduler_side import KVEvents
 from cadence.engine.kv_connector.worker_side import WorkerSideConnector
-from cadence.engine.kv_transfer.factory import create_kv_transport
-from cadence.engine.kv_transfer.layout import KVLayout, weights_digest
+from cadence.engine.kv_transfer.layout import KVLayout
 from cadence.engine.kv_transfer.source import KVSource
 from cadence.engine.loader import load_model, resolve_dtype
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineReady, EngineStats
+from cadence.engine.request_checks import check_token_ids
 from cadence.engine.step_stats import StepRecorder, mark_first_scheduled
+from cadence.engine.structured_output.manager import StructuredOutputManager
 from cadence.engine.weights_memory import host_weights_bytes
 from cadence.scheduler.output import SchedulerOutput
 from cadence.scheduler.remote_kv import KVLoadOutcome, KVPrefilled, KVReservation, RemoteKV
@@ -52,48 +52,6 @@ class StepTimings:
     num_chunk_steps: int = 0
     chunk_step_seconds: float = 0.0
     num_chunk_tokens: int = 0
-
-
-def generation_eos_ids(model_path: str, config: ModelConfig) -> set[int]:
-    """EOS ids from config.json and, when present, generation_config.json."""
-    eos = set(config.eos_token_id)
-    path = os.path.join(model_path, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f).get("eos_token_id")
-        eos.update([value] if isinstance(value, int) else value or [])
-    return eos
-
-
-def default_token_budget(device: torch.device) -> int:
-    """A step's tokens when the user sets none. On CPU the linears run in tiles of at most
-    128 rows, so a bigger step gains no GEMM speed and only holds every prompt of it back
-    for the whole step: 1024 beat 512 and 2048 on both concurrencies of bench/vs_peers.py
-    (bench/RESULTS.md). On GPU a big step keeps the device busy."""
-    return 1024 if device.type == "cpu" else 2048
-
-
-def _kv_connectors(args: EngineArgs) -> tuple[WorkerSideConnector | None, SchedulerSideConnector | None]:
-    """The runner's and the scheduler's halves of the KV connector. Prompt KV crosses
-    engines only in a disaggregation role: a colocated engine has no connector."""
-    if args.kv_role == "colocated":
-        return None, None
-    transport = create_kv_transport(args.kv_transport, exporting=args.kv_role == "prefill", host=args.kv_host)
-    return WorkerSideConnector(transport), SchedulerSideConnector(args.kv_wait_timeout, args.kv_hold_timeout)
-
-
-def _kv_layout(args: EngineArgs, config: ModelConfig, spec: AttentionSpec, dtype: torch.dtype) -> KVLayout:
-    """What another engine must match to read this engine's KV blocks."""
-    return KVLayout(
-        model=weights_digest(args.model),
-        num_layers=config.num_hidden_layers,
-        block_size=args.block_size,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        dtype=str(dtype).removeprefix("torch."),
-        kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization or "none",
-    )
 
 
 class EngineCore:
@@ -123,14 +81,14 @@ class EngineCore:
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         spec = self.model.attention_spec()
         self.num_kv_blocks = self._num_kv_blocks(config, spec)
-        worker_connector, self.kv_connector = _kv_connectors(args)
+        worker_connector, self.kv_connector = kv_connectors(args)
         self.runner = self._build_runner(worker_connector)
         self.scheduler = self._build_scheduler()
         # What a reader checks before loading our blocks, and where a prefill engine's are.
         self.kv_layout: KVLayout | None = None
         self.kv_source: KVSource | None = None
         if worker_connector is not None:
-            self.kv_layout = _kv_layout(args, config, spec, self.dtype)
+            self.kv_layout = kv_layout_of(args, config, spec, self.dtype)
             if args.kv_role == "prefill":
                 self.kv_source = worker_connector.export(self.kv_layout)
         self._forgotten: dict[str, str] = {}  # scheduler id -> client id, until events are taken
@@ -138,6 +96,10 @@ class EngineCore:
             self.runner.warm_up()
         self.eos_token_ids = generation_eos_ids(args.model, config)
         self.vocab_size = config.vocab_size
+        self.structured = StructuredOutputManager(
+            args.model, self.vocab_size, self.eos_token_ids, args.structured_outputs_compile_timeout
+        )
+        self._failed: dict[str, str] = {}  # client request id -> why its grammar failed, until taken
         self.timings = StepTimings()
         self.step_recorder = StepRecorder(self.scheduler.kv_cache, offloaded_stats(self.model))
         self._arrivals = itertools.count()
@@ -215,23 +177,12 @@ class EngineCore:
         """Stop exporting KV and release what the transport holds (memory, sockets, agents)."""
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.close()
+        self.structured.close()
 
     # ----- requests ------------------------------------------------------------------
     def validate(self, request: EngineCoreRequest) -> None:
         """Raise ValueError for a request the engine cannot serve, before touching state."""
-        tokens = request.prompt_token_ids
-        if not tokens:
-            raise ValueError("the prompt is empty")
-        if len(tokens) > self.max_model_len:
-            raise ValueError(f"the prompt has {len(tokens)} tokens, more than max_model_len={self.max_model_len}")
-        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        params = request.sampling_params
-        # Ids past the vocabulary can never be sampled; the min_tokens mask would index with them.
-        bad_stop = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad_stop is not None:
-            raise ValueError(f"stop token id {bad_stop} is outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids(request, self.max_model_len, self.vocab_size)
         if request.remote_kv is not None:
             self._validate_remote_kv(request)
         taken = [i for i in self._sequence_ids(request) if i in self._sequences]
@@ -270,6 +221,7 @@ class EngineCore:
         )
         ids = self._sequence_ids(request)
         self._children[request.request_id] = ids
+        sequences = []
         for index, sub_id in enumerate(ids):
             self._sequences[sub_id] = (request.request_id, index)
             child_params = params
@@ -278,7 +230,7 @@ class EngineCore:
                 # sequence scores the prompt they share.
                 seed = None if params.seed is None else params.seed + index
                 child_params = replace(params, seed=seed, prompt_logprobs=None)
-            self.scheduler.add_request(
+            sequences.append(
                 Request(
                     request_id=sub_id,
                     prompt_token_ids=list(request.prompt_token_ids),
@@ -293,11 +245,19 @@ class EngineCore:
                     remote_kv=RemoteKV(request.remote_kv) if request.remote_kv and not index else None,
                 )
             )
+        # A prompt computed for another engine samples nothing here: it needs no grammar.
+        constrained = params.structured_outputs is not None and request.remote_kv != RemoteKV.SEND.value
+        if constrained and not self.structured.hold(request.request_id, sequences):
+            return  # scheduled once its grammar is compiled (`_admit_compiled`)
+        for sequence in sequences:
+            self.scheduler.add_request(sequence)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort whole requests by their id, or single sequences by (id, index) name."""
         sub_ids: list[str] = []
         for request_id in request_ids:
+            for held in self.structured.drop(request_id):  # still waiting for its grammar
+                self._forget(held.request_id)
             sub_ids.extend(self._children.get(request_id, [request_id]))
         for request in self.scheduler.abort_requests(sub_ids):
             self._forget(request.request_id)
@@ -312,11 +272,31 @@ class EngineCore:
         return self._children[request_id][index]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.structured.num_held > 0
 
     def has_work(self) -> bool:
-        """Whether `step` would do anything (parked and held prompt KV only wait)."""
-        return self.scheduler.has_work()
+        """Whether `step` would do anything (parked and held prompt KV, and requests whose
+        grammar is still compiling, only wait)."""
+        return self.scheduler.has_work() or self.structured.has_ready()
+
+    def take_failed_requests(self) -> dict[str, str]:
+        """Client requests ended since the last call because their grammar did not
+        compile (or not in time), or refused a token: request id -> why. Their sequences
+        are aborted; a front end ends their streams with the error."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def _admit_compiled(self) -> None:
+        """Schedule the sequences whose grammar is ready; fail those whose grammar is not coming."""
+        ready, failed = self.structured.take_ready()
+        for sequence in ready:
+            self.scheduler.add_request(sequence)
+        for request_id, reason in failed.items():
+            self._fail(request_id, reason)
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        self._failed[request_id] = reason
+        self.abort_requests([request_id])
 
     # ----- prompt KV across engines (engine/kv_connector/), by client request id ---------
     @property
@@ -397,7 +377,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + self.structured.num_held,
             kv_cache_usage=self.scheduler.kv_cache.usage,
             num_preemptions=self._num_preemptions,
             num_steps=self.timings.num_steps,
@@ -418,10 +398,15 @@ class EngineCore:
         if self.kv_connector is not None and self.kv_connector.deadlines:
             self.expire_kv_deadlines()
         start = time.perf_counter()
+        self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
         mark_first_scheduled(scheduler_output, self.scheduler.requests)
         scheduled_at = time.perf_counter()
-        runner_output = self.runner.execute(scheduler_output)
+        # The constrained sequences' masks are filled while the forward pass runs.
+        masks = self.structured.start_masks(self._sampling(scheduler_output)) if self.structured.matchers else None
+        runner_output = self.runner.execute(scheduler_output, masks)
+        if masks is not None:
+            masks.result()  # the matchers are the engine's again
         executed_at = time.perf_counter()
         outputs = self._update(scheduler_output, runner_output)
         if runner_output.kv_load_results:
@@ -445,10 +430,22 @@ class EngineCore:
             t.num_chunk_tokens += beyond_one_each
         return outputs
 
+    def _sampling(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """The scheduled sequences that sample a token this step (their chunk ends their tokens)."""
+        requests = self.scheduler.requests
+        return [
+            request
+            for request_id, num_new in scheduler_output.num_scheduled_tokens.items()
+            if (request := requests[request_id]).num_computed_tokens + num_new == request.num_tokens
+        ]
+
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        finished = {
-            f.request.request_id: f for f in self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)
-        }
+        sampled = runner_output.sampled_token_ids
+        complete: set[str] = set()
+        refused: dict[str, str] = {}
+        if self.structured.matchers:
+            complete, refused = self.structured.advance(sampled, self.scheduler.requests)
+        finished = {f.request.request_id: f for f in self.scheduler.update(scheduler_output, sampled, complete)}
         outputs = []
         for sub_id in scheduler_output.num_scheduled_tokens:
             token_id = runner_output.sampled_token_ids.get(sub_id)
@@ -476,13 +473,18 @@ class EngineCore:
                     num_cached_tokens=request.num_cached_tokens,
                     queued_at=request.queued_at if first else 0.0,
                     scheduled_at=request.scheduled_at if first else 0.0,
+                    completed_grammar=sub_id in complete,
                 )
             )
             if end is not None:
                 self._forget(sub_id)
+        for sub_id, reason in refused.items():
+            if sub_id in self._sequences:
+                self._fail(self._sequences[sub_id][0], f"the output left its grammar: {reason}")
         return outputs
 
     def _forget(self, sub_id: str) -> None:
+        self.structured.forget(sub_id)
         request_id, _ = self._sequences.pop(sub_id)
         if self.kv_connector is not None:  # its KV events, not taken yet, still name it
             self._forgotten[sub_id] = request_id

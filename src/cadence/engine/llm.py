@@ -15,6 +15,7 @@ from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
 from cadence.engine.protocol import EngineCoreRequest
 from cadence.engine.sampling_params import SamplingParams
+from cadence.structured_outputs.grammar import check_grammar, grammar_text
 from cadence.tokenization.loading import load_tokenizer
 
 # Text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids}.
@@ -59,7 +60,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
-        Raises ValueError, before anything runs, for a prompt the engine cannot take.
+        Raises ValueError, before anything runs, for a prompt the engine cannot take or a
+        structured output whose schema or grammar does not compile; and, after it ran, for
+        a request the engine ended because its grammar failed there (a compile that ran
+        out of time), aborting the rest.
         """
         prompt_list = self._normalize_prompts(prompts)
         params_list = self._per_prompt(sampling_params or SamplingParams(), len(prompt_list))
@@ -70,6 +74,8 @@ class LLM:
         requests = []
         for prompt, params, prio in zip(prompt_list, params_list, priorities):
             token_ids = self._tokenize(prompt)
+            if params.structured_outputs is not None:
+                check_grammar(grammar_text(params.structured_outputs), self.engine.structured.tokenizer())
             request = EngineCoreRequest(f"offline-{next(self._ids)}", token_ids, params, prio)
             self.engine.validate(request)
             text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
@@ -83,7 +89,13 @@ class LLM:
                 processor.add_request(request.request_id, text, request.prompt_token_ids, request.sampling_params)
                 self.engine.add_request(request)
             while self.engine.has_unfinished_requests():
+                if not self.engine.has_work():
+                    self.engine.structured.wait()  # only grammars still compiling
                 finished, to_abort = processor.process(self.engine.step())
+                failed = self.engine.take_failed_requests()
+                if failed:
+                    request_id, reason = next(iter(failed.items()))
+                    raise ValueError(f"request {request_id}: {reason}")
                 for request_id, index in to_abort:
                     self.engine.abort_requests([self.engine.sequence_id(request_id, index)])
                 for output in finished:

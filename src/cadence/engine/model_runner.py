@@ -9,6 +9,7 @@ everything it needs arrives in the `SchedulerOutput`, which may come from anothe
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,7 @@ from cadence.engine.models.moe import routes_on_host
 from cadence.engine.protocol import TokenLogprobs
 from cadence.engine.sampler import Sampler, SamplingMetadata, compute_logprobs
 from cadence.engine.sampling_params import SamplingParams
+from cadence.engine.structured_output.manager import GrammarMasks
 from cadence.kernels.formats.kv_quant import KV_CACHE_DTYPES
 from cadence.kernels.triton.launch import has_fp8_hardware
 from cadence.scheduler.output import SchedulerOutput
@@ -151,7 +153,9 @@ class ModelRunner:
         self.prompt_logprobs_reported: dict[str, int] = {}
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, output: SchedulerOutput, grammar_masks: Future[GrammarMasks] | None = None) -> ModelRunnerOutput:
+        """Run the step and sample. `grammar_masks`, being filled while the forward pass
+        runs, holds the token masks of the constrained sequences that sample."""
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
             self.prompt_logprobs_reported.pop(request_id, None)
@@ -177,7 +181,7 @@ class ModelRunner:
         if sampling:
             rows = [step.query_starts[i] + step.query_lens[i] - 1 for i in sampling]
             logits = self.model.compute_logits(hidden[self._row_selector(rows)])
-            self._sample([step.requests[i] for i in sampling], logits, result)
+            self._sample([step.requests[i] for i in sampling], logits, result, grammar_masks)
         return result
 
     @torch.inference_mode()
@@ -242,7 +246,13 @@ class ModelRunner:
         ctx = ForwardContext.for_step(self.backend, self.kv_caches, batch)
         return self.model(torch.from_numpy(step.input_ids).to(device), positions, ctx)
 
-    def _sample(self, states: list[RequestState], logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+    def _sample(
+        self,
+        states: list[RequestState],
+        logits: torch.Tensor,
+        result: ModelRunnerOutput,
+        grammar_masks: Future[GrammarMasks] | None,
+    ) -> None:
         batch = self.input_batch
         params: list[SamplingParams] = [s.sampling_params for s in states]
         pairs = list(zip(states, params))
@@ -257,6 +267,7 @@ class ModelRunner:
             generators=[self._generator(s.request_id, p) for s, p in pairs],
             stop_token_ids=[s.stop_token_ids for s in states],
             device=self.device,
+            grammar=None if grammar_masks is None else self._grammar_rows(states, grammar_masks.result()),
         )
         sampled = self.sampler(logits, metadata)
         token_ids = sampled.sampled_token_ids.tolist()
@@ -271,6 +282,13 @@ class ModelRunner:
             for state, p, row in zip(states, params, rows):
                 if p.logprobs is not None:
                     result.logprobs[state.request_id] = (row[0][: 1 + p.logprobs], row[1][: 1 + p.logprobs], row[2])
+
+    def _grammar_rows(self, states: list[RequestState], masks: GrammarMasks) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampling rows that have a grammar, and their masks, on the device."""
+        rows = [i for i, state in enumerate(states) if state.request_id in masks.rows]
+        order = [masks.rows[states[i].request_id] for i in rows]
+        bitmask = masks.bitmask if order == list(range(len(masks.rows))) else masks.bitmask[order]
+        return torch.tensor(rows, dtype=torch.int64, device=self.device), bitmask.to(self.device)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None or params.greedy:

@@ -107,8 +107,10 @@ class OutputProcessor:
             stop_reason: int | str | None = out.stop_reason  # a stop string replaces the stop token id
             if state.detokenizers is not None:
                 text_ids = out.new_token_ids
-                if finish_reason == "stop" and not state.params.include_stop_str_in_output:
-                    text_ids = text_ids[:-1]  # the stop token stays in token_ids, not in text
+                # A stop token stays in token_ids, not in text; a grammar's last token is text.
+                ended_by_token = finish_reason == "stop" and not out.completed_grammar
+                if ended_by_token and not state.params.include_stop_str_in_output:
+                    text_ids = text_ids[:-1]
                 _, match = state.detokenizers[out.index].add_tokens(text_ids)
                 completion.text = state.detokenizers[out.index].text
                 if match is not None and finish_reason is None:

@@ -19,6 +19,7 @@ from cadence.engine.kv_transfer.source import KVSource
 from cadence.engine.sampling_params import SamplingParams
 from cadence.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.scheduler.remote_kv import KVLoad, KVLoadOutcome, KVPrefilled, KVReservation
+from cadence.structured_outputs.params import StructuredOutputsParams
 
 # Per position: the chosen token first, then the top alternatives, as parallel lists,
 # and the chosen token's rank (1 = most likely). Over the wire the tuple becomes a list.
@@ -55,6 +56,9 @@ class EngineCoreOutput:
     # it (time.monotonic in the engine process; compare only with StepStats.ended_at).
     queued_at: float = 0.0
     scheduled_at: float = 0.0
+    # Finished ("stop") because its structured output's grammar is complete: the last
+    # token is part of the output's text, not a stop token.
+    completed_grammar: bool = False
 
     @property
     def finished(self) -> bool:
@@ -261,6 +265,7 @@ _CODES: dict[type, int] = {
     ExtendKVWait: 25,
     StepStats: 26,
     ExpertStepStats: 27,
+    StructuredOutputsParams: 28,
 }
 _TYPES = {code: cls for cls, code in _CODES.items()}
 

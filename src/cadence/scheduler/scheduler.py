@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from cadence.scheduler.connector import Admission, SchedulerConnector
@@ -278,9 +279,12 @@ class Scheduler:
         self._last_output, self._scheduled = output, list(scheduled.values())
         return output
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[FinishedRequest]:
+    def update(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], complete: AbstractSet[str] = frozenset()
+    ) -> list[FinishedRequest]:
         """Advance the requests of `output`, the latest step, by what the model computed
-        and sampled."""
+        and sampled. The requests in `complete` (their output's grammar is complete) stop
+        with their sampled token, before min_tokens or max_tokens."""
         if output is not self._last_output:
             raise ValueError("update() takes the output of the latest schedule()")
         scheduled, self._last_output, self._scheduled = self._scheduled, None, []
@@ -301,6 +305,8 @@ class Scheduler:
                 continue
             request.append_output_token(token_id)
             status = request.check_stop(self.config.max_model_len)
+            if request.request_id in complete:
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.end_request(request, status)
                 finished.append(FinishedRequest(request, status))

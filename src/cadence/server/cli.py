@@ -98,6 +98,12 @@ def _add_scheduling_flags(flag: Callable[..., argparse.Action]) -> None:
         help="the most tokens of one prompt a step computes (0: no cap), so a long prompt shares "
         "steps with the running streams instead of stalling them",
     )
+    flag(
+        "--structured-outputs-compile-timeout",
+        type=float,
+        help="seconds a request's grammar (JSON schema, regex, choice, grammar) may take to compile "
+        "before the request fails",
+    )
 
 
 def _add_kv_cache_flags(flag: Callable[..., argparse.Action]) -> None:

@@ -63,7 +63,8 @@ class LocalCluster:
             if not produced:
                 core.expire_kv_deadlines()
             events = core.take_kv_events()
-            rejected = self._rejected.pop(engine_id, {})
+            # Refused on arrival, or ended because a grammar failed: as the engine process reports them.
+            rejected = {**self._rejected.pop(engine_id, {}), **core.take_failed_requests()}
             message = EngineCoreOutputs(
                 produced, core.stats(), rejected, events.reserved, events.prefilled, events.loaded
             )
