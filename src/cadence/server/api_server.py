@@ -30,7 +30,7 @@ from cadence.server.routes import VERSION, Routes, Serving
 from cadence.server.serving_chat import ChatHandler
 from cadence.server.serving_completions import CompletionHandler
 from cadence.server.shutdown_deadline import CancelledAfterDeadline, ShutdownDeadline
-from cadence.server.structured_requests import DEFAULT_COMPILE_TIMEOUT, GrammarChecker
+from cadence.server.structured_requests import GrammarChecker
 from cadence.tokenization.loading import load_tokenizer
 
 
@@ -150,6 +150,6 @@ def grammar_checker(prompts: PromptBuilder, engine_args: EngineArgs) -> GrammarC
     """Checks requests' constraints against the model's tokenizer, in the engine's time limit."""
     tokenizer = prompts.tokenizer
     eos = getattr(tokenizer, "eos_token_id", None)
-    timeout = getattr(engine_args, "structured_outputs_compile_timeout", DEFAULT_COMPILE_TIMEOUT)
+    timeout = engine_args.structured_outputs_compile_timeout
     json_text = None if prompts.pool is None else prompts.pool.json
     return GrammarChecker(json_text, prompts.vocab_size, [] if eos is None else [eos], timeout)

@@ -24,8 +24,6 @@ from cadence.structured_outputs.params import StructuredOutputsParams
 # Grammars are checked on threads of their own (llguidance drops the GIL): a slow one
 # never holds up tokenization, and a few pathological requests cannot take every thread.
 CHECK_THREADS = 4
-# Seconds a grammar may take to compile, when the engine's arguments do not say.
-DEFAULT_COMPILE_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
