@@ -103,8 +103,12 @@ def test_the_check_refuses_with_the_field_named(tokenizer: PreTrainedTokenizerBa
 
 
 def test_a_grammar_past_the_time_limit_is_a_400(tokenizer: PreTrainedTokenizerBase) -> None:
-    grammars = checker(tokenizer, timeout=1e-6)
-    error = check(grammars, StructuredOutputsParams(json={"enum": [f"v{i}" for i in range(10_000)]}), "guided_json")
+    grammars = checker(tokenizer)
+    passed = StructuredOutputsParams(json={"enum": [f"v{i}" for i in range(10_000)]})
+    assert check(grammars, passed) is None
+    grammars.timeout = 1e-6
+    assert check(grammars, passed) is None  # passed once: not checked again
+    error = check(grammars, StructuredOutputsParams(json={"enum": [f"w{i}" for i in range(10_000)]}), "guided_json")
     assert error is not None and error.status == 400 and error.param == "guided_json"
     assert "--structured-outputs-compile-timeout" in error.message
     grammars.close()

@@ -11,6 +11,7 @@ field that sent it, and never reaches the engine.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,6 +25,9 @@ from cadence.structured_outputs.params import StructuredOutputsParams
 # Grammars are checked on threads of their own (llguidance drops the GIL): a slow one
 # never holds up tokenization, and a few pathological requests cannot take every thread.
 CHECK_THREADS = 4
+# Constraints that passed, by cache key: clients send the same schema again and again, and
+# checking one again would cost as much as the first time.
+PASSED_KEYS = 512
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class GrammarChecker:
         self._executor = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="grammar-check")
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._building: asyncio.Lock | None = None
+        self._passed: OrderedDict[str, None] = OrderedDict()
 
     def close(self) -> None:
         # A thread still on a pathological grammar finishes on its own; nobody waits.
@@ -114,6 +119,14 @@ class GrammarChecker:
     async def check(self, constraint: Constraint) -> None:
         """400 naming `constraint.param` when its grammar is refused or does not compile
         within the time limit."""
+        try:
+            key = constraint.params.cache_key()
+        except RecursionError:
+            # Python's own JSON encoder gives up on a schema nested a thousand levels deep.
+            raise bad_request(f"{constraint.param}: the schema is nested too deeply", constraint.param) from None
+        if key in self._passed:
+            self._passed.move_to_end(key)
+            return
         tokenizer = await self._ll_tokenizer()
         loop = asyncio.get_running_loop()
         work = loop.run_in_executor(self._executor, _build_and_check, constraint.params, tokenizer)
@@ -121,19 +134,17 @@ class GrammarChecker:
             await asyncio.wait_for(work, self.timeout)
         except GrammarError as error:
             raise bad_request(f"{constraint.param}: {error}", constraint.param) from error
-        except TimeoutError as error:
+        except asyncio.TimeoutError as error:  # TimeoutError itself from Python 3.11 on
             raise APIError(
                 400,
                 f"{constraint.param}: the grammar did not compile within {self.timeout:g} s "
                 "(--structured-outputs-compile-timeout); simplify the schema, regex or grammar",
                 param=constraint.param,
             ) from error
+        self._passed[key] = None
+        if len(self._passed) > PASSED_KEYS:
+            self._passed.popitem(last=False)
 
 
 def _build_and_check(params: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer | None) -> None:
-    try:
-        grammar = grammar_text(params)
-    except RecursionError:
-        # Python's own JSON encoder gives up on a schema nested a thousand levels deep.
-        raise GrammarError("the schema is nested too deeply") from None
-    check_grammar(grammar, tokenizer)
+    check_grammar(grammar_text(params), tokenizer)
