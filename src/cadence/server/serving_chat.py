@@ -76,15 +76,15 @@ class ChatHandler:
         prompt = await self.prompts.from_messages(
             body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs
         )
-        reading = self._reading(plan, prompt)
-        constraint = self._constraint(body, plan, reading)
-        if constraint is not None:
-            await self.grammars.check(constraint)
         # Chat has no default length of its own: the answer may use whatever context is
         # left, up to what the server allows a request.
         max_tokens = self.prompts.max_tokens(
             prompt, body.requested_max_tokens, most, prompt_param="messages", requested_param=requested_param
         )
+        reading = self._reading(plan, prompt)
+        constraint = self._constraint(body, plan, reading)
+        if constraint is not None:  # the costliest check comes last
+            await self.grammars.check(constraint)
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.prompts.sampling_params(
             body, max_tokens, top_logprobs, body.prompt_logprobs, None if constraint is None else constraint.params
