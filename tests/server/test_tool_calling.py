@@ -119,36 +119,45 @@ def test_named_choice_calls_that_function(client: openai.OpenAI) -> None:
     check_calls(calls)
 
 
-def streamed_calls(server: ServerProcess, body: dict[str, Any]) -> list[tuple[str, str]]:
-    """The calls assembled from a stream's deltas, checking each chunk on the way."""
+def streamed_choices(server: ServerProcess, body: dict[str, Any]) -> dict[int, list[tuple[str, str]]]:
+    """Each choice's calls assembled from a stream's deltas, checking each chunk on the way."""
     with httpx.stream("POST", f"{server.base_url}{CHAT}", json={**body, "stream": True}, timeout=60) as response:
         assert response.status_code == 200
         payloads = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert payloads[-1] == "[DONE]" and payloads.count("[DONE]") == 1
-    names: dict[int, str] = {}
-    arguments: dict[int, str] = {}
+    names: dict[tuple[int, int], str] = {}
+    arguments: dict[tuple[int, int], str] = {}
     ids: set[str] = set()
-    finishes = []
+    finishes: dict[int, list[str]] = {}
     for payload in payloads[:-1]:
         chunk = ChatCompletionChunk.model_validate_json(payload)
         raw = json.loads(payload)
         for choice, raw_choice in zip(chunk.choices, raw["choices"]):
             if choice.finish_reason is not None:
-                finishes.append(choice.finish_reason)
+                finishes.setdefault(choice.index, []).append(choice.finish_reason)
             for call, raw_call in zip(choice.delta.tool_calls or [], raw_choice["delta"].get("tool_calls", [])):
-                if call.index not in names:
+                key = (choice.index, call.index)
+                if key not in names:
                     # A call's first delta: index, id, type and name, with arguments "".
                     assert call.id and call.type == "function" and call.function and call.function.name
                     assert call.function.arguments == ""
                     assert call.id not in ids
                     ids.add(call.id)
-                    names[call.index] = call.function.name
-                    arguments[call.index] = ""
+                    names[key] = call.function.name
+                    arguments[key] = ""
                 else:
                     assert set(raw_call) == {"index", "function"} and set(raw_call["function"]) == {"arguments"}
-                    arguments[call.index] += raw_call["function"]["arguments"]
-    assert finishes == ["tool_calls"]
-    return [(names[i], arguments[i]) for i in sorted(names)]
+                    arguments[key] += raw_call["function"]["arguments"]
+    assert all(reasons == ["tool_calls"] for reasons in finishes.values())
+    choices: dict[int, list[tuple[str, str]]] = {index: [] for index in finishes}
+    for key in sorted(names):
+        choices[key[0]].append((names[key], arguments[key]))
+    return choices
+
+
+def streamed_calls(server: ServerProcess, body: dict[str, Any]) -> list[tuple[str, str]]:
+    (calls,) = streamed_choices(server, body).values()
+    return calls
 
 
 def test_streamed_required_calls_assemble_into_valid_calls(server: ServerProcess) -> None:
@@ -164,6 +173,14 @@ def test_streamed_required_calls_assemble_into_valid_calls(server: ServerProcess
     check_calls(calls)
     unstreamed = post(server, CHAT, body).json()["choices"][0]["message"]["tool_calls"]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in unstreamed] == calls
+
+
+def test_each_of_n_streamed_choices_has_its_own_calls(server: ServerProcess) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "n": 3}
+    choices = streamed_choices(server, {**body, "max_tokens": 200, "seed": 6, "parallel_tool_calls": False})
+    assert sorted(choices) == [0, 1, 2]
+    for calls in choices.values():
+        check_calls(calls, 1)
 
 
 def test_streamed_named_call(server: ServerProcess) -> None:
