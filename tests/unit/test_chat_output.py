@@ -181,3 +181,10 @@ def test_each_choice_reads_on_its_own() -> None:
     first.finish()
     second.finish()
     assert first.made_calls and not second.made_calls
+
+
+def test_forced_call_after_reasoning() -> None:
+    read = reading("named", None, "deepseek_r1", True, named="get_weather")
+    message = check_agrees(read, 'Paris.</think>\n\n{"city": "Paris"}')
+    assert function_calls(message) == [("get_weather", '{"city": "Paris"}')]
+    assert message.model_extra is not None and message.model_extra["reasoning_content"] == "Paris."

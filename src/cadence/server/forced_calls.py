@@ -14,21 +14,24 @@ from cadence.server.tool_parsers.base import CallDelta, ParsedDelta
 
 
 class NamedCallReader:
-    """The whole output is one call's arguments."""
+    """The whole output is one call's arguments. Whitespace before them (what follows a
+    reasoning block's end marker) is not part of them."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.started = False
 
     def feed(self, text: str) -> ParsedDelta:
-        if not text and self.started:
-            return ParsedDelta("", [])
-        name = None if self.started else self.name
-        self.started = True
-        return ParsedDelta("", [CallDelta(0, name, text)])
+        if not self.started:
+            text = text.lstrip()
+            if not text:
+                return ParsedDelta("", [])
+            self.started = True
+            return ParsedDelta("", [CallDelta(0, self.name, text)])
+        return ParsedDelta("", [CallDelta(0, None, text)] if text else [])
 
     def finish(self) -> ParsedDelta:
-        return self.feed("")
+        return ParsedDelta("", [])
 
 
 class RequiredCallsReader:
