@@ -13,10 +13,14 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from cadence.openai_schema.requests import ChatCompletionRequest, CompletionRequest
+from cadence.server.chat_output import OutputReading
 from cadence.server.errors import APIError
+from cadence.server.reasoning import get_reasoning_parser
 from cadence.server.reasoning_grammar import after_reasoning
+from cadence.server.serving_chat import answer_constraint
 from cadence.server.structured_requests import Constraint, GrammarChecker, requested_constraint
 from cadence.server.tool_calls import plan_tools
+from cadence.server.tool_parsers import ToolSpec, get_tool_parser
 from cadence.structured_outputs.grammar import grammar_text, ll_tokenizer
 from cadence.structured_outputs.params import StructuredOutputsParams
 from tests.support.tiny_tokenizer import save_tiny_tokenizer
@@ -180,3 +184,22 @@ def test_constraint_after_reasoning(
     assert not matches(tokenizer, optional, "hmm</think>" + answer)
     # Neither: the constraint binds from the first token, unchanged.
     assert after_reasoning(params, "</think>", None, starts_open=False) == params
+
+
+def test_the_answers_constraint_per_tool_choice_and_reasoning() -> None:
+    hermes = get_tool_parser("hermes")
+    auto = tool_request(tool_choice="auto")
+    plain = OutputReading(plan_tools(auto, auto_tool_choice=True), hermes)
+    constraint = answer_constraint(auto, plain)
+    assert constraint is not None and constraint.param == "tools"
+    assert constraint.params.grammar == hermes([ToolSpec("f", SCHEMA), ToolSpec("g", SCHEMA)]).auto_grammar()
+    # Reasoning left open by the prompt: the same grammar, after the end marker.
+    thinking = OutputReading(plain.plan, hermes, get_reasoning_parser("deepseek_r1"), starts_in_reasoning=True)
+    wrapped = answer_constraint(auto, thinking)
+    assert wrapped is not None and wrapped.params.grammar is not None
+    assert wrapped.params.grammar.startswith("start: thinking GAP answer")
+    # A request's own constraint wins over the auto grammar; none without tools or format.
+    formatted = tool_request(tool_choice="auto", guided_regex="[ab]")
+    assert answer_constraint(formatted, plain) == Constraint(StructuredOutputsParams(regex="[ab]"), "guided_regex")
+    none = tool_request(tool_choice="none")
+    assert answer_constraint(none, OutputReading(plan_tools(none, True), hermes)) is None

@@ -82,7 +82,7 @@ class ChatHandler:
             prompt, body.requested_max_tokens, most, prompt_param="messages", requested_param=requested_param
         )
         reading = self._reading(plan, prompt)
-        constraint = self._constraint(body, plan, reading)
+        constraint = answer_constraint(body, reading)
         if constraint is not None:  # the costliest check comes last
             await self.grammars.check(constraint)
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -128,20 +128,21 @@ class ChatHandler:
         starts_open = parser is not None and parser.starts_in_reasoning(prompt.text or "")
         return OutputReading(plan, self.tool_parser, parser, starts_open)
 
-    def _constraint(self, body: ChatCompletionRequest, plan: ToolPlan, reading: OutputReading) -> Constraint | None:
-        """The one constraint on the answer: a forced call's, else the request's own, else
-        the auto parser's grammar; bound to the text after the reasoning, if any."""
-        constraint = plan.constraint(body.parallel_tool_calls) or requested_constraint(body)
-        if constraint is None and plan.mode == "auto" and self.tool_parser is not None:
-            grammar = self.tool_parser(tool_specs(plan)).auto_grammar()
-            if grammar is not None:
-                constraint = Constraint(StructuredOutputsParams(grammar=grammar), "tools")
-        parser = self.reasoning_parser
-        if constraint is None or parser is None:
-            return constraint
-        start_marker = getattr(parser, "start_marker", None)
-        wrapped = after_reasoning(constraint.params, parser.end_marker, start_marker, reading.starts_in_reasoning)
-        return Constraint(wrapped, constraint.param)
+def answer_constraint(body: ChatCompletionRequest, reading: OutputReading) -> Constraint | None:
+    """The one constraint on the answer: a forced call's, else the request's own, else the
+    auto parser's grammar; bound to the text after the reasoning, if any."""
+    plan = reading.plan
+    constraint = plan.constraint(body.parallel_tool_calls) or requested_constraint(body)
+    if constraint is None and plan.mode == "auto" and reading.tool_parser is not None:
+        grammar = reading.tool_parser(tool_specs(plan)).auto_grammar()
+        if grammar is not None:
+            constraint = Constraint(StructuredOutputsParams(grammar=grammar), "tools")
+    parser = reading.reasoning_parser
+    if constraint is None or parser is None:
+        return constraint
+    start_marker = getattr(parser, "start_marker", None)
+    wrapped = after_reasoning(constraint.params, parser.end_marker, start_marker, reading.starts_in_reasoning)
+    return Constraint(wrapped, constraint.param)
 
 
 def _logprobs(
