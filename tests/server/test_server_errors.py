@@ -117,7 +117,7 @@ BAD_REQUESTS = [
     ("cmpl-empty-stop-in-list", CMPL, {"model": MODEL, "prompt": "hi", "stop": ["ok", ""]}, ...),
     ("cmpl-empty-stop-string", CMPL, {"model": MODEL, "prompt": "hi", "stop": ""}, ...),
     ("chat-empty-stop-string", CHAT, {"model": MODEL, "messages": MESSAGES, "stop": [""]}, ...),
-    ("cmpl-logit-bias", CMPL, {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 10}}, ...),
+    ("cmpl-logit-bias-outside-vocab", CMPL, {"model": MODEL, "prompt": "hi", "logit_bias": {"512": 10}}, "logit_bias"),
     # Integers msgpack cannot carry, or the sampler cannot hold, stop at the edge.
     ("cmpl-priority-over-int64", CMPL, {"model": MODEL, "prompt": "hi", "priority": 2**64}, "priority"),
     ("chat-priority-under-int64", CHAT, {"model": MODEL, "messages": MESSAGES, "priority": -(2**63) - 1}, "priority"),
@@ -132,16 +132,17 @@ BAD_REQUESTS = [
     ("chat-too-many-stops", CHAT, {"model": MODEL, "messages": MESSAGES, "stop": ["x"] * 65}, "stop"),
     ("cmpl-stop-too-long", CMPL, {"model": MODEL, "prompt": "hi", "stop": "x" * 513}, "stop"),
     ("chat-stop-too-long", CHAT, {"model": MODEL, "messages": MESSAGES, "stop": ["ok", "x" * 513]}, "stop.1"),
-    ("chat-logit-bias", CHAT, {"model": MODEL, "messages": MESSAGES, "logit_bias": {"5": -100}}, ...),
+    ("chat-logit-bias-over-100", CHAT, {"model": MODEL, "messages": MESSAGES, "logit_bias": {"5": -101}}, "logit_bias"),
     (
-        "chat-tools",
+        # This server has no --enable-auto-tool-choice: tools default to "auto", refused as vLLM does.
+        "chat-tools-auto-without-parser",
         CHAT,
         {
             "model": MODEL,
             "messages": MESSAGES,
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
         },
-        ...,
+        "tool_choice",
     ),
     (
         "chat-image-part",

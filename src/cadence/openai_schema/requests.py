@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic at the server edge.
 
 Unknown fields are ignored, not rejected: clients send vendor extensions. Fields Cadence
-cannot honour (tools, logit_bias, structured output) are rejected with a clear 400 rather
-than silently dropped, because ignoring them would change what the caller gets.
+cannot honour (suffix, best_of other than n, guided_whitespace_pattern) are rejected with
+a clear 400 rather than silently dropped, because ignoring them would change what the
+caller gets. The fields that constrain output (response_format, structured_outputs,
+tools) are shaped in openai_schema/constraint_fields.py.
 Responses are the models of openai_schema/responses.py, shaped exactly like OpenAI's (the
 Python client parses into the same models); the tests validate them with the openai SDK's
 own models too.
@@ -12,8 +14,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
 
+from cadence.openai_schema.constraint_fields import (
+    MessageToolCall,
+    ResponseFormat,
+    StructuredOutputsField,
+    ToolChoice,
+    Tools,
+)
+from cadence.openai_schema.text_fields import Lenient, Text, no_lone_surrogates
 from cadence.sampling_limits import FLOAT32_MAX, INT64_MAX, MAX_LOGPROBS
 
 # Stop strings are checked on every new token of every choice; bound that work.
@@ -21,24 +31,6 @@ MAX_STOPS = 64
 MAX_STOP_LENGTH = 512
 
 
-def _no_lone_surrogates(text: str) -> str:
-    # JSON's \ud800 escapes decode to halves of UTF-16 pairs that no UTF-8 text holds;
-    # the tokenizer would refuse them with a TypeError deep inside. Encoding finds the
-    # first one faster than a regular expression would.
-    if text.isascii():
-        return text
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(
-            f"the text holds a lone UTF-16 surrogate (U+{ord(text[error.start]):04X}) at character {error.start}, "
-            "which is not a Unicode character"
-        ) from None
-    return text
-
-
-# Every string a client sends is checked: each one reaches a tokenizer or a JSON answer.
-Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
 # NaN and infinity are refused (JSON parsers accept NaN and Infinity); fields with no
 # range of their own are also kept to what float32, the sampler's type, can hold.
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
@@ -48,31 +40,40 @@ NonNegativeFloat = Annotated[FiniteFloat, Field(ge=0.0, le=FLOAT32_MAX)]
 def _stop_string(text: str) -> str:
     if len(text) > MAX_STOP_LENGTH:
         raise ValueError(f"a stop string may have at most {MAX_STOP_LENGTH} characters, not {len(text)}")
-    return _no_lone_surrogates(text)
+    return no_lone_surrogates(text)
 
 
 StopString = Annotated[str, AfterValidator(_stop_string)]
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _logit_bias(bias: dict[str, float]) -> dict[str, float]:
+    # OpenAI's form: token ids as JSON object keys (strings), biases from -100 to 100.
+    # Whether each id is in the vocabulary is checked by the server, which knows it.
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise ValueError(f"logit_bias keys are token ids written as strings of digits, not {key!r}")
+        if not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias values lie in [-100, 100]; token {key} has {value}")
+    return bias
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        # OpenAI's schema lets clients send null for any optional field; it means "unset".
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
+
+def _no_whitespace_pattern(pattern: str) -> str:
+    raise ValueError(
+        "guided_whitespace_pattern is not supported: JSON output has no free whitespace "
+        "(as with structured_outputs.disable_any_whitespace)"
+    )
 
 
-class StreamOptions(_Lenient):
+LogitBias = Annotated[dict[str, FiniteFloat], AfterValidator(_logit_bias)]
+
+
+class StreamOptions(Lenient):
     include_usage: bool = False
     # vLLM's extension: every chunk carries the usage so far.
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(Lenient):
     """Fields shared by completions and chat, including vLLM's sampling extensions."""
 
     model: Text | None = None
@@ -95,12 +96,23 @@ class SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
+    # vLLM's extension: the logprobs of each prompt token (and this many alternatives).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # What the output must match: OpenAI's form, vLLM's, and vLLM's older fields. At most
+    # one may constrain a request (server/structured_requests.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    # Names the grammar library; Cadence has one, so the name changes nothing.
+    guided_decoding_backend: Text | None = None
+    guided_whitespace_pattern: Annotated[Text, AfterValidator(_no_whitespace_pattern)] | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingFields:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if isinstance(self.stop, list) and any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.stream_options is not None and not self.stream:
@@ -141,7 +153,7 @@ class CompletionRequest(SamplingFields):
         return list(prompt)  # type: ignore[arg-type]
 
 
-class TextPart(_Lenient):
+class TextPart(Lenient):
     type: Literal["text"]
     text: Text
 
@@ -159,10 +171,15 @@ ContentPart = Annotated[
 ]
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    # An assistant turn that called tools, and a tool's answer to one of those calls.
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: Text | None = None
+    # An assistant turn's reasoning, which templates such as Qwen3's render or drop.
+    reasoning_content: Text | None = None
 
     def text(self) -> str:
         """The message's text; non-text parts (images, audio) are refused."""
@@ -186,15 +203,14 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    # Extra variables for the chat template, such as {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         return self
@@ -204,7 +220,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(Lenient):
     """POST /tokenize: either a prompt or chat messages."""
 
     model: Text | None = None
@@ -212,6 +228,8 @@ class TokenizeRequest(_Lenient):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: Tools | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -220,7 +238,7 @@ class TokenizeRequest(_Lenient):
         return self
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(Lenient):
     """POST /detokenize."""
 
     model: Text | None = None

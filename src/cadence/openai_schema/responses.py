@@ -21,8 +21,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-# What a choice ended on: "stop" (EOS, a stop token or string), "length" (max_tokens or
-# the context), "abort" (the engine gave up on it). None while a streamed choice runs.
+# What a choice ended on: "stop" (EOS, a stop token or string, or a complete constrained
+# output), "length" (max_tokens or the context), "tool_calls" (the answer called tools),
+# "abort" (the engine gave up on it). None while a streamed choice runs.
 FinishReason = str | None
 # The stop string or stop token id a choice ended on; None for EOS and other reasons.
 StopReason = int | str | None
@@ -56,14 +57,29 @@ class CompletionLogprobs(_Response):
     text_offset: list[int]
 
 
+class PromptLogprob(_Response):
+    """vLLM's prompt_logprobs entry for one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt position, token id -> its entry (the position's own
+# token and the top alternatives); the first position has None. JSON keys are strings.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(_Response):
-    """One choice of a completions answer; `index` counts across prompts (prompt * n + i)."""
+    """One choice of a completions answer; `index` counts across prompts (prompt * n + i).
+    `prompt_logprobs` is its prompt's, when asked for (vLLM puts them on each choice)."""
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason = None
     stop_reason: StopReason = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class _Answer(_Response):
@@ -117,12 +133,31 @@ class ChatChoiceLogprobs(_Response):
     refusal: list[ChatLogprob] | None = None
 
 
+class ToolCallFunction(_Response):
+    """The function a tool call names, with its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    """One call the assistant made; `id` is unique within the answer ("call_...")."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(_Response):
-    """The assistant's message of a chat choice."""
+    """The assistant's message of a chat choice: `content` is None when the answer is only
+    tool calls; `reasoning_content` (vLLM's field) holds the thinking a reasoning parser
+    took out of the text."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(_Response):
@@ -136,17 +171,39 @@ class ChatChoice(_Response):
 
 
 class ChatCompletionResponse(_Answer):
-    """POST /v1/chat/completions, not streamed."""
+    """POST /v1/chat/completions, not streamed; `prompt_logprobs` as vLLM places them."""
 
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class ToolCallFunctionDelta(_Response):
+    """A piece of a streamed call's function: the name once, then arguments in pieces."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Response):
+    """A piece of one streamed tool call. The call's first piece carries its `index`, `id`,
+    `type` and `function.name` (with arguments ""); later ones only `index` and argument
+    text (unset keys are not sent)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallFunctionDelta | None = None
 
 
 class ChatDelta(_Response):
-    """What a streamed chat choice gained; `role` comes only in the choice's first chunk."""
+    """What a streamed chat choice gained; `role` comes only in the choice's first chunk,
+    and only the keys set are sent."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(_Response):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 
 from cadence.engine.engine_args import EngineArgs
+from cadence.server.chat_options import ChatOptions
 from cadence.server.disaggregation.topology import LinkTiming, Topology, WorkerList
 from cadence.server.disaggregation.worker_link import tcp_address
 from cadence.server.engine_client import AsyncEngineClient
@@ -29,6 +30,7 @@ from cadence.server.routes import VERSION, Routes, Serving
 from cadence.server.serving_chat import ChatHandler
 from cadence.server.serving_completions import CompletionHandler
 from cadence.server.shutdown_deadline import CancelledAfterDeadline, ShutdownDeadline
+from cadence.server.structured_requests import GrammarChecker
 from cadence.tokenization.loading import load_tokenizer
 
 
@@ -62,6 +64,7 @@ class ServerConfig:
     link_drain_timeout: float = 30.0  # a stopping worker waits this long for routers' requests
     # A router: the workers whose engines it drives, instead of engines of its own.
     workers: WorkerList | None = None
+    chat: ChatOptions = field(default_factory=ChatOptions)  # tool-call and reasoning parsers, chat template
 
 
 def build_app(
@@ -121,13 +124,15 @@ def _engine_lifespan(
                 )
             if config.topology.role != "colocated":
                 client.open_link(tcp_address(config.link_host, config.link_port), config.link_timing)
-            prompts = PromptBuilder(tokenizer, info.max_model_len, info.vocab_size)
+            prompts = PromptBuilder(tokenizer, info.max_model_len, info.vocab_size, config.chat.chat_template)
             limits = config.request_limits
+            grammars = grammar_checker(prompts, engine_args)
             serving.append(
                 Serving(
                     prompts,
-                    CompletionHandler(client, prompts, model_name, limits),
-                    ChatHandler(client, prompts, model_name, limits),
+                    CompletionHandler(client, prompts, model_name, limits, grammars),
+                    ChatHandler(client, prompts, model_name, limits, grammars, config.chat),
+                    grammars,
                 )
             )
             yield
@@ -136,5 +141,15 @@ def _engine_lifespan(
             await client.shutdown(config.engine_stop_timeout)
             for built in serving:
                 built.prompts.close()
+                built.grammars.close()
 
     return lifespan
+
+
+def grammar_checker(prompts: PromptBuilder, engine_args: EngineArgs) -> GrammarChecker:
+    """Checks requests' constraints against the model's tokenizer, in the engine's time limit."""
+    tokenizer = prompts.tokenizer
+    eos = getattr(tokenizer, "eos_token_id", None)
+    timeout = engine_args.structured_outputs_compile_timeout
+    json_text = None if prompts.pool is None else prompts.pool.json
+    return GrammarChecker(json_text, prompts.vocab_size, [] if eos is None else [eos], timeout)

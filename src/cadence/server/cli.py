@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from cadence.engine.engine_args import ENGINE_OPTIONS, EngineArgs, engine_args_for
 from cadence.engine.log_format import LOG_FORMATS, configure_logging
+from cadence.server.chat_options import add_chat_flags, chat_options_from
 from cadence.server.disaggregation.cli import add_disaggregation_flags, add_router_command, at_least_one
 
 if TYPE_CHECKING:
@@ -253,6 +254,7 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="put prompt and output text in the per-request log lines (never logged otherwise)",
     )
+    add_chat_flags(parser)
 
 
 def add_quantize_command(commands: argparse._SubParsersAction) -> None:
@@ -410,6 +412,7 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
         link_drain_timeout=args.shutdown_timeout,
         link_timing=LinkTiming(timeout=args.link_timeout, heartbeat=min(LinkTiming.heartbeat, args.link_timeout / 4)),
         workers=worker_list_from(args),
+        chat=chat_options_from(args),
     )
 
 

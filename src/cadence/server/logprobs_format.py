@@ -1,11 +1,12 @@
-"""Logprobs in the two shapes OpenAI uses: legacy completions and chat."""
+"""Logprobs in the two shapes OpenAI uses (legacy completions and chat), and prompt
+logprobs in vLLM's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from cadence.engine.outputs import Logprob, PositionLogprobs
-from cadence.openai_schema.responses import ChatLogprob, CompletionLogprobs, TopLogprob
+from cadence.openai_schema.responses import ChatLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
 
 
 def _token_text(entry: Logprob) -> str:
@@ -71,3 +72,23 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n
             )
         )
     return content
+
+
+def prompt_logprobs(
+    prompt_token_ids: list[int], positions: list[PositionLogprobs | None] | None, top: int
+) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: each prompt position's own token and its `top` most likely
+    alternatives (the engine may have computed more, for echo's logprobs)."""
+    entries: PromptLogprobs = []
+    for token_id, position in zip(prompt_token_ids, positions or []):
+        if position is None:
+            entries.append(None)
+            continue
+        entries.append(
+            {
+                candidate: PromptLogprob(logprob=entry.logprob, rank=entry.rank, decoded_token=entry.decoded_token)
+                for candidate, entry in position.items()
+                if candidate == token_id or (entry.rank is not None and entry.rank <= top)
+            }
+        )
+    return entries

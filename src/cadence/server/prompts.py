@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
 from cadence.engine.detokenizer import decode_text
 from cadence.engine.sampling_params import SamplingParams
+from cadence.openai_schema.constraint_fields import MessageToolCall, Tool
 from cadence.openai_schema.requests import ChatMessage, SamplingFields
 from cadence.server.errors import APIError, bad_request
 from cadence.server.token_bound import token_bound
 from cadence.server.tokenize_pool import TokenizePool
+from cadence.structured_outputs.params import StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -40,10 +44,18 @@ class PromptBuilder:
     refused before any of that work.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        max_model_len: int,
+        vocab_size: int,
+        chat_template: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # --chat-template: renders chats instead of the tokenizer's own template.
+        self.chat_template = chat_template
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.pool = None if backend is None else TokenizePool(backend)
         self.bound = None if self.pool is None else token_bound(self.pool.json)
@@ -91,18 +103,30 @@ class PromptBuilder:
         self.check_token_ids(token_ids, param)
         return None if self.tokenizer is None else decode_text(self.tokenizer, token_ids)
 
-    async def from_messages(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
+    async def from_messages(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[Tool] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> Prompt:
+        """The chat rendered by the template (with the tools' function specs, and the
+        client's extra template variables) and tokenized."""
         tokenizer = self._require_tokenizer()
-        if tokenizer.chat_template is None:
+        if self.chat_template is None and tokenizer.chat_template is None:
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        extra = self._template_kwargs(tokenizer, template_kwargs or {})
         try:
-            conversation = [self._message_dict(m) for m in messages]
+            conversation = [message_dict(m) for m in messages]
             text = await self._off_loop(
                 functools.partial(
                     tokenizer.apply_chat_template,
                     conversation,
+                    tools=[t.model_dump(exclude_none=True, by_alias=True) for t in tools] if tools else None,
+                    chat_template=self.chat_template,
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
+                    **extra,
                 )
             )
         except ValueError as error:
@@ -114,11 +138,14 @@ class PromptBuilder:
         return Prompt(await self.encode(text, False, "messages"), text)
 
     @staticmethod
-    def _message_dict(message: ChatMessage) -> dict[str, str]:
-        entry = {"role": message.role, "content": message.text()}
-        if message.name is not None:
-            entry["name"] = message.name
-        return entry
+    def _template_kwargs(tokenizer: PreTrainedTokenizerBase, kwargs: dict[str, Any]) -> dict[str, Any]:
+        # The template's own variables only: a name apply_chat_template itself takes
+        # (tokenize, return_dict, ...) would change what it returns, not what it renders.
+        taken = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+        reserved = sorted(taken & set(kwargs))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+        return kwargs
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
@@ -173,10 +200,19 @@ class PromptBuilder:
         return room if default is None else min(default, room)
 
     def sampling_params(
-        self, request: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        request: SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The engine's SamplingParams for an API request; OpenAI's defaults where unset."""
         self.check_token_ids(request.stop_token_ids or [], "stop_token_ids")
+        logit_bias = None
+        if request.logit_bias:
+            logit_bias = {int(token): bias for token, bias in request.logit_bias.items()}
+            self.check_token_ids(sorted(logit_bias), "logit_bias")
         try:
             return SamplingParams(
                 n=request.n,
@@ -197,6 +233,43 @@ class PromptBuilder:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
+                logit_bias=logit_bias,
+                structured_outputs=structured_outputs,
             )
         except ValueError as error:
             raise bad_request(str(error)) from error
+
+
+def message_dict(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (transformers' and vLLM's conventions)."""
+    entry: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.content is None and message.tool_calls:
+        # A turn that only called tools: templates test `content` for none, not "".
+        entry["content"] = None
+    if message.name is not None:
+        entry["name"] = message.name
+    if message.tool_calls:
+        entry["tool_calls"] = [_tool_call_dict(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        entry["reasoning_content"] = message.reasoning_content
+    return entry
+
+
+def _tool_call_dict(call: MessageToolCall) -> dict[str, Any]:
+    # Templates write a call's arguments with `tojson` (Qwen2.5, Llama 3, Hermes) or test
+    # `is string` first (Qwen3): an object suits both, so JSON text is read into one, as
+    # vLLM does. Text that is not a JSON object is passed on as it came.
+    arguments: Any = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            parsed = None
+        if isinstance(parsed, dict):
+            arguments = parsed
+    entry: dict[str, Any] = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        entry["id"] = call.id
+    return entry

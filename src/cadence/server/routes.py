@@ -21,6 +21,7 @@ from cadence.server.metrics import render
 from cadence.server.prompts import PromptBuilder
 from cadence.server.serving_chat import ChatHandler
 from cadence.server.serving_completions import CompletionHandler
+from cadence.server.structured_requests import GrammarChecker
 
 VERSION = "0.1.0"
 
@@ -32,6 +33,7 @@ class Serving:
     prompts: PromptBuilder
     completions: CompletionHandler
     chat: ChatHandler
+    grammars: GrammarChecker
 
 
 class Routes:
@@ -123,7 +125,9 @@ class Routes:
         self.check_model(body.model)
         prompts = self.serving[0].prompts
         if body.messages is not None:
-            prompt = await prompts.from_messages(body.messages, body.add_generation_prompt)
+            prompt = await prompts.from_messages(
+                body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs
+            )
         else:
             prompt = await prompts.from_completion_prompt(body.prompt or "", body.add_special_tokens)
         return TokenizeResponse(

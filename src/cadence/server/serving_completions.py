@@ -15,7 +15,8 @@ from cadence.openai_schema.responses import (
     CompletionStreamResponse,
 )
 from cadence.server.engine_client import AsyncEngineClient
-from cadence.server.logprobs_format import completion_logprobs
+from cadence.server.errors import bad_request
+from cadence.server.logprobs_format import completion_logprobs, prompt_logprobs
 from cadence.server.prompts import Prompt, PromptBuilder
 from cadence.server.request_limits import RequestLimits
 from cadence.server.serving import (
@@ -28,6 +29,7 @@ from cadence.server.serving import (
     stream_events,
     take_delta,
 )
+from cadence.server.structured_requests import GrammarChecker, requested_constraint
 
 # OpenAI's default when a completions request names no max_tokens.
 DEFAULT_MAX_TOKENS = 16
@@ -37,24 +39,37 @@ class CompletionHandler:
     """Serves one model's legacy completions endpoint."""
 
     def __init__(
-        self, client: AsyncEngineClient, prompts: PromptBuilder, model_name: str, limits: RequestLimits
+        self,
+        client: AsyncEngineClient,
+        prompts: PromptBuilder,
+        model_name: str,
+        limits: RequestLimits,
+        grammars: GrammarChecker,
     ) -> None:
         self.client = client
         self.prompts = prompts
         self.model_name = model_name
         self.limits = limits
+        self.grammars = grammars
 
     async def create(self, body: CompletionRequest, raw_request: Request) -> Response:
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
         # Checked before tokenizing: refusing costs nothing then.
         most = self.limits.tokens_per_sequence(body.n, len(body.prompts()), requested, "max_tokens")
+        if body.prompt_logprobs is not None and body.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        constraint = requested_constraint(body)
+        if constraint is not None:
+            await self.grammars.check(constraint)
         prompts = [await self.prompts.from_completion_prompt(p) for p in body.prompts()]
-        # Echo with logprobs scores the prompt too, as OpenAI does.
-        prompt_logprobs = body.logprobs if body.echo else None
         default = min(DEFAULT_MAX_TOKENS, most)
         params = [
             self.prompts.sampling_params(
-                body, self.prompts.max_tokens(p, requested, default), body.logprobs, prompt_logprobs
+                body,
+                self.prompts.max_tokens(p, requested, default),
+                body.logprobs,
+                self._prompt_logprobs(body),
+                None if constraint is None else constraint.params,
             )
             for p in prompts
         ]
@@ -77,10 +92,20 @@ class CompletionHandler:
             )
         )
 
+    @staticmethod
+    def _prompt_logprobs(body: CompletionRequest) -> int | None:
+        # Echo with logprobs scores the prompt too, as OpenAI does; vLLM's prompt_logprobs
+        # asks for the same scores, and the engine computes the wider of the two.
+        wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
+
     def _choices(
         self, body: CompletionRequest, prompt_index: int, prompt: Prompt, output: RequestOutput
     ) -> list[CompletionChoice]:
         choices = []
+        scored_prompt = None
+        if body.prompt_logprobs is not None:
+            scored_prompt = prompt_logprobs(output.prompt_token_ids, output.prompt_logprobs, body.prompt_logprobs)
         for completion in output.outputs:
             text = completion.text
             logprobs: CompletionLogprobs | None = None
@@ -100,6 +125,7 @@ class CompletionHandler:
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
+                    prompt_logprobs=scored_prompt,
                 )
             )
         return choices
