@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for batch calls and compiles")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--skip-hostile", action="store_true")
-    ap.add_argument("--hostile-timeout", type=float, default=120.0, help="seconds per hostile case (default 120)")
+    ap.add_argument("--hostile-timeout", type=float, default=60.0, help="seconds per hostile case (default 60)")
     ap.add_argument("--hostile-max-rss-gib", type=float, default=4.0, help="memory per hostile case (default 4)")
     ap.add_argument("--worker", choices=["workload", "hostile"], help=argparse.SUPPRESS)
     ap.add_argument("--engine", help=argparse.SUPPRESS)
