@@ -13,7 +13,8 @@ it) and the requests are chat completions over the schemas of bench/structured_s
    with `ignore_eos` and `max_tokens` set to the tokens its constrained twin produced, so
    both sides generate the same tokens. Target: constrained at least 0.9x unconstrained.
    Rounds alternate the two, with fresh prompts each time (the prefix cache would
-   otherwise serve the second).
+   otherwise serve the second). Round 1 meets each schema for the first time, so its
+   constrained side includes the compiles; later rounds find them in the server's cache.
 3. A mixed batch: the even requests constrained, the odd ones not, in the same steps.
 4. The constrained workload against vLLM CPU, as a ratio, where vLLM is installed
    (bench/install_peers.sh); otherwise a line says it is not.
