@@ -64,7 +64,11 @@ def test_constraint_waits_for_the_end_of_the_reasoning(server: ServerProcess) ->
 
 
 def test_without_thinking_the_constraint_binds_the_answer(server: ServerProcess) -> None:
-    choice = answer(server, response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}})
+    choice = answer(
+        server,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}},
+        chat_template_kwargs={"enable_thinking": False},
+    )
     assert choice["finish_reason"] == "stop"
     assert choice["message"]["reasoning_content"] is None
     assert 0 <= json.loads(choice["message"]["content"])["n"] <= 99

@@ -313,4 +313,4 @@ def test_template_kwargs_reach_the_template(server: ServerProcess) -> None:
         return post(server, "/detokenize", {"model": MODEL, "tokens": tokens}).json()["prompt"]
 
     assert rendered({"enable_thinking": True}) == rendered(None) + "<think>\n"
-    assert rendered({"enable_thinking": False}) == rendered(None)
+    assert rendered({"enable_thinking": False}) == rendered(None) + "<think>\n\n</think>\n\n"

@@ -1,7 +1,8 @@
 """A small tool-aware chat template in the Hermes/Qwen2.5 style, for tiny test models:
 the tools' names in the system turn (their schemas would not fit a tiny model's
 context), calls as <tool_call> JSON, tool answers as <tool_response>, and a <think>
-opened at the generation prompt when `enable_thinking` is passed.
+opened at the generation prompt when `enable_thinking` is true, or closed empty when it is
+false (as Qwen3's template turns thinking off).
 
 transformers renders templates with trim_blocks (a newline right after a block tag is
 dropped), so no block tag here is followed by a newline that should be kept.
@@ -24,5 +25,6 @@ TOOL_CHAT_TEMPLATE = (
     "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}{% endif %}"
+    "{% if enable_thinking is defined %}<think>\n{% if not enable_thinking %}\n</think>\n\n{% endif %}{% endif %}"
+    "{% endif %}"
 )

@@ -57,6 +57,7 @@ class OutputReading:
     tool_parser: type[ToolParser] | None = None  # the server's auto parser, for mode auto
     reasoning_parser: type[ReasoningParser] | None = None
     starts_in_reasoning: bool = False
+    opening_marker: str | None = None  # how the model may open reasoning itself, if it may
 
     def reader(self) -> ChoiceReader:
         calls: CallReader | None = None

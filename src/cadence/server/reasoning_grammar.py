@@ -10,8 +10,9 @@ When the wrap applies:
 - the rendered prompt leaves a reasoning block open (DeepSeek-R1's template ends with
   `<think>`, ReasoningParser.starts_in_reasoning): the output starts inside it, so the
   wrap always applies;
-- otherwise, when the parser names its start marker (`start_marker`), the model may
-  open a block itself (Qwen3 with thinking on): the block is optional;
+- otherwise, when the model may open a block itself after this prompt
+  (ReasoningParser.opening_marker: Qwen3 with thinking on by default), the block is
+  optional;
 - otherwise the constraint binds the output from its first token (thinking closed by the
   template, as Qwen3's `enable_thinking: false` renders it).
 """
@@ -36,11 +37,9 @@ def _answer_rule(params: StructuredOutputsParams) -> str:
         return "%lark {\n" + text + "\n}"
     (grammar,) = json.loads(text)["grammars"]
     if grammar.get("json_schema") is not None:
-        schema = grammar["json_schema"]
-        if isinstance(schema, dict) and not params.whitespace_flexible:
-            # grammar_text passes the separators as options; inline, the schema carries them.
-            schema = {**schema, "x-guidance": {"item_separator": ", ", "key_separator": ": "}}
-        return "%json " + json.dumps(schema)
+        # The schema carries grammar_text's JSON options ("x-guidance"), so inline it is
+        # read exactly as on its own.
+        return "%json " + json.dumps(grammar["json_schema"])
     return "%lark {\n" + grammar["lark_grammar"] + "\n}"
 
 

@@ -125,8 +125,13 @@ class ChatHandler:
 
     def _reading(self, plan: ToolPlan, prompt: Prompt) -> OutputReading:
         parser = self.reasoning_parser
-        starts_open = parser is not None and parser.starts_in_reasoning(prompt.text or "")
-        return OutputReading(plan, self.tool_parser, parser, starts_open)
+        if parser is None:
+            return OutputReading(plan, self.tool_parser)
+        text = prompt.text or ""
+        return OutputReading(
+            plan, self.tool_parser, parser, parser.starts_in_reasoning(text), parser.opening_marker(text)
+        )
+
 
 def answer_constraint(body: ChatCompletionRequest, reading: OutputReading) -> Constraint | None:
     """The one constraint on the answer: a forced call's, else the request's own, else the
@@ -140,8 +145,7 @@ def answer_constraint(body: ChatCompletionRequest, reading: OutputReading) -> Co
     parser = reading.reasoning_parser
     if constraint is None or parser is None:
         return constraint
-    start_marker = getattr(parser, "start_marker", None)
-    wrapped = after_reasoning(constraint.params, parser.end_marker, start_marker, reading.starts_in_reasoning)
+    wrapped = after_reasoning(constraint.params, parser.end_marker, reading.opening_marker, reading.starts_in_reasoning)
     return Constraint(wrapped, constraint.param)
 
 

@@ -19,6 +19,10 @@ from cadence.structured_outputs.params import StructuredOutputsParams
 # well inside it; a multi-megabyte schema is an attack or a mistake.
 MAX_GRAMMAR_TEXT = 256 * 1024
 MAX_CHOICES = 4096
+# Keywords accepted but not enforced. pydantic writes uniqueItems for every set[...]
+# field; a grammar cannot tell an array's items apart without a state per item seen.
+TOLERATED_KEYWORDS = frozenset({"uniqueItems"})
+_UNIMPLEMENTED = "Unimplemented keys: "
 
 
 class GrammarError(ValueError):
@@ -35,14 +39,16 @@ def parser_limits() -> llguidance.LLParserLimits:
 
 
 def _json_text(schema: dict[str, Any] | str) -> str:
-    if isinstance(schema, str):
-        try:
+    try:
+        if isinstance(schema, str):
             schema = json.loads(schema)
-        except json.JSONDecodeError as error:
-            raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
-    if not isinstance(schema, dict):
-        raise GrammarError("a JSON schema must be a JSON object")
-    return json.dumps(schema)
+        if not isinstance(schema, dict):
+            raise GrammarError("a JSON schema must be a JSON object")
+        return json.dumps(schema)
+    except json.JSONDecodeError as error:
+        raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
+    except RecursionError:
+        raise GrammarError("the JSON schema is nested too deeply") from None
 
 
 def _bounded(text: str, what: str) -> str:
@@ -53,7 +59,8 @@ def _bounded(text: str, what: str) -> str:
 
 def grammar_text(params: StructuredOutputsParams) -> str:
     """llguidance's grammar text for the constraint; GrammarError for text it cannot take."""
-    json_options: Any = {"whitespace_flexible": params.whitespace_flexible}
+    # Lenient: unknown keywords become warnings, which check_grammar refuses unless tolerated.
+    json_options: Any = {"whitespace_flexible": params.whitespace_flexible, "lenient": True}
     if not params.whitespace_flexible:
         json_options.update(item_separator=", ", key_separator=": ")
     kind = params.kind
@@ -87,9 +94,14 @@ def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None = None)
     """GrammarError naming the first problem llguidance finds in the grammar, if any.
 
     Drops the GIL while llguidance builds the grammar, which is bounded by the parser limits."""
-    message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=parser_limits())
-    if message and not message.startswith("WARNING"):
-        raise GrammarError(message)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=parser_limits())
+    if is_error:
+        raise GrammarError(messages[0])
+    for message in messages:
+        if message.startswith(_UNIMPLEMENTED):
+            unsupported = sorted(set(json.loads(message[len(_UNIMPLEMENTED) :])) - TOLERATED_KEYWORDS)
+            if unsupported:
+                raise GrammarError(f"the JSON schema uses keywords that cannot be enforced: {', '.join(unsupported)}")
 
 
 def ll_tokenizer(backend_tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:

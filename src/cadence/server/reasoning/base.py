@@ -20,6 +20,14 @@ class ReasoningDelta:
 class ReasoningParser(ABC):
     name: ClassVar[str]
     end_marker: ClassVar[str]  # the text that ends the reasoning, e.g. "</think>"
+    # The text with which the model itself may open reasoning at the start of its output
+    # (None: only the prompt can open it). Constraints then leave such a block free.
+    start_marker: ClassVar[str | None] = None
+
+    @classmethod
+    def opening_marker(cls, prompt_text: str) -> str | None:
+        """The marker with which output after this prompt may open reasoning, if it may."""
+        return cls.start_marker
 
     def __init__(self, starts_in_reasoning: bool) -> None:
         self.in_reasoning = starts_in_reasoning

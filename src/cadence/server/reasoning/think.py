@@ -19,6 +19,12 @@ END = "</think>"
 
 class ThinkReasoningParser(ReasoningParser):
     end_marker = END
+    start_marker = START
+
+    @classmethod
+    def opening_marker(cls, prompt_text: str) -> str | None:
+        # A template that closed an (empty) block itself has turned thinking off.
+        return None if prompt_ends_with(prompt_text, END) else START
 
     def __init__(self, starts_in_reasoning: bool) -> None:
         super().__init__(starts_in_reasoning)
