@@ -25,6 +25,7 @@ TOOL_CHAT_TEMPLATE = (
     "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined %}<think>\n{% if not enable_thinking %}\n</think>\n\n{% endif %}{% endif %}"
+    "{% if enable_thinking is defined %}{% if enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
     "{% endif %}"
 )
