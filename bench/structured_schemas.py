@@ -56,7 +56,7 @@ def example_errors(named: NamedSchema) -> list[str]:
 
     Formats (date-time, email, ...) are checked too where jsonschema can check them.
     """
-    import jsonschema
+    import jsonschema  # type: ignore[import-untyped]
 
     validator_class = jsonschema.validators.validator_for(named.schema)
     validator_class.check_schema(named.schema)

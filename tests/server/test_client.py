@@ -135,6 +135,50 @@ def test_chat_plain_and_streamed_match_the_openai_sdk(client: Client, sdk: opena
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_tools_and_response_format_match_the_openai_sdk(client: Client, sdk: openai.OpenAI) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    expected = sdk.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=30,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        tool_choice=named,  # type: ignore[arg-type, list-item]
+    )
+    got = client.chat(MESSAGES, max_tokens=30, temperature=0, tools=[WEATHER_TOOL], tool_choice=named)
+    (call,) = got.choices[0].message.tool_calls or []
+    (expected_call,) = expected.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather" and got.choices[0].finish_reason == "tool_calls"
+    assert call.function.arguments == expected_call.function.arguments  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    # The call and a tool's answer go back as the next turn's messages.
+    turn: list[ChatMessage] = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},  # type: ignore[typeddict-item]
+        {"role": "tool", "content": "sunny", "tool_call_id": call.id},
+    ]
+    assert client.chat(turn, max_tokens=4, temperature=0).choices[0].message.content is not None
+    schema = WEATHER_TOOL["function"]["parameters"]  # type: ignore[index]
+    response_format = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}
+    answer = client.chat(MESSAGES, max_tokens=30, temperature=0, response_format=response_format)
+    assert answer.choices[0].finish_reason == "stop"
+    assert json.loads(answer.choices[0].message.content or "")["city"] in ("Paris", "Oslo")
+
+
 def test_eos_ignore_eos_min_tokens_and_stop_token_ids(client: Client, eos_prompt: tuple[list[int], int, int]) -> None:
     prompt, to_eos, eos = eos_prompt
     assert to_eos < 16

@@ -42,6 +42,13 @@ class GenerationParams(TypedDict, total=False):
     stop_token_ids: list[int]
     include_stop_str_in_output: bool
     skip_special_tokens: bool
+    logit_bias: Mapping[str, float]  # token id (as a string) -> -100 .. 100
+    prompt_logprobs: int  # alternatives per prompt position (not with streaming)
+    # Constrained output: OpenAI's {"type": "json_object"} or {"type": "json_schema",
+    # "json_schema": {"name": ..., "schema": {...}}}, or vLLM's structured_outputs object
+    # with exactly one of json, regex, choice, grammar or json_object.
+    response_format: Mapping[str, Any]
+    structured_outputs: Mapping[str, Any]
 
 
 class CompletionParams(GenerationParams, total=False):
@@ -58,6 +65,13 @@ class ChatParams(GenerationParams, total=False):
     logprobs: bool
     top_logprobs: int
     add_generation_prompt: bool
+    # OpenAI's function tools: [{"type": "function", "function": {"name", "description",
+    # "parameters"}}]; tool_choice "none", "auto", "required" or {"type": "function",
+    # "function": {"name": ...}}. The answer's message carries `tool_calls`.
+    tools: Sequence[Mapping[str, Any]]
+    tool_choice: str | Mapping[str, Any]
+    parallel_tool_calls: bool
+    chat_template_kwargs: Mapping[str, Any]  # passed to the chat template, e.g. enable_thinking
 
 
 class CallOptions(TypedDict, total=False):
@@ -112,12 +126,29 @@ class TextPart(TypedDict):
     text: str
 
 
+class ToolCallFunction(TypedDict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(TypedDict):
+    """A call an assistant message made, as a response's message.tool_calls lists it."""
+
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(TypedDict):
-    """One message of a chat."""
+    """One message of a chat: an assistant's may carry the tool calls it made, and a
+    tool's answer names the call it answers."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None
     name: NotRequired[str]
+    tool_calls: NotRequired[list[ToolCall]]
+    tool_call_id: NotRequired[str]
+    reasoning_content: NotRequired[str]
 
 
 Prompt = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]

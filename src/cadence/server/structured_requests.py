@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
@@ -85,7 +85,7 @@ class GrammarChecker:
     """Builds and checks constraints' grammars against the model's tokenizer.
 
     llguidance's view of the tokenizer takes about a second to build, so it is built once,
-    on first use, off the event loop. A model without a tokenizer still gets its grammars'
+    from the start, on the checker's threads. A model without a tokenizer still gets its grammars'
     syntax checked.
     """
 
@@ -95,8 +95,10 @@ class GrammarChecker:
         self.eos_token_ids = eos_token_ids
         self.timeout = timeout
         self._executor = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="grammar-check")
-        self._tokenizer: llguidance.LLTokenizer | None = None
-        self._building: asyncio.Lock | None = None
+        # Built from the start, so the first constrained request does not wait for it.
+        self._tokenizer: Future[llguidance.LLTokenizer] | None = None
+        if tokenizer_json is not None:
+            self._tokenizer = self._executor.submit(ll_tokenizer, tokenizer_json, vocab_size, eos_token_ids)
         self._passed: OrderedDict[str, None] = OrderedDict()
 
     def close(self) -> None:
@@ -104,17 +106,9 @@ class GrammarChecker:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _ll_tokenizer(self) -> llguidance.LLTokenizer | None:
-        if self.tokenizer_json is None or self._tokenizer is not None:
-            return self._tokenizer
-        if self._building is None:
-            self._building = asyncio.Lock()
-        async with self._building:
-            if self._tokenizer is None:
-                loop = asyncio.get_running_loop()
-                self._tokenizer = await loop.run_in_executor(
-                    self._executor, ll_tokenizer, self.tokenizer_json, self.vocab_size, self.eos_token_ids
-                )
-        return self._tokenizer
+        if self._tokenizer is None:
+            return None
+        return await asyncio.wrap_future(self._tokenizer)
 
     async def check(self, constraint: Constraint) -> None:
         """400 naming `constraint.param` when its grammar is refused or does not compile

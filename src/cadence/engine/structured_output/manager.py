@@ -73,6 +73,15 @@ class StructuredOutputManager:
         self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
         self._held: dict[str, _Held] = {}  # by client request id
         self.matchers: dict[str, GrammarMatcher] = {}  # by sequence (scheduler request) id
+        # Built from the start, beside the model's loading, so the first constrained
+        # request does not wait the second it takes.
+        threading.Thread(target=self._prepare_tokenizer, name="grammar-tokenizer", daemon=True).start()
+
+    def _prepare_tokenizer(self) -> None:
+        try:
+            self.tokenizer()
+        except Exception:  # noqa: BLE001 - said again, to the request, when a grammar needs it
+            pass
 
     # ----- compiling -------------------------------------------------------------------
     def tokenizer(self) -> llguidance.LLTokenizer:
