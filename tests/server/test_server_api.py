@@ -304,3 +304,23 @@ def test_continuous_usage_stats_grow_chunk_by_chunk(server: ServerProcess) -> No
     assert all(c["usage"]["prompt_tokens"] == 3 for c in chunks)
     assert counts == sorted(counts) and counts[-1] == 8
     assert chunks[-1]["choices"] == []
+
+
+def test_offline_chat_answers_as_the_server_does(client: openai.OpenAI, offline: LLM) -> None:
+    from tests.support.tool_chat_template import TOOL_CHAT_TEMPLATE
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}]
+    served = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    (output,) = offline.chat(messages, SamplingParams(max_tokens=8, temperature=0.0))
+    assert output.outputs[0].text == served.choices[0].message.content
+    # A list of conversations, each rendered with the tools and the template's own options.
+    tool = {"type": "function", "function": {"name": "find_fox", "parameters": {"type": "object"}}}
+    outputs = offline.chat(
+        [messages, messages[1:]],
+        SamplingParams(max_tokens=2),
+        chat_template=TOOL_CHAT_TEMPLATE,
+        tools=[tool],
+        chat_template_kwargs={"enable_thinking": True},
+    )
+    assert len(outputs) == 2
+    assert all("find_fox" in (o.prompt or "") and (o.prompt or "").endswith("<think>\n") for o in outputs)

@@ -106,6 +106,42 @@ class LLM:
             raise
         return [r for r in results if r is not None]
 
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one conversation, or for each of a list of them, as vLLM's `LLM.chat`.
+
+        Each conversation goes through the chat template (the tokenizer's, or
+        `chat_template`) with `tools` and `chat_template_kwargs`, exactly as the server
+        renders it; the answers are the model's raw text (tool calls and reasoning are read
+        out of it by the server's parsers, not here).
+        """
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conversation),  # type: ignore[arg-type]
+                tools=list(tools) if tools else None,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+            assert isinstance(text, str)
+            # The template holds any BOS it wants; encoding must not add another.
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
+        return self.generate(prompts, sampling_params)
+
     @staticmethod
     def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
