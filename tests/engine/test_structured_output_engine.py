@@ -182,7 +182,7 @@ def run_engine(core: EngineCore) -> tuple[dict[str, list[EngineCoreOutput]], dic
 
 def test_a_grammar_the_engine_cannot_compile_fails_its_request_alone(path: str) -> None:
     core = engine_core(path)
-    bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(grammar="start: foo"))
+    bad = SamplingParams(n=2, max_tokens=5, structured_outputs=StructuredOutputsParams(grammar="start: foo"))
     core.add_request(EngineCoreRequest("bad", PROMPTS[0], bad))
     core.add_request(EngineCoreRequest("good", PROMPTS[1], greedy(5)))
     outputs, failed = run_engine(core)
@@ -190,6 +190,11 @@ def test_a_grammar_the_engine_cannot_compile_fails_its_request_alone(path: str) 
     assert "bad" not in outputs
     assert sum(len(o.new_token_ids) for o in outputs["good"]) == 5
     assert not core.structured.matchers and not core.scheduler.requests
+    # Every failed sequence is forgotten, so its request id is free again.
+    assert core._sequences == {} and core._children == {}
+    core.add_request(EngineCoreRequest("bad", PROMPTS[0], greedy(3)))
+    outputs, failed = run_engine(core)
+    assert not failed and sum(len(o.new_token_ids) for o in outputs["bad"]) == 3
 
 
 class SlowCompiles:

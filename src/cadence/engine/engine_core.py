@@ -291,8 +291,10 @@ class EngineCore:
         ready, failed = self.structured.take_ready()
         for sequence in ready:
             self.scheduler.add_request(sequence)
-        for request_id, reason in failed.items():
-            self._fail(request_id, reason)
+        for request_id, (reason, sequences) in failed.items():
+            for sequence in sequences:  # never scheduled: only the engine's records of them
+                self._forget(sequence.request_id)
+            self._failed[request_id] = reason
 
     def _fail(self, request_id: str, reason: str) -> None:
         self._failed[request_id] = reason

@@ -118,12 +118,13 @@ class StructuredOutputManager:
         self._held[client_id] = _Held(key, time.monotonic() + self.compile_timeout, sequences)
         return False
 
-    def take_ready(self) -> tuple[list[Request], dict[str, str]]:
+    def take_ready(self) -> tuple[list[Request], dict[str, tuple[str, list[Request]]]]:
         """Sequences whose grammar is ready (with their matchers), and the client requests
-        whose grammar failed or timed out, with the reason."""
+        whose grammar failed or timed out: the reason and their sequences, which are no
+        longer held here (the caller forgets them)."""
         errors = self._finish_compiles()
         ready: list[Request] = []
-        failed: dict[str, str] = {}
+        failed: dict[str, tuple[str, list[Request]]] = {}
         now = time.monotonic()
         for client_id, held in list(self._held.items()):
             template = self._compiled.get(held.key)
@@ -131,9 +132,9 @@ class StructuredOutputManager:
                 self._give_matchers(template, held.sequences)
                 ready.extend(held.sequences)
             elif held.key in errors:
-                failed[client_id] = errors[held.key]
+                failed[client_id] = (errors[held.key], held.sequences)
             elif now >= held.deadline:
-                failed[client_id] = f"the grammar did not compile within {self.compile_timeout:g} s"
+                failed[client_id] = (f"the grammar did not compile within {self.compile_timeout:g} s", held.sequences)
             else:
                 continue
             del self._held[client_id]
