@@ -443,11 +443,12 @@ class EngineCore:
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         sampled = runner_output.sampled_token_ids
-        complete: set[str] = set()
+        stopped: set[str] = set()
+        complete: set[str] = set()  # ended by their grammar, on a text token
         refused: dict[str, str] = {}
         if self.structured.matchers:
-            complete, refused = self.structured.advance(sampled, self.scheduler.requests)
-        finished = {f.request.request_id: f for f in self.scheduler.update(scheduler_output, sampled, complete)}
+            stopped, complete, refused = self.structured.advance(sampled, self.scheduler.requests)
+        finished = {f.request.request_id: f for f in self.scheduler.update(scheduler_output, sampled, stopped)}
         outputs = []
         for sub_id in scheduler_output.num_scheduled_tokens:
             token_id = runner_output.sampled_token_ids.get(sub_id)

@@ -222,11 +222,16 @@ class StructuredOutputManager:
         """The output tokens the sequence's matcher has not consumed yet."""
         return request.token_ids[request.num_prompt_tokens + self.matchers[request.request_id].num_accepted :]
 
-    def advance(self, sampled: dict[str, int], requests: dict[str, Request]) -> tuple[set[str], dict[str, str]]:
+    def advance(
+        self, sampled: dict[str, int], requests: dict[str, Request]
+    ) -> tuple[set[str], set[str], dict[str, str]]:
         """Feed each constrained sequence its sampled token (after any it has not seen).
-        Returns the sequences whose grammar is now complete, and those whose matcher
-        refused a token, with the reason."""
-        complete: set[str] = set()
+        Returns the sequences whose grammar is now complete (they stop); those among them
+        whose last token is text rather than EOS or a stop token (a grammar that may stop
+        or go on, and sampled EOS, ends as any EOS ends); and those whose matcher refused
+        a token, with the reason."""
+        stopped: set[str] = set()
+        completed_by_text: set[str] = set()
         failed: dict[str, str] = {}
         for request_id, token_id in sampled.items():
             matcher = self.matchers.get(request_id)
@@ -236,8 +241,10 @@ class StructuredOutputManager:
             if not matcher.accept([*self._unseen(request), token_id]):
                 failed[request_id] = matcher.error or f"token {token_id} does not fit the grammar"
             elif matcher.is_terminated:
-                complete.add(request_id)
-        return complete, failed
+                stopped.add(request_id)
+                if token_id not in self.eos_token_ids and token_id not in request.stop.stop_token_ids:
+                    completed_by_text.add(request_id)
+        return stopped, completed_by_text, failed
 
     def close(self) -> None:
         for pool in (self._compile_pool, self._mask_pool):
