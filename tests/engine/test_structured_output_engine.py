@@ -17,6 +17,7 @@ from cadence.engine.core_process import EngineCoreLoop
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.engine_core import EngineCore
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Shutdown, decode, encode
+from cadence.engine.structured_output import manager as manager_module
 from cadence.engine.structured_output.manager import StructuredOutputManager
 from cadence.server.disaggregation.local_cluster import LocalCluster
 from cadence.structured_outputs.params import StructuredOutputsParams
@@ -240,6 +241,27 @@ def test_a_grammar_past_its_compile_timeout_fails_its_request(path: str, monkeyp
     compiles.release.set()
     assert set(failed) == {"slow"} and "did not compile within 0.05 s" in failed["slow"]
     assert sum(len(o.new_token_ids) for o in outputs["plain"]) == 3
+
+
+def test_the_compile_timeout_counts_from_when_the_compile_starts(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar queued behind a slow compile on the one compile thread is not failed for
+    the time it waited: its timeout starts with its own compile."""
+    monkeypatch.setattr(manager_module, "COMPILE_THREADS", 1)
+    compiles = SlowCompiles(monkeypatch)
+    core = engine_core(path, structured_outputs_compile_timeout=0.5)
+    core.add_request(EngineCoreRequest("slow", PROMPTS[0], constrained()))
+    regex = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{3}"))
+    core.add_request(EngineCoreRequest("queued", PROMPTS[1], regex))
+    failed: dict[str, str] = {}
+    while "slow" not in failed:
+        if not core.has_work():
+            core.structured.wait()
+        core.step()
+        failed.update(core.take_failed_requests())
+    assert set(failed) == {"slow"}  # "queued" waited as long, but its compile has not begun
+    compiles.release.set()
+    outputs, failed = run_engine(core)
+    assert not failed and outputs["queued"][-1].finish_reason == "stop"
 
 
 def test_disaggregated_constrained_output_matches_colocated(path: str) -> None:

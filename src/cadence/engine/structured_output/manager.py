@@ -4,7 +4,9 @@ A constrained request is held here, out of the scheduler, until its grammar is c
 so it never holds up the others; the engine asks `take_ready` each step. Compiling runs
 on a small thread pool (llguidance drops the GIL), cached by the constraint's cache key:
 each sequence gets a copy of the cached matcher. A grammar that fails, or takes longer
-than the compile timeout, fails its request with the reason.
+than the compile timeout, fails its request with the reason. The timeout counts from
+when its compile starts (or the request arrives, if later): time queued behind other
+compiles on the pool does not count against it.
 
 Each step's masks are filled on a thread while the forward pass runs (`start_masks`);
 the runner joins them before sampling. After sampling, `advance` feeds each sampled
@@ -52,7 +54,7 @@ class _Held:
     """A client request's sequences, waiting for their grammar."""
 
     key: str
-    deadline: float
+    arrived: float  # time.monotonic()
     sequences: list[Request]
 
 
@@ -71,6 +73,7 @@ class StructuredOutputManager:
         self._mask_executor: llguidance.LLExecutor | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
+        self._compile_started: dict[str, float] = {}  # by key, written by the compiling thread
         self._held: dict[str, _Held] = {}  # by client request id
         self.matchers: dict[str, GrammarMatcher] = {}  # by sequence (scheduler request) id
         # Built from the start, beside the model's loading, so the first constrained
@@ -114,9 +117,18 @@ class StructuredOutputManager:
         if key not in self._compiling:
             if self._compile_pool is None:
                 self._compile_pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
-            self._compiling[key] = self._compile_pool.submit(self._compile, params)
-        self._held[client_id] = _Held(key, time.monotonic() + self.compile_timeout, sequences)
+            self._compiling[key] = self._compile_pool.submit(self._timed_compile, key, params)
+        self._held[client_id] = _Held(key, time.monotonic(), sequences)
         return False
+
+    def _timed_compile(self, key: str, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        self._compile_started[key] = time.monotonic()
+        return self._compile(params)
+
+    def _deadline(self, held: _Held) -> float | None:
+        """When a held request's time is up; None while its compile waits for a thread."""
+        started = self._compile_started.get(held.key)
+        return None if started is None else max(started, held.arrived) + self.compile_timeout
 
     def take_ready(self) -> tuple[list[Request], dict[str, tuple[str, list[Request]]]]:
         """Sequences whose grammar is ready (with their matchers), and the client requests
@@ -133,7 +145,7 @@ class StructuredOutputManager:
                 ready.extend(held.sequences)
             elif held.key in errors:
                 failed[client_id] = (errors[held.key], held.sequences)
-            elif now >= held.deadline:
+            elif (deadline := self._deadline(held)) is not None and now >= deadline:
                 failed[client_id] = (f"the grammar did not compile within {self.compile_timeout:g} s", held.sequences)
             else:
                 continue
@@ -147,6 +159,7 @@ class StructuredOutputManager:
             if not future.done():
                 continue
             del self._compiling[key]
+            self._compile_started.pop(key, None)
             error = future.exception()
             if error is not None:
                 errors[key] = str(error)
@@ -169,18 +182,22 @@ class StructuredOutputManager:
         """Whether `take_ready` would return something now."""
         now = time.monotonic()
         return any(
-            held.key not in self._compiling or self._compiling[held.key].done() or now >= held.deadline
+            held.key not in self._compiling
+            or self._compiling[held.key].done()
+            or ((deadline := self._deadline(held)) is not None and now >= deadline)
             for held in self._held.values()
         )
 
     def wait(self) -> None:
-        """Block until a held request's grammar is compiled or its time is up."""
-        if not self._held:
+        """Block until a held request's grammar is compiled or its time is up, or any
+        compile ends (a queued one may start then, and its time with it)."""
+        if not self._held or any(held.key not in self._compiling for held in self._held.values()):
             return
-        timeout = max(0.0, min(held.deadline for held in self._held.values()) - time.monotonic())
-        futures = [self._compiling[held.key] for held in self._held.values() if held.key in self._compiling]
-        if len(futures) == len(self._held):
-            concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        deadlines = [d for held in self._held.values() if (d := self._deadline(held)) is not None]
+        # A compile not started yet starts when another ends, or its thread is about to take it.
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else self.compile_timeout
+        futures = list(self._compiling.values())
+        concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def drop(self, client_id: str) -> list[Request]:
         """Stop holding a request (aborted): its sequences."""
