@@ -4,6 +4,7 @@ disaggregation (the decode engine owns the matcher)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 from collections.abc import Callable
@@ -262,6 +263,25 @@ def test_the_compile_timeout_counts_from_when_the_compile_starts(path: str, monk
     compiles.release.set()
     outputs, failed = run_engine(core)
     assert not failed and outputs["queued"][-1].finish_reason == "stop"
+
+
+def test_grammars_held_requests_wait_for_outlast_a_full_cache(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More grammars finish at once than the cache holds: each held request still gets its
+    own, none is evicted before its requests take it."""
+    monkeypatch.setattr(manager_module, "MAX_CACHED_GRAMMARS", 1)
+    compiles = SlowCompiles(monkeypatch)
+    core = engine_core(path, structured_outputs_compile_timeout=30)
+    for name, pattern in (("a", "[ab]{3}"), ("b", "[cd]{3}")):
+        params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=pattern))
+        core.add_request(EngineCoreRequest(name, PROMPTS[0], params))
+    assert compiles.started.acquire(timeout=30) and compiles.started.acquire(timeout=30)
+    compiles.release.set()
+    concurrent.futures.wait(list(core.structured._compiling.values()), timeout=30)
+    core.step()  # both compiles are taken up in the same step
+    assert core.structured.num_held == 0
+    outputs, failed = run_engine(core)
+    assert not failed and {outputs[name][-1].finish_reason for name in "ab"} == {"stop"}
+    assert len(core.structured._compiled) == 1
 
 
 def test_disaggregated_constrained_output_matches_colocated(path: str) -> None:

@@ -165,9 +165,18 @@ class StructuredOutputManager:
                 errors[key] = str(error)
                 continue
             self._compiled[key] = future.result()
-            while len(self._compiled) > MAX_CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
+        self._evict()
         return errors
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars past the cache's size, never one a held
+        request still waits to be given (the cache outgrows its size until then)."""
+        excess = len(self._compiled) - MAX_CACHED_GRAMMARS
+        if excess <= 0:
+            return
+        waited_for = {held.key for held in self._held.values()}
+        for key in [key for key in self._compiled if key not in waited_for][:excess]:
+            del self._compiled[key]
 
     def _give_matchers(self, template: llguidance.LLMatcher, sequences: list[Request]) -> None:
         for request in sequences:
