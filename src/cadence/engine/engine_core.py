@@ -68,6 +68,12 @@ class EngineCore:
             keep_freed_heap()
         torch.manual_seed(args.seed)
         config = ModelConfig.from_pretrained(args.model)
+        self.eos_token_ids = generation_eos_ids(args.model, config)
+        self.vocab_size = config.vocab_size
+        # Made first: it starts building llguidance's tokenizer while the model loads.
+        self.structured = StructuredOutputManager(
+            args.model, self.vocab_size, self.eos_token_ids, args.structured_outputs_compile_timeout
+        )
         self.dtype = resolve_dtype(args.dtype, config, self.device)
         self.model, self.model_config = load_model(
             args.model,
@@ -94,11 +100,6 @@ class EngineCore:
         self._forgotten: dict[str, str] = {}  # scheduler id -> client id, until events are taken
         if self.device.type == "cpu":
             self.runner.warm_up()
-        self.eos_token_ids = generation_eos_ids(args.model, config)
-        self.vocab_size = config.vocab_size
-        self.structured = StructuredOutputManager(
-            args.model, self.vocab_size, self.eos_token_ids, args.structured_outputs_compile_timeout
-        )
         self._failed: dict[str, str] = {}  # client request id -> why its grammar failed, until taken
         self.timings = StepTimings()
         self.step_recorder = StepRecorder(self.scheduler.kv_cache, offloaded_stats(self.model))

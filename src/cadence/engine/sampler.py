@@ -5,9 +5,9 @@ greedy argmax -> temperature -> min_p -> top_k / top_p -> sampling (see _sample_
 The grammar mask of a constrained row (structured outputs) leaves only the tokens its
 grammar allows; logit_bias (OpenAI's, engine/logit_bias.py) then moves greedy rows too,
 and bans or singles out tokens only among those. Both yield to the grammar: where a ban,
-or suppressing min_tokens' stop ids, would leave a row no token at all, the row keeps them. Logprobs come from the raw logits, before any
-stage. Every stage is skipped when no row of the batch needs it, because this runs once
-per step.
+or suppressing min_tokens' stop ids, would leave a row no token at all, the row keeps
+them. Logprobs come from the raw logits, before any stage. Every stage is skipped when
+no row of the batch needs it, because this runs once per step.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import llguidance
 import torch
 
 from cadence.engine.structured_output.bitmask import bitmask_width
-from cadence.engine.structured_output.matcher import GrammarMatcher
+from cadence.engine.structured_output.matcher import GrammarMatcher, fill_bitmasks
 from cadence.scheduler.request import Request
 from cadence.structured_outputs.grammar import grammar_text, ll_tokenizer, parser_limits
 from cadence.structured_outputs.params import StructuredOutputsParams
@@ -76,8 +76,8 @@ class StructuredOutputManager:
         self._compile_started: dict[str, float] = {}  # by key, written by the compiling thread
         self._held: dict[str, _Held] = {}  # by client request id
         self.matchers: dict[str, GrammarMatcher] = {}  # by sequence (scheduler request) id
-        # Built from the start, beside the model's loading, so the first constrained
-        # request does not wait the second it takes.
+        # Built from the start (the engine makes the manager before it loads the model),
+        # so the first constrained request does not wait the second it takes.
         threading.Thread(target=self._prepare_tokenizer, name="grammar-tokenizer", daemon=True).start()
 
     def _prepare_tokenizer(self) -> None:
@@ -233,15 +233,9 @@ class StructuredOutputManager:
     def _fill_masks(self, rows: list[tuple[str, GrammarMatcher, list[int]]]) -> GrammarMasks:
         for _, matcher, unseen in rows:
             matcher.accept(unseen)  # a refusal shows in `advance`, which fails the request
-        width = bitmask_width(self.vocab_size)
-        bitmask = torch.empty((len(rows), width), dtype=torch.int32)
+        bitmask = torch.empty((len(rows), bitmask_width(self.vocab_size)), dtype=torch.int32)
         assert self._mask_executor is not None
-        self._mask_executor.unsafe_compute_mask_ptr(
-            [(matcher.llguidance_matcher, i) for i, (_, matcher, _) in enumerate(rows)],
-            bitmask.data_ptr(),
-            width * 4,
-            len(rows),
-        )
+        fill_bitmasks(self._mask_executor, [matcher for _, matcher, _ in rows], bitmask)
         return GrammarMasks(bitmask, {request_id: i for i, (request_id, _, _) in enumerate(rows)})
 
     def _unseen(self, request: Request) -> list[int]:
