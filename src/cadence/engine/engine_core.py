@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -24,7 +24,7 @@ from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineReady, EngineStats
 from cadence.engine.request_checks import check_token_ids
-from cadence.engine.step_stats import StepRecorder, mark_first_scheduled
+from cadence.engine.step_stats import StepRecorder, StepTimings, mark_first_scheduled
 from cadence.engine.structured_output.manager import StructuredOutputManager
 from cadence.engine.weights_memory import host_weights_bytes
 from cadence.scheduler.output import SchedulerOutput
@@ -34,24 +34,6 @@ from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig
 
 # Which role an engine needs for a request whose prompt KV crosses engines.
 _ROLE_FOR = {RemoteKV.LOAD.value: "decode", RemoteKV.SEND.value: "prefill"}
-
-
-@dataclass
-class StepTimings:
-    """Seconds spent in each phase of the steps so far, for the overhead benchmark."""
-
-    schedule: float = 0.0
-    execute: float = 0.0
-    update: float = 0.0
-    num_steps: int = 0
-    num_computed_tokens: int = 0
-    num_sampled_tokens: int = 0
-    # Steps in which some sequence computed more than one token (a prompt or its chunk),
-    # their seconds, and the tokens beyond one per sequence: how fast this engine adds
-    # prompt tokens to a step, which a router sizes local prompt chunks by.
-    num_chunk_steps: int = 0
-    chunk_step_seconds: float = 0.0
-    num_chunk_tokens: int = 0
 
 
 class EngineCore:
