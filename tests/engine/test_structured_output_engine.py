@@ -146,6 +146,10 @@ def test_logit_bias_forces_and_bans_tokens_for_every_request_kind(llm: LLM) -> N
     )
     (output,) = llm.generate([PROMPTS[1]], choice)
     assert output.outputs[0].text in ("yes", "no")
+    # Each request's bias tensors, built once, go when it has finished.
+    assert llm.engine.runner.logit_biases
+    llm.generate([PROMPTS[1]], greedy(1))
+    assert not llm.engine.runner.logit_biases
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(llm: LLM) -> None:
