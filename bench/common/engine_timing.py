@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from cadence import LLM, SamplingParams
-from cadence.engine.engine_core import EngineCore, StepTimings
+from cadence.engine.engine_core import EngineCore
 from cadence.engine.protocol import EngineCoreRequest
+from cadence.engine.step_stats import StepTimings
 from common.timer import time_call
 
 _request_ids = itertools.count()

@@ -128,3 +128,23 @@ def test_max_tokens_reached_first_ends_with_length_not_a_complete_object(llm: LL
         assert len(completion.token_ids) == 6
         with pytest.raises(ValidationError):
             Person.model_validate_json(completion.text)
+
+
+def test_eos_that_ends_an_open_ended_grammar_is_a_stop_token_not_text(llm: LLM) -> None:
+    """A grammar that may stop or go on ends when the model samples EOS: as any EOS ends a
+    request (kept in token_ids, never in the text, special tokens shown or not)."""
+    pattern = "[ab]{1,30}"
+    for ignore_eos in (False, True):
+        params = SamplingParams(
+            max_tokens=40,
+            temperature=1.0,
+            seed=0,
+            skip_special_tokens=False,
+            ignore_eos=ignore_eos,
+            structured_outputs=StructuredOutputsParams(regex=pattern),
+        )
+        (output,) = llm.generate([[5, 6, 7, 8]], params)
+        completion = output.outputs[0]
+        assert completion.token_ids[-1] in llm.engine.eos_token_ids, completion.token_ids
+        assert completion.finish_reason == "stop" and completion.stop_reason is None
+        assert re.fullmatch(pattern, completion.text), completion.text

@@ -4,6 +4,7 @@ disaggregation (the decode engine owns the matcher)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from cadence.engine.core_process import EngineCoreLoop
 from cadence.engine.engine_args import EngineArgs
 from cadence.engine.engine_core import EngineCore
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Shutdown, decode, encode
+from cadence.engine.structured_output import manager as manager_module
 from cadence.engine.structured_output.manager import StructuredOutputManager
 from cadence.server.disaggregation.local_cluster import LocalCluster
 from cadence.structured_outputs.params import StructuredOutputsParams
@@ -144,6 +146,10 @@ def test_logit_bias_forces_and_bans_tokens_for_every_request_kind(llm: LLM) -> N
     )
     (output,) = llm.generate([PROMPTS[1]], choice)
     assert output.outputs[0].text in ("yes", "no")
+    # Each request's bias tensors, built once, go when it has finished.
+    assert llm.engine.runner.logit_biases
+    llm.generate([PROMPTS[1]], greedy(1))
+    assert not llm.engine.runner.logit_biases
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(llm: LLM) -> None:
@@ -182,7 +188,7 @@ def run_engine(core: EngineCore) -> tuple[dict[str, list[EngineCoreOutput]], dic
 
 def test_a_grammar_the_engine_cannot_compile_fails_its_request_alone(path: str) -> None:
     core = engine_core(path)
-    bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(grammar="start: foo"))
+    bad = SamplingParams(n=2, max_tokens=5, structured_outputs=StructuredOutputsParams(grammar="start: foo"))
     core.add_request(EngineCoreRequest("bad", PROMPTS[0], bad))
     core.add_request(EngineCoreRequest("good", PROMPTS[1], greedy(5)))
     outputs, failed = run_engine(core)
@@ -190,6 +196,11 @@ def test_a_grammar_the_engine_cannot_compile_fails_its_request_alone(path: str) 
     assert "bad" not in outputs
     assert sum(len(o.new_token_ids) for o in outputs["good"]) == 5
     assert not core.structured.matchers and not core.scheduler.requests
+    # Every failed sequence is forgotten, so its request id is free again.
+    assert core._sequences == {} and core._children == {}
+    core.add_request(EngineCoreRequest("bad", PROMPTS[0], greedy(3)))
+    outputs, failed = run_engine(core)
+    assert not failed and sum(len(o.new_token_ids) for o in outputs["bad"]) == 3
 
 
 class SlowCompiles:
@@ -235,6 +246,46 @@ def test_a_grammar_past_its_compile_timeout_fails_its_request(path: str, monkeyp
     compiles.release.set()
     assert set(failed) == {"slow"} and "did not compile within 0.05 s" in failed["slow"]
     assert sum(len(o.new_token_ids) for o in outputs["plain"]) == 3
+
+
+def test_the_compile_timeout_counts_from_when_the_compile_starts(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar queued behind a slow compile on the one compile thread is not failed for
+    the time it waited: its timeout starts with its own compile."""
+    monkeypatch.setattr(manager_module, "COMPILE_THREADS", 1)
+    compiles = SlowCompiles(monkeypatch)
+    core = engine_core(path, structured_outputs_compile_timeout=0.5)
+    core.add_request(EngineCoreRequest("slow", PROMPTS[0], constrained()))
+    regex = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{3}"))
+    core.add_request(EngineCoreRequest("queued", PROMPTS[1], regex))
+    failed: dict[str, str] = {}
+    while "slow" not in failed:
+        if not core.has_work():
+            core.structured.wait()
+        core.step()
+        failed.update(core.take_failed_requests())
+    assert set(failed) == {"slow"}  # "queued" waited as long, but its compile has not begun
+    compiles.release.set()
+    outputs, failed = run_engine(core)
+    assert not failed and outputs["queued"][-1].finish_reason == "stop"
+
+
+def test_grammars_held_requests_wait_for_outlast_a_full_cache(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More grammars finish at once than the cache holds: each held request still gets its
+    own, none is evicted before its requests take it."""
+    monkeypatch.setattr(manager_module, "MAX_CACHED_GRAMMARS", 1)
+    compiles = SlowCompiles(monkeypatch)
+    core = engine_core(path, structured_outputs_compile_timeout=30)
+    for name, pattern in (("a", "[ab]{3}"), ("b", "[cd]{3}")):
+        params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=pattern))
+        core.add_request(EngineCoreRequest(name, PROMPTS[0], params))
+    assert compiles.started.acquire(timeout=30) and compiles.started.acquire(timeout=30)
+    compiles.release.set()
+    concurrent.futures.wait(list(core.structured._compiling.values()), timeout=30)
+    core.step()  # both compiles are taken up in the same step
+    assert core.structured.num_held == 0
+    outputs, failed = run_engine(core)
+    assert not failed and {outputs[name][-1].finish_reason for name in "ab"} == {"stop"}
+    assert len(core.structured._compiled) == 1
 
 
 def test_disaggregated_constrained_output_matches_colocated(path: str) -> None:

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from cadence.engine.structured_output.bitmask import allowed_tokens, bitmask_width
-from cadence.engine.structured_output.matcher import GrammarMatcher
+from cadence.engine.structured_output.matcher import GrammarMatcher, fill_bitmasks
 from cadence.structured_outputs.grammar import grammar_text, ll_tokenizer, parser_limits
 from cadence.structured_outputs.params import StructuredOutputsParams
 from tests.support.tiny_tokenizer import save_tiny_tokenizer
@@ -33,10 +33,14 @@ def matcher_for(tokenizer: llguidance.LLTokenizer, params: StructuredOutputsPara
     return GrammarMatcher(llguidance.LLMatcher(tokenizer, grammar_text(params), limits=parser_limits(), log_level=0))
 
 
+EXECUTOR = llguidance.LLExecutor(num_threads=1)
+
+
 def allowed(matcher: GrammarMatcher) -> list[int]:
-    row = torch.empty(bitmask_width(VOCAB), dtype=torch.int32)
-    matcher.fill_bitmask(row)
-    return allowed_tokens(row.unsqueeze(0), VOCAB)[0].nonzero().flatten().tolist()
+    """The tokens the matcher allows next, from the mask as the engine fills it."""
+    bitmask = torch.empty((1, bitmask_width(VOCAB)), dtype=torch.int32)
+    fill_bitmasks(EXECUTOR, [matcher], bitmask)
+    return allowed_tokens(bitmask, VOCAB)[0].nonzero().flatten().tolist()
 
 
 def test_accepts_a_valid_output_and_terminates_on_its_last_token(tokenizers: tuple) -> None:

@@ -1,5 +1,6 @@
 """The sampler's logit_bias and grammar stages, and their order with min_tokens and the
-raw logprobs."""
+raw logprobs. logit_bias as OpenAI describes it: -100 bans, +100 leaves only the +100
+tokens, values in between are added."""
 
 from __future__ import annotations
 
@@ -59,18 +60,41 @@ def test_each_row_samples_only_what_its_grammar_allows() -> None:
     assert tokens[1] == int(raw[1].argmax())
 
 
-def test_logit_bias_is_added_before_the_grammar_and_moves_greedy_rows() -> None:
+def test_logit_bias_moves_greedy_rows_and_never_lets_a_token_past_the_grammar() -> None:
     raw = logits(2)
     low = int(raw[0].argmin())
-    params = [SamplingParams(temperature=0.0, logit_bias={low: 100.0}), SamplingParams(temperature=0.0)]
+    params = [SamplingParams(temperature=0.0, logit_bias={low: 99.0}), SamplingParams(temperature=0.0)]
     assert Sampler()(raw, build(params)).sampled_token_ids.tolist() == [low, int(raw[1].argmax())]
     # Biased or not, a token outside the grammar stays out.
     tokens = Sampler()(raw, build(params, {0: {3, 4}})).sampled_token_ids.tolist()
     assert tokens[0] == max((3, 4), key=lambda t: raw[0, t].item())
-    # -100 bans the argmax.
-    top = int(raw[1].argmax())
-    banned = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logit_bias={top: -100.0})]
-    assert Sampler()(raw, build(banned)).sampled_token_ids.tolist()[1] != top
+
+
+def test_minus_100_bans_a_token_however_likely() -> None:
+    raw = logits(1)
+    raw[0, 7] = 1e4  # far past what subtracting 100 would bring down
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(temperature=temperature, seed=1, logit_bias={7: -100.0, 8: -5.0})]
+        for _ in range(20):
+            assert Sampler()(raw, build(params)).sampled_token_ids.tolist() != [7]
+
+
+def test_plus_100_leaves_only_the_plus_100_tokens() -> None:
+    raw = logits(1)
+    raw[0, 5] = raw[0, 6] = -1e4  # far below what adding 100 would lift past the rest
+    params = [SamplingParams(temperature=2.0, logit_bias={5: 100.0, 6: 100.0, 9: 50.0})]
+    seen = {Sampler()(raw, build(params)).sampled_token_ids.item() for _ in range(60)}
+    assert seen == {5, 6}
+    # Under a grammar: the +100 tokens it allows, or the grammar's own choice if none.
+    assert {Sampler()(raw, build(params, {0: {6, 11}})).sampled_token_ids.item() for _ in range(20)} == {6}
+    grammar_only = {Sampler()(raw, build(params, {0: {11, 12}})).sampled_token_ids.item() for _ in range(40)}
+    assert grammar_only <= {11, 12} and grammar_only
+
+
+def test_a_ban_that_empties_a_grammar_row_yields_to_the_grammar() -> None:
+    raw = logits(1)
+    params = [SamplingParams(temperature=0.0, logit_bias={3: -100.0})]
+    assert Sampler()(raw, build(params, {0: {3}})).sampled_token_ids.tolist() == [3]
 
 
 def test_min_tokens_yields_where_the_grammar_allows_only_stop_ids() -> None:

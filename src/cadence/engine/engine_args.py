@@ -78,8 +78,10 @@ class EngineArgs:
     # and a prefill engine holds computed KV for a reader that never says it is done.
     kv_wait_timeout: float = 30.0
     kv_hold_timeout: float = 60.0
-    # Seconds a request's grammar (structured outputs) may take to compile before the
-    # request fails with an error; compiling never holds up other requests.
+    # Seconds a request's grammar (structured outputs) may take to compile, counted from
+    # when its compile starts, before the request fails with an error. Compiles run beside
+    # the engine loop, so unconstrained requests and those whose grammar is ready go on;
+    # a request whose grammar is new waits for a compile thread behind any others.
     structured_outputs_compile_timeout: float = 10.0
     # Mixture-of-experts models (engine/experts/): keep the routed experts in host memory
     # ("host") or memory-mapped files ("disk") with `expert_cache_size` slots per layer in

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -24,7 +24,7 @@ from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineReady, EngineStats
 from cadence.engine.request_checks import check_token_ids
-from cadence.engine.step_stats import StepRecorder, mark_first_scheduled
+from cadence.engine.step_stats import StepRecorder, StepTimings, mark_first_scheduled
 from cadence.engine.structured_output.manager import StructuredOutputManager
 from cadence.engine.weights_memory import host_weights_bytes
 from cadence.scheduler.output import SchedulerOutput
@@ -34,24 +34,6 @@ from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig
 
 # Which role an engine needs for a request whose prompt KV crosses engines.
 _ROLE_FOR = {RemoteKV.LOAD.value: "decode", RemoteKV.SEND.value: "prefill"}
-
-
-@dataclass
-class StepTimings:
-    """Seconds spent in each phase of the steps so far, for the overhead benchmark."""
-
-    schedule: float = 0.0
-    execute: float = 0.0
-    update: float = 0.0
-    num_steps: int = 0
-    num_computed_tokens: int = 0
-    num_sampled_tokens: int = 0
-    # Steps in which some sequence computed more than one token (a prompt or its chunk),
-    # their seconds, and the tokens beyond one per sequence: how fast this engine adds
-    # prompt tokens to a step, which a router sizes local prompt chunks by.
-    num_chunk_steps: int = 0
-    chunk_step_seconds: float = 0.0
-    num_chunk_tokens: int = 0
 
 
 class EngineCore:
@@ -68,6 +50,12 @@ class EngineCore:
             keep_freed_heap()
         torch.manual_seed(args.seed)
         config = ModelConfig.from_pretrained(args.model)
+        self.eos_token_ids = generation_eos_ids(args.model, config)
+        self.vocab_size = config.vocab_size
+        # Made first: it starts building llguidance's tokenizer while the model loads.
+        self.structured = StructuredOutputManager(
+            args.model, self.vocab_size, self.eos_token_ids, args.structured_outputs_compile_timeout
+        )
         self.dtype = resolve_dtype(args.dtype, config, self.device)
         self.model, self.model_config = load_model(
             args.model,
@@ -94,11 +82,6 @@ class EngineCore:
         self._forgotten: dict[str, str] = {}  # scheduler id -> client id, until events are taken
         if self.device.type == "cpu":
             self.runner.warm_up()
-        self.eos_token_ids = generation_eos_ids(args.model, config)
-        self.vocab_size = config.vocab_size
-        self.structured = StructuredOutputManager(
-            args.model, self.vocab_size, self.eos_token_ids, args.structured_outputs_compile_timeout
-        )
         self._failed: dict[str, str] = {}  # client request id -> why its grammar failed, until taken
         self.timings = StepTimings()
         self.step_recorder = StepRecorder(self.scheduler.kv_cache, offloaded_stats(self.model))
@@ -291,8 +274,10 @@ class EngineCore:
         ready, failed = self.structured.take_ready()
         for sequence in ready:
             self.scheduler.add_request(sequence)
-        for request_id, reason in failed.items():
-            self._fail(request_id, reason)
+        for request_id, (reason, sequences) in failed.items():
+            for sequence in sequences:  # never scheduled: only the engine's records of them
+                self._forget(sequence.request_id)
+            self._failed[request_id] = reason
 
     def _fail(self, request_id: str, reason: str) -> None:
         self._failed[request_id] = reason
@@ -441,11 +426,12 @@ class EngineCore:
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         sampled = runner_output.sampled_token_ids
-        complete: set[str] = set()
+        stopped: set[str] = set()
+        complete: set[str] = set()  # ended by their grammar, on a text token
         refused: dict[str, str] = {}
         if self.structured.matchers:
-            complete, refused = self.structured.advance(sampled, self.scheduler.requests)
-        finished = {f.request.request_id: f for f in self.scheduler.update(scheduler_output, sampled, complete)}
+            stopped, complete, refused = self.structured.advance(sampled, self.scheduler.requests)
+        finished = {f.request.request_id: f for f in self.scheduler.update(scheduler_output, sampled, stopped)}
         outputs = []
         for sub_id in scheduler_output.num_scheduled_tokens:
             token_id = runner_output.sampled_token_ids.get(sub_id)

@@ -29,6 +29,7 @@ from cadence.engine.forward_context import ForwardContext
 from cadence.engine.host_memory import zeroed_pages
 from cadence.engine.input_batch import InputBatch, RequestState, StepInputs
 from cadence.engine.kv_connector.worker_side import WorkerSideConnector
+from cadence.engine.logit_bias import LogitBias
 from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.models.moe import routes_on_host
 from cadence.engine.protocol import TokenLogprobs
@@ -151,6 +152,7 @@ class ModelRunner:
         # not report its logprobs twice.
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs_reported: dict[str, int] = {}
+        self.logit_biases: dict[str, LogitBias] = {}  # built once, not each step
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, grammar_masks: Future[GrammarMasks] | None = None) -> ModelRunnerOutput:
@@ -159,6 +161,7 @@ class ModelRunner:
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
             self.prompt_logprobs_reported.pop(request_id, None)
+            self.logit_biases.pop(request_id, None)
         self.input_batch.apply(output)
         if output.block_copies:
             self._copy_blocks(output.block_copies)
@@ -268,6 +271,7 @@ class ModelRunner:
             stop_token_ids=[s.stop_token_ids for s in states],
             device=self.device,
             grammar=None if grammar_masks is None else self._grammar_rows(states, grammar_masks.result()),
+            logit_biases=[self._logit_bias(s.request_id, p) for s, p in pairs],
         )
         sampled = self.sampler(logits, metadata)
         token_ids = sampled.sampled_token_ids.tolist()
@@ -289,6 +293,14 @@ class ModelRunner:
         order = [masks.rows[states[i].request_id] for i in rows]
         bitmask = masks.bitmask if order == list(range(len(masks.rows))) else masks.bitmask[order]
         return torch.tensor(rows, dtype=torch.int64, device=self.device), bitmask.to(self.device)
+
+    def _logit_bias(self, request_id: str, params: SamplingParams) -> LogitBias | None:
+        if not params.logit_bias:
+            return None
+        bias = self.logit_biases.get(request_id)
+        if bias is None:
+            bias = self.logit_biases[request_id] = LogitBias.build(params.logit_bias, self.device)
+        return bias
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None or params.greedy:

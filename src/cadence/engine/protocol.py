@@ -56,8 +56,8 @@ class EngineCoreOutput:
     # it (time.monotonic in the engine process; compare only with StepStats.ended_at).
     queued_at: float = 0.0
     scheduled_at: float = 0.0
-    # Finished ("stop") because its structured output's grammar is complete: the last
-    # token is part of the output's text, not a stop token.
+    # Finished ("stop") because its structured output's grammar is complete on a text
+    # token, which stays in the text (a grammar ended by EOS or a stop token ends as they do).
     completed_grammar: bool = False
 
     @property

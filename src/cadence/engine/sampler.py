@@ -1,13 +1,13 @@
 """Turns one step's logits into next tokens (and their logprobs), vectorized over the batch.
 
-Processing order: logit_bias -> grammar mask -> min_tokens suppression -> penalties ->
+Processing order: grammar mask -> logit_bias -> min_tokens suppression -> penalties ->
 greedy argmax -> temperature -> min_p -> top_k / top_p -> sampling (see _sample_rows).
-logit_bias (OpenAI's) comes first, so it moves greedy rows too; the grammar mask of a
-constrained row (structured outputs) then leaves only the tokens its grammar allows, and
-min_tokens yields to it: where suppressing the stop ids would leave a row no token at all,
-the grammar wins and the row keeps them. Logprobs come from the raw logits, before any
-stage. Every stage is skipped when no row of the batch needs it, because this runs once
-per step.
+The grammar mask of a constrained row (structured outputs) leaves only the tokens its
+grammar allows; logit_bias (OpenAI's, engine/logit_bias.py) then moves greedy rows too,
+and bans or singles out tokens only among those. Both yield to the grammar: where a ban,
+or suppressing min_tokens' stop ids, would leave a row no token at all, the row keeps
+them. Logprobs come from the raw logits, before any stage. Every stage is skipped when
+no row of the batch needs it, because this runs once per step.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cadence.engine.logit_bias import LogitBias
 from cadence.engine.sampling_params import SamplingParams
 from cadence.engine.structured_output.bitmask import apply_token_bitmask
 from cadence.engine.top_k_top_p import BLOCK, Scratch, shifted_mass, top_k_top_p_thresholds
@@ -80,9 +81,7 @@ class SamplingMetadata:
     seeded_generators: list[torch.Generator] = field(default_factory=list)
     unseeded_rows: torch.Tensor | None = None  # [R] int64 random rows using the default RNG
     max_num_logprobs: int | None = None  # max params.logprobs over rows; None = nobody asked
-    logit_bias_rows: torch.Tensor | None = None  # [L] int64 row of each biased token
-    logit_bias_cols: torch.Tensor | None = None  # [L] int64 biased token id
-    logit_bias_values: torch.Tensor | None = None  # [L] float32 bias added to its logit
+    logit_bias: list[tuple[int, LogitBias]] | None = None  # (row, its bias) for each biased row
     grammar_rows: torch.Tensor | None = None  # [K] int64 rows with a grammar
     grammar_bitmask: torch.Tensor | None = None  # [K, ceil(V / 32)] int32, bit set = allowed
 
@@ -96,8 +95,11 @@ class SamplingMetadata:
         stop_token_ids: Sequence[AbstractSet[int]],
         device: torch.device,
         grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
+        logit_biases: Sequence[LogitBias | None] | None = None,
     ) -> SamplingMetadata:
-        """`grammar`: the rows that have a grammar and their bitmask rows, on `device`."""
+        """`grammar`: the rows that have a grammar and their bitmask rows, on `device`.
+        `logit_biases`: each row's prepared logit_bias (the runner keeps them per request);
+        None builds them from `params`."""
         greedy = [p.greedy for p in params]
         random_rows = [i for i in range(len(params)) if not greedy[i]]
         md = cls(all_greedy=not random_rows)
@@ -105,7 +107,10 @@ class SamplingMetadata:
         md._set_penalties(params, prompt_token_ids, output_token_ids, device)
         md._set_min_tokens(params, output_token_ids, stop_token_ids, device)
         md._set_generators(random_rows, generators, device)
-        md._set_logit_bias(params, device)
+        if logit_biases is None:
+            logit_biases = [None if not p.logit_bias else LogitBias.build(p.logit_bias, device) for p in params]
+        biased = [(i, bias) for i, bias in enumerate(logit_biases) if bias is not None]
+        md.logit_bias = biased or None
         if grammar is not None and grammar[0].numel():
             md.grammar_rows, md.grammar_bitmask = grammar
         asked = [p.logprobs for p in params if p.logprobs is not None]
@@ -178,20 +183,6 @@ class SamplingMetadata:
             self.min_tokens_rows = _tensor(rows, device, torch.int64)
             self.min_tokens_cols = _tensor(cols, device, torch.int64)
 
-    def _set_logit_bias(self, params: list[SamplingParams], device: torch.device) -> None:
-        rows: list[int] = []
-        cols: list[int] = []
-        values: list[float] = []
-        for i, p in enumerate(params):
-            for token_id, bias in (p.logit_bias or {}).items():
-                rows.append(i)
-                cols.append(token_id)
-                values.append(bias)
-        if rows:
-            self.logit_bias_rows = _tensor(rows, device, torch.int64)
-            self.logit_bias_cols = _tensor(cols, device, torch.int64)
-            self.logit_bias_values = _tensor(values, device)
-
     def _set_generators(
         self, random_rows: list[int], generators: list[torch.Generator | None], device: torch.device
     ) -> None:
@@ -236,11 +227,10 @@ def compute_logprobs(
 
 
 def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """In place: each row's logit_bias added to its tokens' logits."""
-    rows, cols, values = md.logit_bias_rows, md.logit_bias_cols, md.logit_bias_values
-    if rows is None or cols is None or values is None:
-        return logits
-    return logits.index_put_((rows, cols), values.to(logits.dtype), accumulate=True)
+    """In place: each biased row's logit_bias (after its grammar mask)."""
+    for row, bias in md.logit_bias or ():
+        bias.apply(logits[row])
+    return logits
 
 
 def apply_grammar(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -429,14 +419,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
         raw = logits
-        edits = (md.logit_bias_rows, md.grammar_rows, md.min_tokens_rows, md.repetition_penalty, md.output_counts)
+        edits = (md.logit_bias, md.grammar_rows, md.min_tokens_rows, md.repetition_penalty, md.output_counts)
         if md.all_greedy and all(e is None for e in edits):
             sampled = row_argmax(raw)
         else:
             # One float32 copy that every stage then edits in place; raw stays for logprobs.
             work = self.scratch.take("work", raw, torch.float32).copy_(raw)
-            apply_logit_bias(work, md)
             apply_grammar(work, md)
+            apply_logit_bias(work, md)
             apply_min_tokens(work, md)
             apply_penalties(work, md)
             if md.all_greedy:
@@ -449,7 +439,7 @@ class Sampler:
                 apply_min_p(work, md)
                 mass = _mass(work, self.scratch)
                 threshold = top_k_top_p_threshold(work, md, self.scratch, mass)
-                masks = (md.min_p, md.min_tokens_rows, md.grammar_rows)
+                masks = (md.min_p, md.min_tokens_rows, md.grammar_rows, md.logit_bias)
                 if threshold is None and any(m is not None for m in masks):
                     threshold = torch.full_like(work[:, 0], float("-inf"))  # -inf logits to 0
                 sampled = _sample_rows(_probabilities(work, mass, threshold, self.scratch), md)

@@ -1,16 +1,36 @@
 """What one engine step did, for the front end's metrics: whether it computed prompts,
 decoded or both, how long it took, how many tokens and sequences it ran, and what its
-admissions found in the prefix cache, and what expert offloading did; and when each sequence was first scheduled."""
+admissions found in the prefix cache, and what expert offloading did; when each sequence
+was first scheduled; and the seconds each phase of the steps took (StepTimings)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from cadence.engine.experts.stats import ExpertStats
 from cadence.engine.protocol import StepStats
 from cadence.scheduler.kv_cache_manager import KVCacheManager
 from cadence.scheduler.output import SchedulerOutput
 from cadence.scheduler.request import Request
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each phase of the steps so far, for the overhead benchmark."""
+
+    schedule: float = 0.0
+    execute: float = 0.0
+    update: float = 0.0
+    num_steps: int = 0
+    num_computed_tokens: int = 0
+    num_sampled_tokens: int = 0
+    # Steps in which some sequence computed more than one token (a prompt or its chunk),
+    # their seconds, and the tokens beyond one per sequence: how fast this engine adds
+    # prompt tokens to a step, which a router sizes local prompt chunks by.
+    num_chunk_steps: int = 0
+    chunk_step_seconds: float = 0.0
+    num_chunk_tokens: int = 0
 
 
 def step_kind(scheduler_output: SchedulerOutput) -> str:

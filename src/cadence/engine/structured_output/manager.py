@@ -4,7 +4,9 @@ A constrained request is held here, out of the scheduler, until its grammar is c
 so it never holds up the others; the engine asks `take_ready` each step. Compiling runs
 on a small thread pool (llguidance drops the GIL), cached by the constraint's cache key:
 each sequence gets a copy of the cached matcher. A grammar that fails, or takes longer
-than the compile timeout, fails its request with the reason.
+than the compile timeout, fails its request with the reason. The timeout counts from
+when its compile starts (or the request arrives, if later): time queued behind other
+compiles on the pool does not count against it.
 
 Each step's masks are filled on a thread while the forward pass runs (`start_masks`);
 the runner joins them before sampling. After sampling, `advance` feeds each sampled
@@ -28,7 +30,7 @@ import llguidance
 import torch
 
 from cadence.engine.structured_output.bitmask import bitmask_width
-from cadence.engine.structured_output.matcher import GrammarMatcher
+from cadence.engine.structured_output.matcher import GrammarMatcher, fill_bitmasks
 from cadence.scheduler.request import Request
 from cadence.structured_outputs.grammar import grammar_text, ll_tokenizer, parser_limits
 from cadence.structured_outputs.params import StructuredOutputsParams
@@ -52,7 +54,7 @@ class _Held:
     """A client request's sequences, waiting for their grammar."""
 
     key: str
-    deadline: float
+    arrived: float  # time.monotonic()
     sequences: list[Request]
 
 
@@ -71,10 +73,11 @@ class StructuredOutputManager:
         self._mask_executor: llguidance.LLExecutor | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
+        self._compile_started: dict[str, float] = {}  # by key, written by the compiling thread
         self._held: dict[str, _Held] = {}  # by client request id
         self.matchers: dict[str, GrammarMatcher] = {}  # by sequence (scheduler request) id
-        # Built from the start, beside the model's loading, so the first constrained
-        # request does not wait the second it takes.
+        # Built from the start (the engine makes the manager before it loads the model),
+        # so the first constrained request does not wait the second it takes.
         threading.Thread(target=self._prepare_tokenizer, name="grammar-tokenizer", daemon=True).start()
 
     def _prepare_tokenizer(self) -> None:
@@ -114,16 +117,26 @@ class StructuredOutputManager:
         if key not in self._compiling:
             if self._compile_pool is None:
                 self._compile_pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
-            self._compiling[key] = self._compile_pool.submit(self._compile, params)
-        self._held[client_id] = _Held(key, time.monotonic() + self.compile_timeout, sequences)
+            self._compiling[key] = self._compile_pool.submit(self._timed_compile, key, params)
+        self._held[client_id] = _Held(key, time.monotonic(), sequences)
         return False
 
-    def take_ready(self) -> tuple[list[Request], dict[str, str]]:
+    def _timed_compile(self, key: str, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        self._compile_started[key] = time.monotonic()
+        return self._compile(params)
+
+    def _deadline(self, held: _Held) -> float | None:
+        """When a held request's time is up; None while its compile waits for a thread."""
+        started = self._compile_started.get(held.key)
+        return None if started is None else max(started, held.arrived) + self.compile_timeout
+
+    def take_ready(self) -> tuple[list[Request], dict[str, tuple[str, list[Request]]]]:
         """Sequences whose grammar is ready (with their matchers), and the client requests
-        whose grammar failed or timed out, with the reason."""
+        whose grammar failed or timed out: the reason and their sequences, which are no
+        longer held here (the caller forgets them)."""
         errors = self._finish_compiles()
         ready: list[Request] = []
-        failed: dict[str, str] = {}
+        failed: dict[str, tuple[str, list[Request]]] = {}
         now = time.monotonic()
         for client_id, held in list(self._held.items()):
             template = self._compiled.get(held.key)
@@ -131,9 +144,9 @@ class StructuredOutputManager:
                 self._give_matchers(template, held.sequences)
                 ready.extend(held.sequences)
             elif held.key in errors:
-                failed[client_id] = errors[held.key]
-            elif now >= held.deadline:
-                failed[client_id] = f"the grammar did not compile within {self.compile_timeout:g} s"
+                failed[client_id] = (errors[held.key], held.sequences)
+            elif (deadline := self._deadline(held)) is not None and now >= deadline:
+                failed[client_id] = (f"the grammar did not compile within {self.compile_timeout:g} s", held.sequences)
             else:
                 continue
             del self._held[client_id]
@@ -146,14 +159,24 @@ class StructuredOutputManager:
             if not future.done():
                 continue
             del self._compiling[key]
+            self._compile_started.pop(key, None)
             error = future.exception()
             if error is not None:
                 errors[key] = str(error)
                 continue
             self._compiled[key] = future.result()
-            while len(self._compiled) > MAX_CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
+        self._evict()
         return errors
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars past the cache's size, never one a held
+        request still waits to be given (the cache outgrows its size until then)."""
+        excess = len(self._compiled) - MAX_CACHED_GRAMMARS
+        if excess <= 0:
+            return
+        waited_for = {held.key for held in self._held.values()}
+        for key in [key for key in self._compiled if key not in waited_for][:excess]:
+            del self._compiled[key]
 
     def _give_matchers(self, template: llguidance.LLMatcher, sequences: list[Request]) -> None:
         for request in sequences:
@@ -168,18 +191,22 @@ class StructuredOutputManager:
         """Whether `take_ready` would return something now."""
         now = time.monotonic()
         return any(
-            held.key not in self._compiling or self._compiling[held.key].done() or now >= held.deadline
+            held.key not in self._compiling
+            or self._compiling[held.key].done()
+            or ((deadline := self._deadline(held)) is not None and now >= deadline)
             for held in self._held.values()
         )
 
     def wait(self) -> None:
-        """Block until a held request's grammar is compiled or its time is up."""
-        if not self._held:
+        """Block until a held request's grammar is compiled or its time is up, or any
+        compile ends (a queued one may start then, and its time with it)."""
+        if not self._held or any(held.key not in self._compiling for held in self._held.values()):
             return
-        timeout = max(0.0, min(held.deadline for held in self._held.values()) - time.monotonic())
-        futures = [self._compiling[held.key] for held in self._held.values() if held.key in self._compiling]
-        if len(futures) == len(self._held):
-            concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        deadlines = [d for held in self._held.values() if (d := self._deadline(held)) is not None]
+        # A compile not started yet starts when another ends, or its thread is about to take it.
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else self.compile_timeout
+        futures = list(self._compiling.values())
+        concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def drop(self, client_id: str) -> list[Request]:
         """Stop holding a request (aborted): its sequences."""
@@ -206,26 +233,25 @@ class StructuredOutputManager:
     def _fill_masks(self, rows: list[tuple[str, GrammarMatcher, list[int]]]) -> GrammarMasks:
         for _, matcher, unseen in rows:
             matcher.accept(unseen)  # a refusal shows in `advance`, which fails the request
-        width = bitmask_width(self.vocab_size)
-        bitmask = torch.empty((len(rows), width), dtype=torch.int32)
+        bitmask = torch.empty((len(rows), bitmask_width(self.vocab_size)), dtype=torch.int32)
         assert self._mask_executor is not None
-        self._mask_executor.unsafe_compute_mask_ptr(
-            [(matcher.llguidance_matcher, i) for i, (_, matcher, _) in enumerate(rows)],
-            bitmask.data_ptr(),
-            width * 4,
-            len(rows),
-        )
+        fill_bitmasks(self._mask_executor, [matcher for _, matcher, _ in rows], bitmask)
         return GrammarMasks(bitmask, {request_id: i for i, (request_id, _, _) in enumerate(rows)})
 
     def _unseen(self, request: Request) -> list[int]:
         """The output tokens the sequence's matcher has not consumed yet."""
         return request.token_ids[request.num_prompt_tokens + self.matchers[request.request_id].num_accepted :]
 
-    def advance(self, sampled: dict[str, int], requests: dict[str, Request]) -> tuple[set[str], dict[str, str]]:
+    def advance(
+        self, sampled: dict[str, int], requests: dict[str, Request]
+    ) -> tuple[set[str], set[str], dict[str, str]]:
         """Feed each constrained sequence its sampled token (after any it has not seen).
-        Returns the sequences whose grammar is now complete, and those whose matcher
-        refused a token, with the reason."""
-        complete: set[str] = set()
+        Returns the sequences whose grammar is now complete (they stop); those among them
+        whose last token is text rather than EOS or a stop token (a grammar that may stop
+        or go on, and sampled EOS, ends as any EOS ends); and those whose matcher refused
+        a token, with the reason."""
+        stopped: set[str] = set()
+        completed_by_text: set[str] = set()
         failed: dict[str, str] = {}
         for request_id, token_id in sampled.items():
             matcher = self.matchers.get(request_id)
@@ -235,8 +261,10 @@ class StructuredOutputManager:
             if not matcher.accept([*self._unseen(request), token_id]):
                 failed[request_id] = matcher.error or f"token {token_id} does not fit the grammar"
             elif matcher.is_terminated:
-                complete.add(request_id)
-        return complete, failed
+                stopped.add(request_id)
+                if token_id not in self.eos_token_ids and token_id not in request.stop.stop_token_ids:
+                    completed_by_text.add(request_id)
+        return stopped, completed_by_text, failed
 
     def close(self) -> None:
         for pool in (self._compile_pool, self._mask_pool):

@@ -8,8 +8,9 @@ The interface is what decoding and speculative decoding need, over llguidance's 
 * `rollback(n)` undoes the last n accepted tokens, any n up to `num_accepted`, so a
   verifier can take back rejected draft tokens; the mask afterwards is the one before
   they were accepted;
-* `fill_bitmask(row)` writes the next token's mask into an int32 row;
-* `is_terminated` once the grammar is complete and allows nothing but EOS.
+* `is_terminated` once the grammar is complete and allows nothing but EOS;
+* `fill_bitmasks(executor, matchers, bitmask)` writes each one's next-token mask into its
+  row of an int32 bitmask, the matchers in parallel (how the engine fills a step's masks).
 
 EOS accepted after termination changes nothing in llguidance, but counts here as an
 accepted token like any other, so `rollback` counts what `accept` counted.
@@ -77,14 +78,16 @@ class GrammarMatcher:
             raise RuntimeError(f"the grammar could not roll back: {self._matcher.get_error()}")
         self._num_accepted -= num_tokens
 
-    def fill_bitmask(self, row: torch.Tensor) -> None:
-        """Write the next token's mask into `row`: a contiguous CPU int32 tensor of
-        ceil(vocab / 32) words (bit t % 32 of word t // 32 allows token t)."""
-        if row.dtype != torch.int32 or row.device.type != "cpu" or not row.is_contiguous():
-            raise ValueError("a bitmask row is a contiguous CPU int32 tensor")
-        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
-    @property
-    def llguidance_matcher(self) -> llguidance.LLMatcher:
-        """The underlying matcher, for llguidance's batched mask computation."""
-        return self._matcher
+def fill_bitmasks(executor: llguidance.LLExecutor, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
+    """Write matcher i's next-token mask into row i of `bitmask`: a contiguous CPU int32
+    tensor [len(matchers), ceil(vocab / 32)] (bit t % 32 of word t // 32 allows token t),
+    the matchers in parallel on `executor`'s threads."""
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+        raise ValueError("a bitmask is a contiguous CPU int32 tensor")
+    if bitmask.dim() != 2 or bitmask.shape[0] != len(matchers):
+        raise ValueError(f"a bitmask for {len(matchers)} matchers has {len(matchers)} rows, not {bitmask.shape[0]}")
+    row_bytes = bitmask.shape[1] * bitmask.element_size()
+    # Each matcher is one sequence's own, never shared, so the rows fill independently.
+    rows = [(matcher._matcher, i) for i, matcher in enumerate(matchers)]
+    executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), row_bytes, len(matchers))
