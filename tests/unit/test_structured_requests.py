@@ -203,3 +203,29 @@ def test_the_answers_constraint_per_tool_choice_and_reasoning() -> None:
     assert answer_constraint(formatted, plain) == Constraint(StructuredOutputsParams(regex="[ab]"), "guided_regex")
     none = tool_request(tool_choice="none")
     assert answer_constraint(none, OutputReading(plan_tools(none, True), hermes)) is None
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"guided_json": "{bad"}, "guided_json"),
+        ({"structured_outputs": {"grammar": "root ::= ???"}}, "structured_outputs"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"description": "x" * 300_000}},
+                }
+            },
+            "response_format",
+        ),
+    ],
+)
+def test_a_bad_constraint_after_reasoning_is_a_400_naming_its_field(fields: dict[str, Any], param: str) -> None:
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+    thinking = OutputReading(
+        plan_tools(body, False), None, get_reasoning_parser("deepseek_r1"), starts_in_reasoning=True
+    )
+    with pytest.raises(APIError) as refused:
+        answer_constraint(body, thinking)
+    assert refused.value.status == 400 and refused.value.param == param
