@@ -229,3 +229,22 @@ def test_a_bad_constraint_after_reasoning_is_a_400_naming_its_field(fields: dict
     with pytest.raises(APIError) as refused:
         answer_constraint(body, thinking)
     assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_forced_calls_take_objects_where_the_schema_leaves_the_type_open(tokenizer: PreTrainedTokenizerBase) -> None:
+    untyped = {"properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": untyped}}]
+    named_body = ChatCompletionRequest.model_validate(
+        {"messages": MESSAGES, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    )
+    named = plan_tools(named_body, False).constraint(True)
+    required_body = ChatCompletionRequest.model_validate(
+        {"messages": MESSAGES, "tools": tools, "tool_choice": "required"}
+    )
+    required = plan_tools(required_body, False).constraint(True)
+    assert named is not None and required is not None
+    assert matches(tokenizer, named.params, '{"city": "Paris"}')
+    for arguments in ("42", '"Paris"', "[1, 2]"):
+        assert not matches(tokenizer, named.params, arguments)
+        assert not matches(tokenizer, required.params, '[{"name": "f", "parameters": ' + arguments + "}]")
+    assert matches(tokenizer, required.params, '[{"name": "f", "parameters": {"city": "Paris"}}]')

@@ -22,6 +22,7 @@ from cadence.openai_schema.constraint_fields import NamedToolChoice, Tool
 from cadence.openai_schema.requests import ChatCompletionRequest
 from cadence.server.errors import bad_request
 from cadence.server.structured_requests import Constraint
+from cadence.server.tool_parsers.call_grammar import object_schema
 from cadence.structured_outputs.params import StructuredOutputsParams
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -48,7 +49,8 @@ class ToolPlan:
 
 
 def _parameters(tool: Tool) -> dict[str, Any]:
-    return tool.function.parameters or ANY_OBJECT
+    # Arguments are an object: a schema that leaves the type open is read as one, as in auto mode.
+    return object_schema(tool.function.parameters or ANY_OBJECT)
 
 
 def calls_schema(tools: tuple[Tool, ...], parallel_tool_calls: bool) -> dict[str, Any]:
