@@ -5,17 +5,20 @@ character boundary (the two must agree)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from openai.types.chat import ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from transformers import AutoTokenizer
 
 from cadence.openai_schema.constraint_fields import Tool
 from cadence.server.chat_output import ChoiceReader, OutputReading, finish_reason
 from cadence.server.reasoning import get_reasoning_parser
 from cadence.server.tool_calls import ToolPlan
 from cadence.server.tool_parsers import get_tool_parser
+from tests.support.tiny_tokenizer import save_tiny_tokenizer
 
 TOOLS = tuple(
     Tool.model_validate({"type": "function", "function": {"name": name, "parameters": {"type": "object"}}})
@@ -188,3 +191,19 @@ def test_forced_call_after_reasoning() -> None:
     message = check_agrees(read, 'Paris.</think>\n\n{"city": "Paris"}')
     assert function_calls(message) == [("get_weather", '{"city": "Paris"}')]
     assert message.model_extra is not None and message.model_extra["reasoning_content"] == "Paris."
+
+
+def test_mistral_calls_are_decoded_with_their_special_marker(tmp_path: Path) -> None:
+    save_tiny_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    ids = tokenizer.encode('Sure. [TOOL_CALLS][{"name": "search", "arguments": {"q": "x"}}]', add_special_tokens=False)
+    mistral = reading("auto", "mistral")
+    skip = mistral.skip_special_tokens(requested=True)
+    _, message = whole(mistral, tokenizer.decode(ids, skip_special_tokens=skip))
+    assert function_calls(message) == [("search", '{"q": "x"}')]
+    assert message.content == "Sure. "
+    # Other parsers, and forced calls, decode as the request asks.
+    assert reading("auto", "hermes").skip_special_tokens(requested=True)
+    assert reading("named", "mistral", named="search").skip_special_tokens(requested=True)
+    assert not reading("auto", "hermes").skip_special_tokens(requested=False)

@@ -59,6 +59,12 @@ class OutputReading:
     starts_in_reasoning: bool = False
     opening_marker: str | None = None  # how the model may open reasoning itself, if it may
 
+    def skip_special_tokens(self, requested: bool) -> bool:
+        """Whether the text is decoded without special tokens: as requested, unless the auto
+        parser reads markers that are special tokens."""
+        parser = self.tool_parser
+        return requested and not (self.plan.mode == "auto" and parser is not None and parser.needs_special_tokens)
+
     def reader(self) -> ChoiceReader:
         calls: CallReader | None = None
         if self.plan.mode == "named":

@@ -88,7 +88,12 @@ class ChatHandler:
             await self.grammars.check(constraint)
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.prompts.sampling_params(
-            body, max_tokens, top_logprobs, body.prompt_logprobs, None if constraint is None else constraint.params
+            body,
+            max_tokens,
+            top_logprobs,
+            body.prompt_logprobs,
+            None if constraint is None else constraint.params,
+            reading.skip_special_tokens(body.skip_special_tokens),
         )
         group = RequestGroup(self.client, body.priority)
         group.submit(new_id("chatcmpl", raw_request), [prompt], [params])
