@@ -207,3 +207,36 @@ def test_mistral_calls_are_decoded_with_their_special_marker(tmp_path: Path) -> 
     assert reading("auto", "hermes").skip_special_tokens(requested=True)
     assert reading("named", "mistral", named="search").skip_special_tokens(requested=True)
     assert not reading("auto", "hermes").skip_special_tokens(requested=False)
+
+
+@pytest.mark.parametrize(
+    ("read", "cut"),
+    [
+        (reading("auto", "hermes"), '<tool_call>\n{"name": "search", "arguments": {"q": "ra'),
+        (reading("auto", "mistral"), '[TOOL_CALLS][{"name": "search", "arguments": {"q": '),
+        (reading("required"), '[{"name": "search", "parameters": {"q": "ra'),
+        (reading("required"), '[{"name": "search", "parameters": {"q": "x"}}, {"name": "get_weather", '),
+        (reading("named", named="search"), '{"q": "ra'),
+        (reading("named", named="search"), '{"q": 12'),
+    ],
+)
+def test_a_call_cut_short_keeps_finish_reason_stop(read: OutputReading, cut: str) -> None:
+    # A stop string or the stop token inside a call's arguments: nothing a client can run.
+    reader, message = whole(read, cut)
+    assert message.tool_calls
+    assert finish_reason("stop", reader) == "stop"
+    assert finish_reason("length", reader) == "length"
+
+
+@pytest.mark.parametrize(
+    ("read", "text"),
+    [
+        (reading("named", named="search"), '{"q": 12}'),
+        (reading("named", named="search"), "12"),
+        (reading("required"), '[{"parameters": {"q": 1}, "name": "search"}]'),
+        (reading("auto", "mistral"), '[TOOL_CALLS][{"name": "search", "arguments": {"q": 1}}]'),
+    ],
+)
+def test_whole_calls_finish_with_tool_calls(read: OutputReading, text: str) -> None:
+    reader, _ = whole(read, text)
+    assert finish_reason("stop", reader) == "tool_calls"

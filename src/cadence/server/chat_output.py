@@ -35,6 +35,11 @@ class CallReader(Protocol):
 
     def finish(self) -> ParsedDelta: ...
 
+    @property
+    def unfinished_calls(self) -> list[int]:
+        """Calls whose arguments never completed (known once finish() ran)."""
+        ...
+
 
 @dataclass
 class OutputPiece:
@@ -131,6 +136,11 @@ class ChoiceReader:
     def made_calls(self) -> bool:
         return bool(self.call_ids)
 
+    @property
+    def calls_complete(self) -> bool:
+        """Every call found has whole arguments (known once finish() ran)."""
+        return self.call_reader is None or not self.call_reader.unfinished_calls
+
     def message(self) -> ChatResponseMessage:
         """The whole choice as OpenAI's message: content null when it is only calls."""
         calls = [
@@ -176,7 +186,11 @@ class ChoiceReader:
 
 
 def finish_reason(reason: str | None, reader: ChoiceReader) -> str | None:
-    """OpenAI's finish reason: "tool_calls" when a choice that ended normally made calls."""
-    if reason == "stop" and reader.made_calls:
+    """OpenAI's finish reason: "tool_calls" when a choice that ended normally made calls.
+
+    Clients run the calls of a "tool_calls" choice, so a call cut short (a stop string or
+    the stop token inside its arguments) keeps the engine's "stop": the message is as the
+    model left it, its last call's arguments a JSON prefix."""
+    if reason == "stop" and reader.made_calls and reader.calls_complete:
         return "tool_calls"
     return reason
