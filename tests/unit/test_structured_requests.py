@@ -248,3 +248,13 @@ def test_forced_calls_take_objects_where_the_schema_leaves_the_type_open(tokeniz
         assert not matches(tokenizer, named.params, arguments)
         assert not matches(tokenizer, required.params, '[{"name": "f", "parameters": ' + arguments + "}]")
     assert matches(tokenizer, required.params, '[{"name": "f", "parameters": {"city": "Paris"}}]')
+
+
+def test_a_tokenizer_llguidance_cannot_read_leaves_a_syntax_check(caplog: pytest.LogCaptureFixture) -> None:
+    grammars = GrammarChecker("{not a tokenizer", 512, [2], 30.0)
+    assert check(grammars, StructuredOutputsParams(json=SCHEMA)) is None
+    assert check(grammars, StructuredOutputsParams(regex="[0-9]+")) is None
+    error = check(grammars, StructuredOutputsParams(json={"type": "object", "not": {}}), "response_format")
+    assert error is not None and error.status == 400 and error.param == "response_format"
+    assert sum("syntax only" in record.message for record in caplog.records) == 1  # logged once
+    grammars.close()
