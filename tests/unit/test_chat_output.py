@@ -240,3 +240,13 @@ def test_a_call_cut_short_keeps_finish_reason_stop(read: OutputReading, cut: str
 def test_whole_calls_finish_with_tool_calls(read: OutputReading, text: str) -> None:
     reader, _ = whole(read, text)
     assert finish_reason("stop", reader) == "tool_calls"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_auto_call() -> None:
+    read = OutputReading(ToolPlan("auto", TOOLS, parallel_calls=False), get_tool_parser("hermes"))
+    cut = HERMES_TEXT + '<tool_call>\n{"name": "search", "arguments": {"q": "sn'
+    reader, message = whole(read, cut)
+    assert function_calls(message) == [("get_weather", '{"city": "Paris"}')]
+    assert message.content == "Let me look. \n"
+    assert finish_reason("stop", reader) == "tool_calls"  # the dropped call's cut does not count
+    check_agrees(read, cut)

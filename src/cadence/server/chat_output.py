@@ -82,15 +82,19 @@ class OutputReading:
         reasoning = None
         if self.reasoning_parser is not None:
             reasoning = self.reasoning_parser(self.starts_in_reasoning)
-        return ChoiceReader(reasoning, calls)
+        max_calls = None if self.plan.mode != "auto" or self.plan.parallel_calls else 1
+        return ChoiceReader(reasoning, calls, max_calls)
 
 
 class ChoiceReader:
     """Reads one choice's text as it grows; remembers what it found, for the message."""
 
-    def __init__(self, reasoning: ReasoningParser | None, calls: CallReader | None) -> None:
+    def __init__(
+        self, reasoning: ReasoningParser | None, calls: CallReader | None, max_calls: int | None = None
+    ) -> None:
         self.reasoning_parser = reasoning
         self.call_reader = calls
+        self.max_calls = max_calls  # calls past this many are dropped
         self.reasoning = ""
         self.content = ""
         self.call_ids: list[str] = []
@@ -117,9 +121,9 @@ class ChoiceReader:
         return self._record(reasoning, "", ParsedDelta(parsed.content + final.content, parsed.calls + final.calls))
 
     def _record(self, reasoning: str, answer: str, parsed: ParsedDelta | None) -> OutputPiece:
-        piece = (
-            OutputPiece(reasoning, answer) if parsed is None else OutputPiece(reasoning, parsed.content, parsed.calls)
-        )
+        piece = OutputPiece(reasoning, answer)
+        if parsed is not None:
+            piece = OutputPiece(reasoning, parsed.content, [c for c in parsed.calls if self._kept(c.index)])
         self.reasoning += piece.reasoning
         self.content += piece.content
         for call in piece.calls:
@@ -139,7 +143,10 @@ class ChoiceReader:
     @property
     def calls_complete(self) -> bool:
         """Every call found has whole arguments (known once finish() ran)."""
-        return self.call_reader is None or not self.call_reader.unfinished_calls
+        return self.call_reader is None or not any(self._kept(i) for i in self.call_reader.unfinished_calls)
+
+    def _kept(self, call_index: int) -> bool:
+        return self.max_calls is None or call_index < self.max_calls
 
     def message(self) -> ChatResponseMessage:
         """The whole choice as OpenAI's message: content null when it is only calls."""

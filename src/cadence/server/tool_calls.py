@@ -6,7 +6,8 @@ hold, how it is constrained, and how its text is read back into calls.
 - `auto` (the default with tools; needs --enable-auto-tool-choice and
   --tool-call-parser, as in vLLM): the model writes calls in its own format and the
   parser finds them; when the parser offers a grammar, the output is constrained by it,
-  so a call it starts is always well-formed.
+  so a call it starts is always well-formed. With parallel_tool_calls false, calls after
+  the first are dropped.
 - `required`: the output is a JSON array of {"name": ..., "parameters": ...} objects,
   one of the tools each (at most one when parallel_tool_calls is false).
 - a named function: the output is that function's arguments, valid against its schema.
@@ -37,6 +38,9 @@ class ToolPlan:
     mode: ToolMode
     tools: tuple[Tool, ...] = ()
     named: str | None = None  # the function a named choice calls
+    # parallel_tool_calls: false keeps only an auto answer's first call (as vLLM does);
+    # a required answer's schema already holds one at most.
+    parallel_calls: bool = True
 
     def constraint(self, parallel_tool_calls: bool) -> Constraint | None:
         """The grammar that `required` and named choices impose; None otherwise."""
@@ -98,7 +102,7 @@ def plan_tools(body: ChatCompletionRequest, auto_tool_choice: bool) -> ToolPlan:
                 'send tool_choice "required", a named function, or "none"',
                 "tool_choice",
             )
-        return ToolPlan("auto", tools)
+        return ToolPlan("auto", tools, parallel_calls=body.parallel_tool_calls)
     _refuse_second_constraint(body)
     return plan
 
