@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from openai.types.chat import ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from transformers import AutoTokenizer
 
@@ -62,13 +62,24 @@ def streamed(read: OutputReading, pieces: list[str]) -> dict[str, Any]:
         ChoiceDelta.model_validate(raw)
         content += raw.get("content") or ""
         reasoning += raw.get("reasoning_content") or ""
-        for call in raw.get("tool_calls", []):
+        entries = raw.get("tool_calls", [])
+        assert len({call["index"] for call in entries}) == len(entries)  # one entry per call per chunk
+        ChatCompletionChunk.model_validate(
+            {
+                "id": "c",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": "m",
+                "choices": [{"index": 0, "delta": raw, "finish_reason": None}],
+            }
+        )
+        for call in entries:
             if call["index"] not in calls:
-                assert set(call) == {"index", "id", "type", "function"} and call["function"]["arguments"] == ""
+                assert set(call) == {"index", "id", "type", "function"}
                 calls[call["index"]] = {"id": call["id"], "name": call["function"]["name"], "arguments": ""}
             else:
                 assert set(call) == {"index", "function"} and set(call["function"]) == {"arguments"}
-                calls[call["index"]]["arguments"] += call["function"]["arguments"]
+            calls[call["index"]]["arguments"] += call["function"]["arguments"]
     return {"content": content, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)]}
 
 

@@ -164,9 +164,9 @@ class ChoiceReader:
         )
 
     def delta(self, piece: OutputPiece, first: bool) -> ChatDelta:
-        """A piece as a stream delta: only the keys it has are set (so sent). A call's
-        first delta has its index, id, type and name with arguments "", then the
-        arguments follow in deltas of their own."""
+        """A piece as a stream delta: only the keys it has are set (so sent). A call has
+        one entry per delta: its first carries the index, id, type and name with the
+        arguments so far, the later ones only arguments."""
         fields: dict[str, object] = {}
         if first:
             fields["role"] = "assistant"
@@ -174,19 +174,25 @@ class ChoiceReader:
             fields["content"] = piece.content
         if piece.reasoning:
             fields["reasoning_content"] = piece.reasoning
-        calls = []
+        names: dict[int, str] = {}
+        arguments: dict[int, str] = {}
         for call in piece.calls:
             if call.name is not None:
+                names[call.index] = call.name
+            arguments[call.index] = arguments.get(call.index, "") + call.arguments
+        calls = []
+        for index, text in arguments.items():
+            if index in names:
                 calls.append(
                     ToolCallDelta(
-                        index=call.index,
-                        id=self.call_ids[call.index],
+                        index=index,
+                        id=self.call_ids[index],
                         type="function",
-                        function=ToolCallFunctionDelta(name=call.name, arguments=""),
+                        function=ToolCallFunctionDelta(name=names[index], arguments=text),
                     )
                 )
-            if call.arguments:
-                calls.append(ToolCallDelta(index=call.index, function=ToolCallFunctionDelta(arguments=call.arguments)))
+            elif text:
+                calls.append(ToolCallDelta(index=index, function=ToolCallFunctionDelta(arguments=text)))
         if calls:
             fields["tool_calls"] = calls
         return ChatDelta(**fields)  # type: ignore[arg-type]
