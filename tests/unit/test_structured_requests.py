@@ -258,3 +258,17 @@ def test_a_tokenizer_llguidance_cannot_read_leaves_a_syntax_check(caplog: pytest
     assert error is not None and error.status == 400 and error.param == "response_format"
     assert sum("syntax only" in record.message for record in caplog.records) == 1  # logged once
     grammars.close()
+
+
+def test_string_formats_are_enforced_or_refused_by_name(tokenizer: PreTrainedTokenizerBase) -> None:
+    grammars = checker(tokenizer)
+    for known in ("date-time", "email", "uuid"):
+        assert check(grammars, StructuredOutputsParams(json={"type": "string", "format": known})) is None
+    date_time = StructuredOutputsParams(json={"type": "string", "format": "date-time"})
+    assert matches(tokenizer, date_time, '"2024-01-31T12:00:00Z"')
+    assert not matches(tokenizer, date_time, '"tomorrow"')
+    unknown = {"type": "object", "properties": {"link": {"type": "string", "format": "uri-reference"}}}
+    error = check(grammars, StructuredOutputsParams(json=unknown), "response_format")
+    assert error is not None and error.status == 400 and error.param == "response_format"
+    assert "uri-reference" in error.message
+    grammars.close()

@@ -23,6 +23,8 @@ MAX_CHOICES = 4096
 # field; a grammar cannot tell an array's items apart without a state per item seen.
 TOLERATED_KEYWORDS = frozenset({"uniqueItems"})
 _UNIMPLEMENTED = "Unimplemented keys: "
+# A string format llguidance has no pattern for: lenient compiling drops it with this warning.
+_UNKNOWN_FORMAT = "Unknown format: "
 
 
 class GrammarError(ValueError):
@@ -113,6 +115,10 @@ def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None = None)
             unsupported = sorted(set(json.loads(message[len(_UNIMPLEMENTED) :])) - TOLERATED_KEYWORDS)
             if unsupported:
                 raise GrammarError(f"the JSON schema uses keywords that cannot be enforced: {', '.join(unsupported)}")
+        elif message.startswith(_UNKNOWN_FORMAT):
+            raise GrammarError(
+                f"the JSON schema uses a string format that cannot be enforced: {message[len(_UNKNOWN_FORMAT) :]}"
+            )
 
 
 def ll_tokenizer(backend_tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
