@@ -212,9 +212,8 @@ class PromptBuilder:
 
         `skip_special_tokens`, when given, replaces the request's own."""
         self.check_token_ids(request.stop_token_ids or [], "stop_token_ids")
-        logit_bias = None
-        if request.logit_bias:
-            logit_bias = {int(token): bias for token, bias in request.logit_bias.items()}
+        logit_bias = dict(request.logit_bias) if request.logit_bias else None  # token ids since validation
+        if logit_bias:
             self.check_token_ids(sorted(logit_bias), "logit_bias")
         try:
             return SamplingParams(
