@@ -5,7 +5,7 @@ from __future__ import annotations
 import llguidance
 import pytest
 
-from cadence.server.tool_parsers import get_tool_parser
+from cadence.server.tool_parsers import ToolSpec, get_tool_parser
 from cadence.structured_outputs.grammar import check_grammar, grammar_text, ll_tokenizer, parser_limits
 from cadence.structured_outputs.params import StructuredOutputsParams
 from tests.support.tiny_tokenizer import save_tiny_tokenizer
@@ -64,3 +64,20 @@ def test_auto_grammar_holds_calls_to_the_tools(
 def test_auto_grammar_where_none_can_be_written() -> None:
     assert get_tool_parser("mistral")(TOOLS).auto_grammar() is None  # [TOOL_CALLS] is a special token
     assert get_tool_parser("hermes")([]).auto_grammar() is None
+
+
+def test_auto_grammar_reads_schemas_as_named_calls_do(tiny_ll_tokenizer: llguidance.LLTokenizer) -> None:
+    # pydantic writes uniqueItems for a set[str] field: tolerated alone, so in auto calls too;
+    # the arguments keep grammar_text's separators and have no free whitespace.
+    tags = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    }
+    check_grammar(grammar_text(StructuredOutputsParams(json=tags)), tiny_ll_tokenizer)
+    grammar = get_tool_parser("hermes")([ToolSpec("tag", tags)]).auto_grammar()
+    assert grammar is not None
+    check_grammar(grammar_text(StructuredOutputsParams(grammar=grammar)), tiny_ll_tokenizer)
+    call = '<tool_call>\n{"name": "tag", "arguments": ARGS}\n</tool_call>'
+    assert _grammar_accepts(tiny_ll_tokenizer, grammar, call.replace("ARGS", '{"tags": ["a", "b"]}'))
+    assert not _grammar_accepts(tiny_ll_tokenizer, grammar, call.replace("ARGS", '{"tags":["a","b"]}'))
+    assert not _grammar_accepts(tiny_ll_tokenizer, grammar, call.replace("ARGS", '{ "tags": ["a", "b"]}'))

@@ -135,19 +135,20 @@ def streamed_choices(server: ServerProcess, body: dict[str, Any]) -> dict[int, l
         for choice, raw_choice in zip(chunk.choices, raw["choices"]):
             if choice.finish_reason is not None:
                 finishes.setdefault(choice.index, []).append(choice.finish_reason)
-            for call, raw_call in zip(choice.delta.tool_calls or [], raw_choice["delta"].get("tool_calls", [])):
+            raw_calls = raw_choice["delta"].get("tool_calls", [])
+            assert len({raw_call["index"] for raw_call in raw_calls}) == len(raw_calls)  # one entry per call
+            for call, raw_call in zip(choice.delta.tool_calls or [], raw_calls):
                 key = (choice.index, call.index)
                 if key not in names:
-                    # A call's first delta: index, id, type and name, with arguments "".
+                    # A call's first delta: index, id, type and name, with the arguments so far.
                     assert call.id and call.type == "function" and call.function and call.function.name
-                    assert call.function.arguments == ""
                     assert call.id not in ids
                     ids.add(call.id)
                     names[key] = call.function.name
                     arguments[key] = ""
                 else:
                     assert set(raw_call) == {"index", "function"} and set(raw_call["function"]) == {"arguments"}
-                    arguments[key] += raw_call["function"]["arguments"]
+                arguments[key] += raw_call["function"]["arguments"]
     assert all(reasons == ["tool_calls"] for reasons in finishes.values())
     choices: dict[int, list[tuple[str, str]]] = {index: [] for index in finishes}
     for key in sorted(names):

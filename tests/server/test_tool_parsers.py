@@ -76,3 +76,16 @@ def test_registry() -> None:
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")
+
+
+@pytest.mark.parametrize(
+    ("parser_name", "opening", "closing"),
+    [("hermes", "<tool_call>\n", "\n</tool_call>"), ("mistral", "[TOOL_CALLS][", "]"), ("llama3_json", "", "")],
+)
+def test_arguments_nested_past_pythons_parser_are_content(parser_name: str, opening: str, closing: str) -> None:
+    # Arguments sent as a JSON string whose text nests deeper than json.loads can go.
+    key = "parameters" if parser_name == "llama3_json" else "arguments"
+    nested = json.dumps("[" * 3000 + "]" * 3000)
+    text = opening + '{"name": "search", "' + key + '": ' + nested + "}" + closing
+    parsed = parse(parser_name, [text])
+    assert parsed.calls == [] and parsed.content == text

@@ -5,17 +5,20 @@ character boundary (the two must agree)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
-from openai.types.chat import ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from transformers import AutoTokenizer
 
 from cadence.openai_schema.constraint_fields import Tool
 from cadence.server.chat_output import ChoiceReader, OutputReading, finish_reason
 from cadence.server.reasoning import get_reasoning_parser
 from cadence.server.tool_calls import ToolPlan
 from cadence.server.tool_parsers import get_tool_parser
+from tests.support.tiny_tokenizer import save_tiny_tokenizer
 
 TOOLS = tuple(
     Tool.model_validate({"type": "function", "function": {"name": name, "parameters": {"type": "object"}}})
@@ -59,13 +62,24 @@ def streamed(read: OutputReading, pieces: list[str]) -> dict[str, Any]:
         ChoiceDelta.model_validate(raw)
         content += raw.get("content") or ""
         reasoning += raw.get("reasoning_content") or ""
-        for call in raw.get("tool_calls", []):
+        entries = raw.get("tool_calls", [])
+        assert len({call["index"] for call in entries}) == len(entries)  # one entry per call per chunk
+        ChatCompletionChunk.model_validate(
+            {
+                "id": "c",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": "m",
+                "choices": [{"index": 0, "delta": raw, "finish_reason": None}],
+            }
+        )
+        for call in entries:
             if call["index"] not in calls:
-                assert set(call) == {"index", "id", "type", "function"} and call["function"]["arguments"] == ""
+                assert set(call) == {"index", "id", "type", "function"}
                 calls[call["index"]] = {"id": call["id"], "name": call["function"]["name"], "arguments": ""}
             else:
                 assert set(call) == {"index", "function"} and set(call["function"]) == {"arguments"}
-                calls[call["index"]]["arguments"] += call["function"]["arguments"]
+            calls[call["index"]]["arguments"] += call["function"]["arguments"]
     return {"content": content, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)]}
 
 
@@ -188,3 +202,62 @@ def test_forced_call_after_reasoning() -> None:
     message = check_agrees(read, 'Paris.</think>\n\n{"city": "Paris"}')
     assert function_calls(message) == [("get_weather", '{"city": "Paris"}')]
     assert message.model_extra is not None and message.model_extra["reasoning_content"] == "Paris."
+
+
+def test_mistral_calls_are_decoded_with_their_special_marker(tmp_path: Path) -> None:
+    save_tiny_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    ids = tokenizer.encode('Sure. [TOOL_CALLS][{"name": "search", "arguments": {"q": "x"}}]', add_special_tokens=False)
+    mistral = reading("auto", "mistral")
+    skip = mistral.skip_special_tokens(requested=True)
+    _, message = whole(mistral, tokenizer.decode(ids, skip_special_tokens=skip))
+    assert function_calls(message) == [("search", '{"q": "x"}')]
+    assert message.content == "Sure. "
+    # Other parsers, and forced calls, decode as the request asks.
+    assert reading("auto", "hermes").skip_special_tokens(requested=True)
+    assert reading("named", "mistral", named="search").skip_special_tokens(requested=True)
+    assert not reading("auto", "hermes").skip_special_tokens(requested=False)
+
+
+@pytest.mark.parametrize(
+    ("read", "cut"),
+    [
+        (reading("auto", "hermes"), '<tool_call>\n{"name": "search", "arguments": {"q": "ra'),
+        (reading("auto", "mistral"), '[TOOL_CALLS][{"name": "search", "arguments": {"q": '),
+        (reading("required"), '[{"name": "search", "parameters": {"q": "ra'),
+        (reading("required"), '[{"name": "search", "parameters": {"q": "x"}}, {"name": "get_weather", '),
+        (reading("named", named="search"), '{"q": "ra'),
+        (reading("named", named="search"), '{"q": 12'),
+    ],
+)
+def test_a_call_cut_short_keeps_finish_reason_stop(read: OutputReading, cut: str) -> None:
+    # A stop string or the stop token inside a call's arguments: nothing a client can run.
+    reader, message = whole(read, cut)
+    assert message.tool_calls
+    assert finish_reason("stop", reader) == "stop"
+    assert finish_reason("length", reader) == "length"
+
+
+@pytest.mark.parametrize(
+    ("read", "text"),
+    [
+        (reading("named", named="search"), '{"q": 12}'),
+        (reading("named", named="search"), "12"),
+        (reading("required"), '[{"parameters": {"q": 1}, "name": "search"}]'),
+        (reading("auto", "mistral"), '[TOOL_CALLS][{"name": "search", "arguments": {"q": 1}}]'),
+    ],
+)
+def test_whole_calls_finish_with_tool_calls(read: OutputReading, text: str) -> None:
+    reader, _ = whole(read, text)
+    assert finish_reason("stop", reader) == "tool_calls"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_auto_call() -> None:
+    read = OutputReading(ToolPlan("auto", TOOLS, parallel_calls=False), get_tool_parser("hermes"))
+    cut = HERMES_TEXT + '<tool_call>\n{"name": "search", "arguments": {"q": "sn'
+    reader, message = whole(read, cut)
+    assert function_calls(message) == [("get_weather", '{"city": "Paris"}')]
+    assert message.content == "Let me look. \n"
+    assert finish_reason("stop", reader) == "tool_calls"  # the dropped call's cut does not count
+    check_agrees(read, cut)

@@ -203,3 +203,72 @@ def test_the_answers_constraint_per_tool_choice_and_reasoning() -> None:
     assert answer_constraint(formatted, plain) == Constraint(StructuredOutputsParams(regex="[ab]"), "guided_regex")
     none = tool_request(tool_choice="none")
     assert answer_constraint(none, OutputReading(plan_tools(none, True), hermes)) is None
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"guided_json": "{bad"}, "guided_json"),
+        ({"structured_outputs": {"grammar": "root ::= ???"}}, "structured_outputs"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"description": "x" * 300_000}},
+                }
+            },
+            "response_format",
+        ),
+    ],
+)
+def test_a_bad_constraint_after_reasoning_is_a_400_naming_its_field(fields: dict[str, Any], param: str) -> None:
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+    thinking = OutputReading(
+        plan_tools(body, False), None, get_reasoning_parser("deepseek_r1"), starts_in_reasoning=True
+    )
+    with pytest.raises(APIError) as refused:
+        answer_constraint(body, thinking)
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_forced_calls_take_objects_where_the_schema_leaves_the_type_open(tokenizer: PreTrainedTokenizerBase) -> None:
+    untyped = {"properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": untyped}}]
+    named_body = ChatCompletionRequest.model_validate(
+        {"messages": MESSAGES, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    )
+    named = plan_tools(named_body, False).constraint(True)
+    required_body = ChatCompletionRequest.model_validate(
+        {"messages": MESSAGES, "tools": tools, "tool_choice": "required"}
+    )
+    required = plan_tools(required_body, False).constraint(True)
+    assert named is not None and required is not None
+    assert matches(tokenizer, named.params, '{"city": "Paris"}')
+    for arguments in ("42", '"Paris"', "[1, 2]"):
+        assert not matches(tokenizer, named.params, arguments)
+        assert not matches(tokenizer, required.params, '[{"name": "f", "parameters": ' + arguments + "}]")
+    assert matches(tokenizer, required.params, '[{"name": "f", "parameters": {"city": "Paris"}}]')
+
+
+def test_a_tokenizer_llguidance_cannot_read_leaves_a_syntax_check(caplog: pytest.LogCaptureFixture) -> None:
+    grammars = GrammarChecker("{not a tokenizer", 512, [2], 30.0)
+    assert check(grammars, StructuredOutputsParams(json=SCHEMA)) is None
+    assert check(grammars, StructuredOutputsParams(regex="[0-9]+")) is None
+    error = check(grammars, StructuredOutputsParams(json={"type": "object", "not": {}}), "response_format")
+    assert error is not None and error.status == 400 and error.param == "response_format"
+    assert sum("syntax only" in record.message for record in caplog.records) == 1  # logged once
+    grammars.close()
+
+
+def test_string_formats_are_enforced_or_refused_by_name(tokenizer: PreTrainedTokenizerBase) -> None:
+    grammars = checker(tokenizer)
+    for known in ("date-time", "email", "uuid"):
+        assert check(grammars, StructuredOutputsParams(json={"type": "string", "format": known})) is None
+    date_time = StructuredOutputsParams(json={"type": "string", "format": "date-time"})
+    assert matches(tokenizer, date_time, '"2024-01-31T12:00:00Z"')
+    assert not matches(tokenizer, date_time, '"tomorrow"')
+    unknown = {"type": "object", "properties": {"link": {"type": "string", "format": "uri-reference"}}}
+    error = check(grammars, StructuredOutputsParams(json=unknown), "response_format")
+    assert error is not None and error.status == 400 and error.param == "response_format"
+    assert "uri-reference" in error.message
+    grammars.close()

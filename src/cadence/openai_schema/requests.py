@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, model_validator
 
 from cadence.openai_schema.constraint_fields import (
     MessageToolCall,
@@ -29,6 +29,11 @@ from cadence.sampling_limits import FLOAT32_MAX, INT64_MAX, MAX_LOGPROBS
 # Stop strings are checked on every new token of every choice; bound that work.
 MAX_STOPS = 64
 MAX_STOP_LENGTH = 512
+# Biases are added to the logits at every step. OpenAI documents no bound (its API is
+# reported to refuse more than 300 entries); this one keeps a request's work and size small.
+MAX_LOGIT_BIAS = 1024
+# Token ids are below 2**31: ten digits at most (leading zeros included).
+MAX_TOKEN_ID_DIGITS = 10
 
 
 # NaN and infinity are refused (JSON parsers accept NaN and Infinity); fields with no
@@ -46,14 +51,27 @@ def _stop_string(text: str) -> str:
 StopString = Annotated[str, AfterValidator(_stop_string)]
 
 
-def _logit_bias(bias: dict[str, float]) -> dict[str, float]:
-    # OpenAI's form: token ids as JSON object keys (strings), biases from -100 to 100.
-    # Whether each id is in the vocabulary is checked by the server, which knows it.
+def _logit_bias_ids(bias: object) -> object:
+    # OpenAI's form: token ids as JSON object keys (strings of ASCII digits), read as ints
+    # here so that nothing later parses client text. Whether each id is in the vocabulary
+    # is checked by the server, which knows it.
+    if not isinstance(bias, dict):
+        return bias  # pydantic refuses it as not an object
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, not {len(bias)}")
+    by_id: dict[object, object] = {}
     for key, value in bias.items():
-        if not key.strip().isdigit():
-            raise ValueError(f"logit_bias keys are token ids written as strings of digits, not {key!r}")
+        digits = key.strip() if isinstance(key, str) else ""
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= MAX_TOKEN_ID_DIGITS):
+            raise ValueError(f"logit_bias keys are token ids written as strings of digits, not {str(key)[:32]!r}")
+        by_id[int(digits)] = value
+    return by_id
+
+
+def _logit_bias_values(bias: dict[int, float]) -> dict[int, float]:
+    for token, value in bias.items():
         if not -100.0 <= value <= 100.0:
-            raise ValueError(f"logit_bias values lie in [-100, 100]; token {key} has {value}")
+            raise ValueError(f"logit_bias values lie in [-100, 100]; token {token} has {value}")
     return bias
 
 
@@ -64,7 +82,7 @@ def _no_whitespace_pattern(pattern: str) -> str:
     )
 
 
-LogitBias = Annotated[dict[str, FiniteFloat], AfterValidator(_logit_bias)]
+LogitBias = Annotated[dict[int, FiniteFloat], BeforeValidator(_logit_bias_ids), AfterValidator(_logit_bias_values)]
 
 
 class StreamOptions(Lenient):

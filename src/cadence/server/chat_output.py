@@ -35,6 +35,11 @@ class CallReader(Protocol):
 
     def finish(self) -> ParsedDelta: ...
 
+    @property
+    def unfinished_calls(self) -> list[int]:
+        """Calls whose arguments never completed (known once finish() ran)."""
+        ...
+
 
 @dataclass
 class OutputPiece:
@@ -59,6 +64,12 @@ class OutputReading:
     starts_in_reasoning: bool = False
     opening_marker: str | None = None  # how the model may open reasoning itself, if it may
 
+    def skip_special_tokens(self, requested: bool) -> bool:
+        """Whether the text is decoded without special tokens: as requested, unless the auto
+        parser reads markers that are special tokens."""
+        parser = self.tool_parser
+        return requested and not (self.plan.mode == "auto" and parser is not None and parser.needs_special_tokens)
+
     def reader(self) -> ChoiceReader:
         calls: CallReader | None = None
         if self.plan.mode == "named":
@@ -71,15 +82,19 @@ class OutputReading:
         reasoning = None
         if self.reasoning_parser is not None:
             reasoning = self.reasoning_parser(self.starts_in_reasoning)
-        return ChoiceReader(reasoning, calls)
+        max_calls = None if self.plan.mode != "auto" or self.plan.parallel_calls else 1
+        return ChoiceReader(reasoning, calls, max_calls)
 
 
 class ChoiceReader:
     """Reads one choice's text as it grows; remembers what it found, for the message."""
 
-    def __init__(self, reasoning: ReasoningParser | None, calls: CallReader | None) -> None:
+    def __init__(
+        self, reasoning: ReasoningParser | None, calls: CallReader | None, max_calls: int | None = None
+    ) -> None:
         self.reasoning_parser = reasoning
         self.call_reader = calls
+        self.max_calls = max_calls  # calls past this many are dropped
         self.reasoning = ""
         self.content = ""
         self.call_ids: list[str] = []
@@ -106,9 +121,9 @@ class ChoiceReader:
         return self._record(reasoning, "", ParsedDelta(parsed.content + final.content, parsed.calls + final.calls))
 
     def _record(self, reasoning: str, answer: str, parsed: ParsedDelta | None) -> OutputPiece:
-        piece = (
-            OutputPiece(reasoning, answer) if parsed is None else OutputPiece(reasoning, parsed.content, parsed.calls)
-        )
+        piece = OutputPiece(reasoning, answer)
+        if parsed is not None:
+            piece = OutputPiece(reasoning, parsed.content, [c for c in parsed.calls if self._kept(c.index)])
         self.reasoning += piece.reasoning
         self.content += piece.content
         for call in piece.calls:
@@ -124,6 +139,14 @@ class ChoiceReader:
     @property
     def made_calls(self) -> bool:
         return bool(self.call_ids)
+
+    @property
+    def calls_complete(self) -> bool:
+        """Every call found has whole arguments (known once finish() ran)."""
+        return self.call_reader is None or not any(self._kept(i) for i in self.call_reader.unfinished_calls)
+
+    def _kept(self, call_index: int) -> bool:
+        return self.max_calls is None or call_index < self.max_calls
 
     def message(self) -> ChatResponseMessage:
         """The whole choice as OpenAI's message: content null when it is only calls."""
@@ -141,9 +164,9 @@ class ChoiceReader:
         )
 
     def delta(self, piece: OutputPiece, first: bool) -> ChatDelta:
-        """A piece as a stream delta: only the keys it has are set (so sent). A call's
-        first delta has its index, id, type and name with arguments "", then the
-        arguments follow in deltas of their own."""
+        """A piece as a stream delta: only the keys it has are set (so sent). A call has
+        one entry per delta: its first carries the index, id, type and name with the
+        arguments so far, the later ones only arguments."""
         fields: dict[str, object] = {}
         if first:
             fields["role"] = "assistant"
@@ -151,26 +174,36 @@ class ChoiceReader:
             fields["content"] = piece.content
         if piece.reasoning:
             fields["reasoning_content"] = piece.reasoning
-        calls = []
+        names: dict[int, str] = {}
+        arguments: dict[int, str] = {}
         for call in piece.calls:
             if call.name is not None:
+                names[call.index] = call.name
+            arguments[call.index] = arguments.get(call.index, "") + call.arguments
+        calls = []
+        for index, text in arguments.items():
+            if index in names:
                 calls.append(
                     ToolCallDelta(
-                        index=call.index,
-                        id=self.call_ids[call.index],
+                        index=index,
+                        id=self.call_ids[index],
                         type="function",
-                        function=ToolCallFunctionDelta(name=call.name, arguments=""),
+                        function=ToolCallFunctionDelta(name=names[index], arguments=text),
                     )
                 )
-            if call.arguments:
-                calls.append(ToolCallDelta(index=call.index, function=ToolCallFunctionDelta(arguments=call.arguments)))
+            elif text:
+                calls.append(ToolCallDelta(index=index, function=ToolCallFunctionDelta(arguments=text)))
         if calls:
             fields["tool_calls"] = calls
         return ChatDelta(**fields)  # type: ignore[arg-type]
 
 
 def finish_reason(reason: str | None, reader: ChoiceReader) -> str | None:
-    """OpenAI's finish reason: "tool_calls" when a choice that ended normally made calls."""
-    if reason == "stop" and reader.made_calls:
+    """OpenAI's finish reason: "tool_calls" when a choice that ended normally made calls.
+
+    Clients run the calls of a "tool_calls" choice, so a call cut short (a stop string or
+    the stop token inside its arguments) keeps the engine's "stop": the message is as the
+    model left it, its last call's arguments a JSON prefix."""
+    if reason == "stop" and reader.made_calls and reader.calls_complete:
         return "tool_calls"
     return reason

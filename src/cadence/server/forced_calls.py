@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from cadence.server.tool_parsers.base import CallDelta, ParsedDelta
+from cadence.server.tool_parsers.json_prefix import JsonPrefixScanner
 
 
 class NamedCallReader:
@@ -20,6 +21,11 @@ class NamedCallReader:
     def __init__(self, name: str) -> None:
         self.name = name
         self.started = False
+        # Whether the arguments are whole: the grammar keeps them a JSON prefix, but a stop
+        # string or max_tokens may cut them.
+        self._scanner = JsonPrefixScanner()
+        self._valid = True
+        self._complete = False
 
     def feed(self, text: str) -> ParsedDelta:
         if not self.started:
@@ -27,11 +33,22 @@ class NamedCallReader:
             if not text:
                 return ParsedDelta("", [])
             self.started = True
+            self._scan(text)
             return ParsedDelta("", [CallDelta(0, self.name, text)])
+        self._scan(text)
         return ParsedDelta("", [CallDelta(0, None, text)] if text else [])
 
+    def _scan(self, text: str) -> None:
+        if self._valid:
+            self._valid = all(self._scanner.push(char) for char in text)
+
     def finish(self) -> ParsedDelta:
+        self._complete = self._valid and self._scanner.finish()
         return ParsedDelta("", [])
+
+    @property
+    def unfinished_calls(self) -> list[int]:
+        return [0] if self.started and not self._complete else []
 
 
 class RequiredCallsReader:
@@ -98,6 +115,12 @@ class RequiredCallsReader:
             call.name = json.loads(text)
         elif key == "parameters":
             call.arguments = text
+            call.complete = complete
+
+    @property
+    def unfinished_calls(self) -> list[int]:
+        # Indexes as in the deltas; a call whose name never came was never sent.
+        return [index for index, call in enumerate(self.calls) if call.name is not None and not call.complete]
 
     def _deltas(self) -> list[CallDelta]:
         if self.depth > 2 and self.key == "parameters":
@@ -122,3 +145,4 @@ class _Call:
         self.arguments = ""
         self.announced = False
         self.sent = 0
+        self.complete = False  # the parameters' value ended

@@ -206,12 +206,14 @@ class PromptBuilder:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         structured_outputs: StructuredOutputsParams | None = None,
+        skip_special_tokens: bool | None = None,
     ) -> SamplingParams:
-        """The engine's SamplingParams for an API request; OpenAI's defaults where unset."""
+        """The engine's SamplingParams for an API request; OpenAI's defaults where unset.
+
+        `skip_special_tokens`, when given, replaces the request's own."""
         self.check_token_ids(request.stop_token_ids or [], "stop_token_ids")
-        logit_bias = None
-        if request.logit_bias:
-            logit_bias = {int(token): bias for token, bias in request.logit_bias.items()}
+        logit_bias = dict(request.logit_bias) if request.logit_bias else None  # token ids since validation
+        if logit_bias:
             self.check_token_ids(sorted(logit_bias), "logit_bias")
         try:
             return SamplingParams(
@@ -232,7 +234,7 @@ class PromptBuilder:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=request.skip_special_tokens,
+                skip_special_tokens=request.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
                 logit_bias=logit_bias,
                 structured_outputs=structured_outputs,
             )

@@ -82,6 +82,22 @@ class EventStreamResponse(StreamingResponse):
             self.group.abort()
 
 
+# How the engine words the grammar failures of a request the API already checked
+# (engine/structured_output/manager.py, engine/engine_core.py).
+_COMPILE_TIMEOUT = "did not compile within"
+_LEFT_GRAMMAR = "the output left its grammar"
+
+
+def _rejection(reason: str, retry_after: int) -> APIError:
+    if _COMPILE_TIMEOUT in reason:
+        # The API compiled this grammar in time: the engine's compile threads are busy.
+        return unavailable(f"{reason} in the engine, which is busy; try again", retry_after)
+    if _LEFT_GRAMMAR in reason:
+        # The engine sampled a token its own mask allowed and its matcher then refused.
+        return APIError(500, f"internal error: {reason}", type="server_error")
+    return bad_request(reason)
+
+
 def as_api_error(error: Exception, retry_after: int = 1) -> APIError:
     """The HTTP answer for an error raised while a request is in the engine; `retry_after`
     is what a 503 tells the client to wait."""
@@ -91,7 +107,9 @@ def as_api_error(error: Exception, retry_after: int = 1) -> APIError:
         return overloaded(str(error))
     if isinstance(error, EngineDeadError):
         return unavailable(str(error), retry_after)
-    if isinstance(error, (RequestRejectedError, ValueError)):
+    if isinstance(error, RequestRejectedError):
+        return _rejection(str(error), retry_after)
+    if isinstance(error, ValueError):
         return bad_request(str(error))
     return APIError(500, f"internal error: {error}", type="server_error")
 

@@ -39,6 +39,7 @@ from cadence.server.structured_requests import Constraint, GrammarChecker, reque
 from cadence.server.tool_calls import ToolPlan, plan_tools
 from cadence.server.tool_parsers import get_tool_parser
 from cadence.server.tool_parsers.base import ToolParser
+from cadence.structured_outputs.grammar import GrammarError
 from cadence.structured_outputs.params import StructuredOutputsParams
 
 
@@ -87,7 +88,12 @@ class ChatHandler:
             await self.grammars.check(constraint)
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.prompts.sampling_params(
-            body, max_tokens, top_logprobs, body.prompt_logprobs, None if constraint is None else constraint.params
+            body,
+            max_tokens,
+            top_logprobs,
+            body.prompt_logprobs,
+            None if constraint is None else constraint.params,
+            reading.skip_special_tokens(body.skip_special_tokens),
         )
         group = RequestGroup(self.client, body.priority)
         group.submit(new_id("chatcmpl", raw_request), [prompt], [params])
@@ -145,7 +151,13 @@ def answer_constraint(body: ChatCompletionRequest, reading: OutputReading) -> Co
     parser = reading.reasoning_parser
     if constraint is None or parser is None:
         return constraint
-    wrapped = after_reasoning(constraint.params, parser.end_marker, reading.opening_marker, reading.starts_in_reasoning)
+    try:
+        wrapped = after_reasoning(
+            constraint.params, parser.end_marker, reading.opening_marker, reading.starts_in_reasoning
+        )
+    except GrammarError as error:
+        # Wrapping reads the constraint's own text first: its fault, the field's 400.
+        raise bad_request(f"{constraint.param}: {error}", constraint.param) from error
     return Constraint(wrapped, constraint.param)
 
 

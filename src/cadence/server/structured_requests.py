@@ -11,6 +11,7 @@ field that sent it, and never reaches the engine.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from cadence.openai_schema.requests import SamplingFields
 from cadence.server.errors import APIError, bad_request
 from cadence.structured_outputs.grammar import GrammarError, check_grammar, grammar_text, ll_tokenizer
 from cadence.structured_outputs.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 # Grammars are checked on threads of their own (llguidance drops the GIL): a slow one
 # never holds up tokenization, and a few pathological requests cannot take every thread.
@@ -108,7 +111,15 @@ class GrammarChecker:
     async def _ll_tokenizer(self) -> llguidance.LLTokenizer | None:
         if self._tokenizer is None:
             return None
-        return await asyncio.wrap_future(self._tokenizer)
+        try:
+            return await asyncio.wrap_future(self._tokenizer)
+        except Exception:
+            # A tokenizer llguidance cannot read must not fail every constrained request:
+            # their syntax is still checked here, and the engine compiles them as usual.
+            if self._tokenizer is not None:
+                logger.exception("llguidance cannot read the tokenizer; grammars are checked for syntax only")
+                self._tokenizer = None
+            return None
 
     async def check(self, constraint: Constraint) -> None:
         """400 naming `constraint.param` when its grammar is refused or does not compile

@@ -6,7 +6,8 @@ hold, how it is constrained, and how its text is read back into calls.
 - `auto` (the default with tools; needs --enable-auto-tool-choice and
   --tool-call-parser, as in vLLM): the model writes calls in its own format and the
   parser finds them; when the parser offers a grammar, the output is constrained by it,
-  so a call it starts is always well-formed.
+  so a call it starts is always well-formed. With parallel_tool_calls false, calls after
+  the first are dropped.
 - `required`: the output is a JSON array of {"name": ..., "parameters": ...} objects,
   one of the tools each (at most one when parallel_tool_calls is false).
 - a named function: the output is that function's arguments, valid against its schema.
@@ -22,6 +23,7 @@ from cadence.openai_schema.constraint_fields import NamedToolChoice, Tool
 from cadence.openai_schema.requests import ChatCompletionRequest
 from cadence.server.errors import bad_request
 from cadence.server.structured_requests import Constraint
+from cadence.server.tool_parsers.call_grammar import object_schema
 from cadence.structured_outputs.params import StructuredOutputsParams
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -36,6 +38,9 @@ class ToolPlan:
     mode: ToolMode
     tools: tuple[Tool, ...] = ()
     named: str | None = None  # the function a named choice calls
+    # parallel_tool_calls: false keeps only an auto answer's first call (as vLLM does);
+    # a required answer's schema already holds one at most.
+    parallel_calls: bool = True
 
     def constraint(self, parallel_tool_calls: bool) -> Constraint | None:
         """The grammar that `required` and named choices impose; None otherwise."""
@@ -48,7 +53,8 @@ class ToolPlan:
 
 
 def _parameters(tool: Tool) -> dict[str, Any]:
-    return tool.function.parameters or ANY_OBJECT
+    # Arguments are an object: a schema that leaves the type open is read as one, as in auto mode.
+    return object_schema(tool.function.parameters or ANY_OBJECT)
 
 
 def calls_schema(tools: tuple[Tool, ...], parallel_tool_calls: bool) -> dict[str, Any]:
@@ -96,7 +102,7 @@ def plan_tools(body: ChatCompletionRequest, auto_tool_choice: bool) -> ToolPlan:
                 'send tool_choice "required", a named function, or "none"',
                 "tool_choice",
             )
-        return ToolPlan("auto", tools)
+        return ToolPlan("auto", tools, parallel_calls=body.parallel_tool_calls)
     _refuse_second_constraint(body)
     return plan
 

@@ -23,6 +23,8 @@ MAX_CHOICES = 4096
 # field; a grammar cannot tell an array's items apart without a state per item seen.
 TOLERATED_KEYWORDS = frozenset({"uniqueItems"})
 _UNIMPLEMENTED = "Unimplemented keys: "
+# A string format llguidance has no pattern for: lenient compiling drops it with this warning.
+_UNKNOWN_FORMAT = "Unknown format: "
 
 
 class GrammarError(ValueError):
@@ -57,20 +59,31 @@ def _bounded(text: str, what: str) -> str:
     return text
 
 
+def json_options(whitespace_flexible: bool = False) -> dict[str, Any]:
+    """How every JSON schema is compiled ("x-guidance" options)."""
+    # Lenient: unknown keywords become warnings, which check_grammar refuses unless tolerated.
+    options: dict[str, Any] = {"whitespace_flexible": whitespace_flexible, "lenient": True}
+    if not whitespace_flexible:
+        options.update(item_separator=", ", key_separator=": ")
+    return options
+
+
+def inline_json_schema(schema: dict[str, Any], whitespace_flexible: bool = False) -> str:
+    """`%json {...}` for a Lark rule: the schema read exactly as grammar_text reads it alone."""
+    return "%json " + json.dumps({**schema, "x-guidance": json_options(whitespace_flexible)})
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """llguidance's grammar text for the constraint; GrammarError for text it cannot take."""
-    # Lenient: unknown keywords become warnings, which check_grammar refuses unless tolerated.
-    json_options: Any = {"whitespace_flexible": params.whitespace_flexible, "lenient": True}
-    if not params.whitespace_flexible:
-        json_options.update(item_separator=", ", key_separator=": ")
+    options: Any = json_options(params.whitespace_flexible)
     kind = params.kind
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=json_options)
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=options)
     if kind == "json":
         assert params.json is not None
         schema = _bounded(_json_text(params.json), "JSON schema")
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         except ValueError as error:
             raise GrammarError(f"the JSON schema could not be read: {error}") from None
     if kind == "regex":
@@ -102,6 +115,10 @@ def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None = None)
             unsupported = sorted(set(json.loads(message[len(_UNIMPLEMENTED) :])) - TOLERATED_KEYWORDS)
             if unsupported:
                 raise GrammarError(f"the JSON schema uses keywords that cannot be enforced: {', '.join(unsupported)}")
+        elif message.startswith(_UNKNOWN_FORMAT):
+            raise GrammarError(
+                f"the JSON schema uses a string format that cannot be enforced: {message[len(_UNKNOWN_FORMAT) :]}"
+            )
 
 
 def ll_tokenizer(backend_tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:

@@ -67,6 +67,11 @@ class ToolParser(ABC):
     """
 
     name: ClassVar[str]
+    # The format's markers are special tokens: the text must be decoded with special tokens
+    # kept, or the markers vanish and calls read as content (vLLM turns
+    # skip_special_tokens off for such parsers too). The stop token itself never reaches the
+    # text (engine/output_processor.py).
+    needs_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tools: Sequence[ToolSpec]) -> None:
         self.tools = {tool.name: tool for tool in tools}

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cadence.server.tool_parsers.base import ToolSpec
+from cadence.structured_outputs.grammar import inline_json_schema
 
 
 def object_schema(parameters: dict[str, Any]) -> dict[str, Any]:
@@ -34,9 +35,9 @@ def _tool_rules(tools: Mapping[str, ToolSpec], argument_key: str) -> tuple[str, 
     rules = []
     for number, tool in enumerate(tools.values()):
         head = '{"name": ' + json.dumps(tool.name) + ", " + json.dumps(argument_key) + ": "
-        schema = json.dumps(object_schema(tool.parameters))
+        schema = inline_json_schema(object_schema(tool.parameters))
         names.append(f"tool_{number}")
-        rules.append(f'tool_{number}: {_lark_string(head)} %json {schema} "}}"')
+        rules.append(f'tool_{number}: {_lark_string(head)} {schema} "}}"')
     return " | ".join(names), rules
 
 

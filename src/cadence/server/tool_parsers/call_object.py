@@ -139,7 +139,7 @@ def _object_text(encoded: str) -> str | None:
     decoded = json.loads(encoded)
     try:
         value = json.loads(decoded, parse_constant=_refuse_constant)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past Python's parser: not arguments we can take
         return None
     return decoded if isinstance(value, dict) else None
 

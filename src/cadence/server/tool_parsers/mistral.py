@@ -6,8 +6,9 @@
 
 The model's call id is markup: the server gives every call an id of its own.
 
-`[TOOL_CALLS]` is a special token: the server must detokenize with special tokens kept
-for this parser to see it.
+`[TOOL_CALLS]` is a special token: the server detokenizes with special tokens kept
+(needs_special_tokens) for this parser to see it. Other special tokens the model writes
+mid-answer then reach the content, as in vLLM.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ CALL_ID = "[CALL_ID]"
 
 class MistralToolParser(JsonCallParser):
     name = "mistral"
+    needs_special_tokens = True
 
     def __init__(self, tools: Sequence[ToolSpec]) -> None:
         super().__init__(tools)
