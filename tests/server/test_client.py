@@ -12,7 +12,7 @@ import socket
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
@@ -34,6 +34,7 @@ from cadence.client import (
     parse_metrics,
 )
 from cadence.client.errors import APIStatusError
+from cadence.client.params import ToolCall
 from cadence.client.retry import parse_retry_after
 from cadence.openai_schema.responses import (
     CompletionChoice,
@@ -135,7 +136,7 @@ def test_chat_plain_and_streamed_match_the_openai_sdk(client: Client, sdk: opena
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-WEATHER_TOOL = {
+WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -150,29 +151,24 @@ WEATHER_TOOL = {
 
 
 def test_tools_and_response_format_match_the_openai_sdk(client: Client, sdk: openai.OpenAI) -> None:
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    expected = sdk.chat.completions.create(
-        model="tiny",
-        messages=MESSAGES,
-        max_tokens=30,
-        temperature=0,
-        tools=[WEATHER_TOOL],
-        tool_choice=named,  # type: ignore[arg-type, list-item]
+    named: dict[str, Any] = {"type": "function", "function": {"name": "get_weather"}}
+    expected = sdk.chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", messages=MESSAGES, max_tokens=30, temperature=0, tools=[WEATHER_TOOL], tool_choice=named
     )
     got = client.chat(MESSAGES, max_tokens=30, temperature=0, tools=[WEATHER_TOOL], tool_choice=named)
     (call,) = got.choices[0].message.tool_calls or []
     (expected_call,) = expected.choices[0].message.tool_calls or []
     assert call.function.name == "get_weather" and got.choices[0].finish_reason == "tool_calls"
-    assert call.function.arguments == expected_call.function.arguments  # type: ignore[union-attr]
+    assert call.function.arguments == expected_call.function.arguments
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
     # The call and a tool's answer go back as the next turn's messages.
     turn: list[ChatMessage] = [
         *MESSAGES,
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},  # type: ignore[typeddict-item]
+        {"role": "assistant", "content": None, "tool_calls": [cast(ToolCall, call.model_dump())]},
         {"role": "tool", "content": "sunny", "tool_call_id": call.id},
     ]
     assert client.chat(turn, max_tokens=4, temperature=0).choices[0].message.content is not None
-    schema = WEATHER_TOOL["function"]["parameters"]  # type: ignore[index]
+    schema = WEATHER_TOOL["function"]["parameters"]
     response_format = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}
     answer = client.chat(MESSAGES, max_tokens=30, temperature=0, response_format=response_format)
     assert answer.choices[0].finish_reason == "stop"

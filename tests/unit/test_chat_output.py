@@ -211,7 +211,9 @@ def test_mistral_calls_are_decoded_with_their_special_marker(tmp_path: Path) -> 
     ids = tokenizer.encode('Sure. [TOOL_CALLS][{"name": "search", "arguments": {"q": "x"}}]', add_special_tokens=False)
     mistral = reading("auto", "mistral")
     skip = mistral.skip_special_tokens(requested=True)
-    _, message = whole(mistral, tokenizer.decode(ids, skip_special_tokens=skip))
+    text = tokenizer.decode(ids, skip_special_tokens=skip)
+    assert isinstance(text, str)
+    _, message = whole(mistral, text)
     assert function_calls(message) == [("search", '{"q": "x"}')]
     assert message.content == "Sure. "
     # Other parsers, and forced calls, decode as the request asks.
