@@ -1,5 +1,5 @@
-"""One supervised engine process on this host: started, read, watched, and started
-again when it dies.
+"""One supervised engine process beside the API server (not reached over the network):
+started, read, watched, and started again when it dies.
 
 The engine supervisor owns one when the server serves colocated, and one per engine
 when prefill and decode engines run beside it. An engine knows nothing of requests: it
