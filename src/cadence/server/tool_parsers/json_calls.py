@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cadence.server.text_markers import find_trigger
 from cadence.server.tool_parsers.base import DeltaBuilder, ToolParser, ToolSpec
 from cadence.server.tool_parsers.call_object import CallObject
 
@@ -24,6 +25,17 @@ class JsonCallParser(ToolParser):
         self._call: CallObject | None = None
         self._call_index = -1
         self._held = ""  # the marker text of a pending call, content if the call is rejected
+
+    def _text_until(self, trigger: str, buffer: str, position: int, out: DeltaBuilder, final: bool) -> int | None:
+        """Send the text from `position` up to the next `trigger` as content and return
+        where the text after the trigger starts; None when no trigger is in `buffer`, with
+        whatever could still begin one held for the next feed."""
+        end, found = find_trigger(buffer, position, [trigger], final)
+        out.content(buffer[position:end])
+        if found is None:
+            self._pending = buffer[end:]
+            return None
+        return end + len(found)
 
     def _start_call(self, marker: str, call: CallObject | None = None) -> None:
         self._call = call if call is not None else CallObject(self.tools, self.argument_keys)

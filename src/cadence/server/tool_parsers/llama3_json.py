@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cadence.server.text_markers import find_trigger
 from cadence.server.tool_parsers.base import DeltaBuilder, ToolSpec
 from cadence.server.tool_parsers.call_grammar import leading_calls_grammar
 from cadence.server.tool_parsers.json_calls import JsonCallParser, Separator
@@ -36,13 +35,11 @@ class Llama3JsonToolParser(JsonCallParser):
         position = 0
         while True:
             if self._mode == "text":
-                end, trigger = find_trigger(buffer, position, [PYTHON_TAG], final)
-                out.content(buffer[position:end])
-                if trigger is None:
-                    self._pending = buffer[end:]
+                after = self._text_until(PYTHON_TAG, buffer, position, out, final)
+                if after is None:
                     break
-                position = end + len(trigger)
-                self._start_call(trigger)
+                position = after
+                self._start_call(PYTHON_TAG)
                 self._mode = "call"
             elif self._mode == "call":
                 position, outcome = self._run_call(buffer, position, out)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cadence.server.text_markers import find_trigger
 from cadence.server.tool_parsers.base import DeltaBuilder, ToolSpec
 from cadence.server.tool_parsers.call_object import CallObject
 from cadence.server.tool_parsers.json_calls import JsonCallParser, Separator
@@ -43,13 +42,11 @@ class MistralToolParser(JsonCallParser):
         position = 0
         while True:
             if self._mode == "text":
-                end, trigger = find_trigger(buffer, position, [TOOL_CALLS], final)
-                out.content(buffer[position:end])
-                if trigger is None:
-                    self._pending = buffer[end:]
+                after = self._text_until(TOOL_CALLS, buffer, position, out, final)
+                if after is None:
                     break
-                position = end + len(trigger)
-                self._held = trigger
+                position = after
+                self._held = TOOL_CALLS
                 self._mode = "form"
             elif self._mode == "call":
                 position, outcome = self._run_call(buffer, position, out)
