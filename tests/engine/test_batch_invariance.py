@@ -156,6 +156,19 @@ def test_greedy_request_is_the_same_in_any_batch(
     _assert_all_alike(_scenarios(make, target, others))
 
 
+@pytest.mark.parametrize("kind", ["llama", "tied", "llama_bias"])
+def test_greedy_request_is_the_same_in_any_batch_at_bf16(tiny_model_dir: Callable[[str], str], kind: str) -> None:
+    """``--dtype bfloat16``: on a CPU with bf16dot, dense linears and a tied head on it
+    (engine/precision.py); elsewhere bf16 activations through the invariant BLAS tiles."""
+    path = tiny_model_dir(kind)
+
+    def make(**overrides: object) -> LLM:
+        return LLM(path, **{**ENGINE, "dtype": "bfloat16", **overrides})
+
+    target, others = _prompts(seed=len(kind) + 7, vocab=500)
+    _assert_all_alike(_scenarios(make, target, others, every=kind == "llama"))
+
+
 @pytest.mark.parametrize(
     "kind,quantization,cpu_kernels",
     [("llama", None, "dense"), ("tied", None, "dense"), ("llama", "int8", "dense")],

@@ -18,9 +18,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from cadence.engine.loader import load_model, resolve_dtype
+from cadence.engine.loader import load_model
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.rotary import _inv_freq
+from cadence.engine.precision import Precision, resolve_precision
+from cadence.kernels.cpu import bf16_dot
 from cadence.kernels.cpu.half_linear import native_bf16
 from tests.support.sdpa_contexts import CachedSdpaContext, VarlenSdpaContext
 from tests.support.tiny_models import KINDS, make_tiny_model
@@ -193,18 +195,26 @@ def test_config_parsing() -> None:
         LlamaForCausalLM(ModelConfig.from_dict(_raw_config(rope_scaling={"rope_type": "longrope", "factor": 2.0})))
 
 
-def test_resolve_dtype() -> None:
+def test_resolve_precision() -> None:
     cfg = ModelConfig.from_dict(_raw_config())  # checkpoint stored as bfloat16
-    # On CPU, half precision only where the hardware makes it fast.
-    expected_cpu = torch.bfloat16 if native_bf16() else torch.float32
-    assert resolve_dtype("auto", cfg, "cpu") == expected_cpu
     fp32_cfg = ModelConfig.from_dict({**_raw_config(), "torch_dtype": "float32"})
-    assert resolve_dtype("auto", fp32_cfg, "cpu") == torch.float32
-    assert resolve_dtype("auto", cfg, "cuda") == torch.bfloat16
-    assert resolve_dtype("float16", cfg, "cpu") == torch.float16
-    assert resolve_dtype("bfloat16", cfg, "cpu") == torch.bfloat16
+    # On a CPU with bf16dot, "auto" is bf16 for every checkpoint, as vLLM's CPU backend
+    # chooses: bf16 weights and products, fp32 activations. Elsewhere float32.
+    dot = bf16_dot.hardware_ready()
+    for config in (cfg, fp32_cfg):
+        auto = resolve_precision("auto", config, "cpu")
+        assert auto.bf16_dot_linears == dot
+        assert auto.activations == (torch.float32 if dot or not native_bf16() or config is fp32_cfg else torch.bfloat16)
+        assert ("bf16dot" in auto.describe()) == dot
+    assert resolve_precision("auto", cfg, "cuda") == Precision(torch.bfloat16, False, "auto", torch.bfloat16)
+    assert resolve_precision("auto", fp32_cfg, "cuda").activations == torch.float32
+    assert resolve_precision("float32", cfg, "cpu") == Precision(torch.float32, False, "float32", torch.bfloat16)
+    assert resolve_precision(torch.float32, cfg, "cpu").activations == torch.float32
+    assert resolve_precision("float16", cfg, "cpu").activations == torch.float16
+    bf16 = resolve_precision("bfloat16", fp32_cfg, "cpu")
+    assert (bf16.activations, bf16.bf16_dot_linears) == ((torch.float32, True) if dot else (torch.bfloat16, False))
     with pytest.raises(ValueError):
-        resolve_dtype("int8", cfg, "cpu")
+        resolve_precision("int8", cfg, "cpu")
 
 
 def test_load_rejects_unknown_and_missing_weights(tiny: tuple[str, str, Any, PreTrainedModel], tmp_path: Path) -> None:

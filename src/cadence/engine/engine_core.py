@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -19,9 +20,10 @@ from cadence.engine.kv_connector.scheduler_side import KVEvents
 from cadence.engine.kv_connector.worker_side import WorkerSideConnector
 from cadence.engine.kv_transfer.layout import KVLayout
 from cadence.engine.kv_transfer.source import KVSource
-from cadence.engine.loader import load_model, resolve_dtype
+from cadence.engine.loader import load_model
 from cadence.engine.model_config import ModelConfig
 from cadence.engine.model_runner import ModelRunner, ModelRunnerOutput
+from cadence.engine.precision import resolve_precision
 from cadence.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineReady, EngineStats
 from cadence.engine.request_checks import check_token_ids
 from cadence.engine.step_stats import StepRecorder, StepTimings, mark_first_scheduled
@@ -34,6 +36,8 @@ from cadence.scheduler.scheduler import CacheConfig, Scheduler, SchedulerConfig
 
 # Which role an engine needs for a request whose prompt KV crosses engines.
 _ROLE_FOR = {RemoteKV.LOAD.value: "decode", RemoteKV.SEND.value: "prefill"}
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -56,7 +60,9 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             args.model, self.vocab_size, self.eos_token_ids, args.structured_outputs_compile_timeout
         )
-        self.dtype = resolve_dtype(args.dtype, config, self.device)
+        self.precision = resolve_precision(args.dtype, config, self.device)
+        logger.info("%s", self.precision.describe())
+        self.dtype = self.precision.activations
         self.model, self.model_config = load_model(
             args.model,
             self.dtype,
@@ -65,6 +71,7 @@ class EngineCore:
             quantize_lm_head=args.quantize_lm_head,
             cpu_kernels=args.cpu_kernels,
             expert_offload=args.expert_offload_options(),
+            bf16_dot_linears=self.precision.bf16_dot_linears,
         )
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         spec = self.model.attention_spec()

@@ -18,46 +18,11 @@ from cadence.engine.models import get_model_class
 from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.quantization.checkpoint import CheckpointConfig
 from cadence.engine.quantization.cpu_planner import plan_cpu_kernels
+from cadence.engine.quantization.dense_dot import hold_bf16_dot, stage_bf16
 from cadence.engine.quantization.gguf_native import GGUF_NATIVE, GgufNativeConfig
 from cadence.engine.quantization.linear_layer import DenseConfig, LinearLayer, QuantConfig
 from cadence.engine.quantization.lm_head import Int8HeadMethod
 from cadence.engine.quantization.load_time_config import LoadTimeConfig, validate_quantization
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
-
-def resolve_dtype(name: str | torch.dtype, config: ModelConfig, device: torch.device | str) -> torch.dtype:
-    """Turn a user dtype choice into a torch dtype.
-
-    "auto" means the checkpoint's dtype, except for half precision on CPU: bfloat16
-    where the CPU has AMX or AVX512-BF16 (there bf16 matmuls beat fp32 from small
-    batches on; bench/RESULTS.md), float32 elsewhere (fp16/bf16 matmuls are much slower
-    than fp32 without that hardware). A float32 checkpoint
-    stays float32: "auto" never lowers precision the checkpoint has.
-    """
-    if isinstance(name, torch.dtype):
-        return name
-    key = name.lower().removeprefix("torch.")
-    if key != "auto":
-        if key not in _DTYPES:
-            raise ValueError(f"unknown dtype {name!r}; use auto, float32, float16 or bfloat16")
-        return _DTYPES[key]
-    stored = (config.torch_dtype or "float32").lower().removeprefix("torch.")
-    dtype = _DTYPES.get(stored, torch.float32)
-    if torch.device(device).type == "cpu" and dtype in (torch.float16, torch.bfloat16):
-        from cadence.kernels.cpu.half_linear import native_bf16
-
-        return torch.bfloat16 if native_bf16() else torch.float32
-    return dtype
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -141,6 +106,7 @@ def load_model(
     quantize_lm_head: bool | None = None,
     cpu_kernels: str = "auto",
     expert_offload: ExpertOffloadOptions | None = None,
+    bf16_dot_linears: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """Read config, build the model with uninitialised storage on `device`, load weights.
 
@@ -163,7 +129,9 @@ def load_model(
     only under "gguf", and only when the file stores the head quantized.
 
     On CPU, `cpu_kernels` says which kernel quantized layers run
-    (engine/quantization/cpu_planner.py; "auto" chooses by rule).
+    (engine/quantization/cpu_planner.py; "auto" chooses by rule), and `bf16_dot_linears`
+    (the bf16 precision, engine/precision.py) loads dense layers in bf16 and runs them on
+    bf16dot (engine/quantization/dense_dot.py), with activations in `dtype`.
 
     `expert_offload` keeps a mixture-of-experts model's routed experts in host memory or
     on disk, with a few slots per layer in fast memory (engine/experts/); no expert is
@@ -184,7 +152,11 @@ def load_model(
     if expert_offload is not None and expert_offload.enabled:
         offload = ExpertOffloadBuilder(expert_offload, config, device, dtype)
         offload.prepare(model)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    bf16_dot_linears = bf16_dot_linears and device.type == "cpu"
+    if bf16_dot_linears:
+        stage_bf16(model)
+    model = model.to_empty(device=device)
     if offload is None:
         model.load_weights(iterate_weights(path))
     else:
@@ -195,6 +167,8 @@ def load_model(
             module.process_after_loading()
     model.eval()
     model.requires_grad_(False)
+    if bf16_dot_linears:
+        hold_bf16_dot(model)
     if device.type == "cpu":
         plan_cpu_kernels(model.modules(), dtype, cpu_kernels)
     if device.type == "cuda":

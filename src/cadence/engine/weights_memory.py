@@ -6,7 +6,8 @@ distinct CPU storages behind the parameters and buffers (a tied embedding counts
 and behind offloaded experts kept in host memory. Experts read from memory-mapped files
 count nothing: their pages are the page cache's, released after each copy. The copies CPU
 kernels keep (engine/quantization/cpu_planner.py) are not counted; they have a share of
-the machine of their own.
+the machine of their own. Weights packed for bf16dot in place of the dense ones (the CPU's
+bf16 precision, engine/quantization/dense_dot.py) are the weights, and count.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from cadence.engine.experts.offloaded import OffloadedExperts
 from cadence.engine.models.causal_lm import CausalLM
+from cadence.kernels.cpu.bf16_dot import DotWeight
 
 
 def host_weights_bytes(model: CausalLM | nn.Module) -> int:
@@ -33,6 +35,9 @@ def host_weights_bytes(model: CausalLM | nn.Module) -> int:
     for module in model.modules():
         for tensor in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
             add(tensor)
+        for packed in (getattr(module, "cpu_dot", None), getattr(module, "cpu_head_dot", None)):
+            if isinstance(packed, DotWeight):
+                host[packed.blocks.ctypes.data] = packed.blocks.nbytes
         if isinstance(module, OffloadedExperts):
             for source in module.sources:
                 for copy in source.copies:

@@ -31,6 +31,7 @@ from cadence.engine.quantization.linear_layer import (
 )
 from cadence.engine.quantization.lm_head import Int8Embedding
 from cadence.kernels.batch_invariant.cpu_linear import invariant_linear
+from cadence.kernels.cpu import bf16_dot
 from cadence.kernels.layer_ops import rms_norm, silu_and_mul
 
 
@@ -241,6 +242,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: LinearLayer | None = None
         # Whether a dense tied head runs the batch-invariant GEMM (engine/batch_invariant.py).
         self.batch_invariant = False
+        # A dense tied head under the CPU's bf16 precision: the embedding packed for bf16dot
+        # (engine/quantization/dense_dot.py).
+        self.cpu_head_dot: bf16_dot.DotWeight | None = None
         head = quant.lm_head
         if head is not None or not config.tie_word_embeddings:
             self.lm_head = LinearLayer(
@@ -282,6 +286,8 @@ class LlamaForCausalLM(nn.Module):
             return batch_invariant_dense(hidden, embedding.weight).float()
         if hidden.is_cuda:
             return F.linear(hidden, embedding.weight).float()
+        if self.cpu_head_dot is not None:
+            return bf16_dot.linear(hidden.float(), self.cpu_head_dot)
         return invariant_linear(hidden, embedding.weight).float()  # as DenseMethod on CPU
 
     @torch.no_grad()

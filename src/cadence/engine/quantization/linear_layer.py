@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence.kernels.batch_invariant.cpu_linear import invariant_linear
+from cadence.kernels.cpu import bf16_dot
 
 if TYPE_CHECKING:
     from cadence.kernels.cpu.chunked_linear import HeldHalf
@@ -110,6 +111,9 @@ class LinearLayer(nn.Module):
     cpu_dense_dtype: torch.dtype | None
     cpu_half: dict[str, HeldHalf]  # the packed chunks of the half kernels ("fp16", "bf16") held
     cpu_int_dot: dict[str, DotWeight]  # the packed codes the integer kernels ("int8x2dot", "int8dot") held
+    # CPU, dense method under the bf16 precision (engine/quantization/dense_dot.py): the weight,
+    # packed for bf16dot, which then stands for ``weight``.
+    cpu_dot: bf16_dot.DotWeight | None
     weights_fixed: bool
 
     def __init__(
@@ -138,6 +142,7 @@ class LinearLayer(nn.Module):
         self.cpu_kernel, self.cpu_dense, self.cpu_dense_dtype = None, None, None
         self.cpu_half = {}
         self.cpu_int_dot = {}
+        self.cpu_dot = None
         # Whether the weights stay the layer's own for the model's life, so copies made from
         # them once (the CPU planner's held kernels) stay right; not so for an offloaded
         # expert slot, which takes another expert's weights at every load.
@@ -242,10 +247,14 @@ class DenseMethod(QuantMethod):
             return batch_invariant_dense(x, layer.weight, layer.bias)
         if x.is_cuda:
             return F.linear(x, layer.weight, layer.bias)
+        if layer.cpu_dot is not None:
+            return bf16_dot.linear(x, layer.cpu_dot, layer.bias)
         # CPU BLAS sums a row differently at different batch sizes; greedy tokens must not.
         return invariant_linear(x, layer.weight, layer.bias)
 
     def dequantized_weight(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
+        if layer.cpu_dot is not None:
+            return bf16_dot.unpack(layer.cpu_dot).to(dtype)
         return layer.weight.detach().to(dtype)
 
 

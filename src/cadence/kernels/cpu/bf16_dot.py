@@ -53,6 +53,14 @@ def pack(weight: torch.Tensor) -> DotWeight:
     return DotWeight(pairs.view(torch.int32).squeeze(-1).numpy(), n, k)
 
 
+def unpack(weight: DotWeight) -> torch.Tensor:
+    """The ``[N, K]`` bf16 weight ``pack`` rounded and packed (what the kernel multiplies by)."""
+    blocks = torch.from_numpy(weight.blocks).view(torch.bfloat16)  # [N / 32, K / 2, 64]
+    pairs = blocks.view(blocks.shape[0], blocks.shape[1], BLOCK_COLUMNS, 2).permute(0, 2, 1, 3)
+    dense = pairs.reshape(-1, blocks.shape[1] * 2)
+    return dense[: weight.out_features, : weight.in_features].clone()
+
+
 def packed_bytes(out_features: int, in_features: int) -> int:
     return -(-out_features // BLOCK_COLUMNS) * BLOCK_COLUMNS * (-(-in_features // 2) * 2) * 2
 
@@ -70,6 +78,17 @@ def gemm(x: torch.Tensor, weight: DotWeight) -> torch.Tensor:
     if m:
         _kernel(pairs.numpy(), weight.blocks, out.numpy())
     return out if columns == weight.out_features else out[:, : weight.out_features].contiguous()
+
+
+def linear(x: torch.Tensor, weight: DotWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ W.T + b``: ``x`` rounded to bf16, the product and the bias added in
+    fp32, returned in ``x``'s dtype (float32 stays unrounded)."""
+    lead = x.shape[:-1]
+    y = gemm(x.reshape(-1, weight.in_features).to(torch.bfloat16), weight)
+    if bias is not None:
+        y += bias.float()
+    y = y.reshape(*lead, weight.out_features)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def hardware_ready() -> bool:

@@ -4,7 +4,7 @@ fp32, which holds them exactly (``engine/quantization/fp8_linear.py``).
 
 Which kernel a quantized linear layer runs is not decided here but by rule in
 ``engine/quantization/cpu_planner.py``; whether the CPU has bf16 instructions, which
-decides the model's activation dtype on CPU (``loader.resolve_dtype``), is
+decides the model's activation dtype on CPU (``engine/precision.py``), is
 ``half_linear.native_bf16``.
 """
 
