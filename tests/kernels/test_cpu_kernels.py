@@ -70,8 +70,8 @@ def test_auto_runs_the_finest_kernel_this_cpu_makes_fast(
         model = _int8_model(tiny_model_dir, "auto", quantize_lm_head=True)
     heads, body = _kernels(model)
     assert len(body) == 4 * len(model.model.layers) and set(body) == {AUTO_HERE}
-    # The head never takes bf16dot (it would round the final hidden state to bf16).
-    assert heads == ["fp16" if "fp16" in HALF else "dense"]
+    # The head by the same rule (bf16dot on its exact codes, fp32 logits).
+    assert heads == [AUTO_HERE]
     assert "CPU kernel for int8" in caplog.text and AUTO_HERE in caplog.text
 
 
@@ -89,8 +89,7 @@ def test_auto_follows_the_instruction_set(
     real = cpu_planner.available
     monkeypatch.setattr(cpu_planner, "available", lambda fmt: fmt.name not in missing and real(fmt))
     heads, body = _kernels(_int8_model(tiny_model_dir, "auto", quantize_lm_head=True))
-    assert set(body) == {expected}
-    assert heads == ["fp16" if "fp16" in HALF and "fp16" not in missing else "dense"]
+    assert set(body) == set(heads) == {expected}
 
 
 def test_the_kernels_never_follow_a_timing(
@@ -171,15 +170,30 @@ def test_every_kernel_gives_the_layer_its_values() -> None:
 
 @pytest.mark.parametrize("rounding", ["auto", "packed", *[k for k in ("bf16", "bf16dot") if k in HALF]])
 def test_the_int8_head_never_rounds_logits_to_bf16(tiny_model_dir: Callable[[str], str], rounding: str) -> None:
-    """``packed`` and ``bf16`` give bf16 logits, which would tie greedy candidates, and
-    ``bf16dot`` rounds the final hidden state to bf16: none serves the head, even where
-    --cpu-kernels names it for the model; the head gets auto's choice among its own."""
+    """``packed`` and ``bf16`` give bf16 logits, which would tie greedy candidates: neither
+    serves the head, even where --cpu-kernels names it for the model; the head gets auto's
+    choice among its own (``bf16dot``, fp32 logits, where it runs)."""
     heads, body = _kernels(_int8_model(tiny_model_dir, rounding, quantize_lm_head=True))
-    assert heads == ["fp16" if "fp16" in HALF else "dense"], rounding
+    assert heads == [AUTO_HERE], rounding
     assert body and set(body) == {AUTO_HERE if rounding == "auto" else rounding}, rounding
+
+
+@pytest.mark.skipif("bf16dot" not in HALF, reason="bf16dot needs AVX512-BF16")
+def test_the_int8_head_on_bf16dot_multiplies_its_exact_codes(tiny_model_dir: Callable[[str], str]) -> None:
+    """The head's codes go to bf16dot unrounded (int8 fits bf16's mantissa) and its row
+    scales multiply the fp32 products: only the hidden state is rounded, to bf16."""
+    model = _int8_model(tiny_model_dir, "auto", quantize_lm_head=True)
+    head = model.lm_head
+    assert head is not None and head.cpu_kernel == "bf16dot"
+    hidden = torch.randn(5, head.in_features, generator=torch.Generator().manual_seed(3))
+    rounded = hidden.to(torch.bfloat16).double()
+    expected = (rounded @ head.qweight.double().T) * head.scale.double()
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    assert torch.allclose(logits.double(), expected, rtol=1e-6, atol=1e-5)
 
 
 def test_group_summary_counts_layers_by_kernel(tiny_model_dir: Callable[[str], str]) -> None:
     model = _int8_model(tiny_model_dir, "packed", quantize_lm_head=True)
     summary = group_summary(model.modules())
-    assert summary == {"packed": 4 * len(model.model.layers), "fp16" if "fp16" in HALF else "dense": 1}
+    assert summary == {"packed": 4 * len(model.model.layers), AUTO_HERE: 1}

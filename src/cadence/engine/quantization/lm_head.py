@@ -20,7 +20,9 @@ from torch import nn
 
 from cadence.engine.quantization.linear import Int8Method
 from cadence.engine.quantization.linear_layer import LinearLayer
-from cadence.kernels.cpu.kernel_names import DENSE, DEQUANT, FP16
+from cadence.kernels.cpu.chunked_linear import chunked_half_matmul
+from cadence.kernels.cpu.half_linear import FORMATS, pack
+from cadence.kernels.cpu.kernel_names import BF16DOT, DENSE, DEQUANT, FP16
 from cadence.kernels.formats.quant_formats import quantize_int8
 
 # Vocabulary rows quantized at a time: the fp32 temporaries of a whole 128k-row head
@@ -41,9 +43,27 @@ class Int8HeadMethod(Int8Method):
 
     def cpu_kernels(self, layer: LinearLayer) -> tuple[str, ...]:
         # Not the packed op nor bf16: both return logits in bf16, whose 8-bit mantissa ties
-        # the top candidates of a greedy argmax often enough to change answers; nor bf16dot,
-        # which rounds the hidden state the logits come from to bf16.
-        return (DEQUANT, DENSE, FP16)
+        # the top candidates of a greedy argmax often enough to change answers. bf16dot
+        # returns fp32 logits from the hidden state rounded to bf16, as every other linear
+        # of the bf16 precision takes its input, and the int8 codes exactly (below).
+        return (DEQUANT, DENSE, FP16, BF16DOT)
+
+    def hold_half(self, layer: LinearLayer, kernel: str) -> None:
+        if kernel != BF16DOT:
+            super().hold_half(layer, kernel)
+            return
+        # The int8 codes are exact in bf16; the row scales multiply the fp32 products
+        # instead of rounding each weight's value to bf16.
+        layer.cpu_half[kernel] = {(0, layer.out_features): pack(FORMATS[BF16DOT], layer.qweight.float())}
+
+    def run_cpu_kernel(self, layer: LinearLayer, x2: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel != BF16DOT:
+            return super().run_cpu_kernel(layer, x2, kernel)
+        if kernel not in layer.cpu_half:
+            self.hold_half(layer, kernel)
+        logits = chunked_half_matmul(x2, layer.out_features, layer.cpu_half[kernel])  # fp32
+        logits *= layer.scale.float()
+        return logits if x2.dtype == torch.float32 else logits.to(x2.dtype)
 
     def quantize(self, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         source = dense if self.exact_weight is None else self.exact_weight()
