@@ -5,7 +5,8 @@ a few kilobytes of work per token; as torch ops they were ~30 launches per decod
 which dominated a batch-1 decode step's GPU time once CUDA graphs removed the launch cost.
 The kernels round as the torch code does where it matters (``layer_ops_reference.py``),
 so the two paths agree to a unit in the last place. CPU tensors take the torch code;
-triton is only needed where the kernels run, so it is imported on first use.
+triton is only needed where the kernels run, so it is imported on first use. On CPU,
+fp32 hidden-state norms run one numba kernel (``kernels/cpu/rms_norm.py``).
 
 Rotary embedding dispatches in ``engine/models/rotary.PositionedRotary`` instead, because its CPU
 path prepares the per-token factors once per forward pass, for all layers.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from cadence.kernels import layer_ops_reference as reference
+from cadence.kernels.cpu import rms_norm as cpu_rms_norm
 
 
 def rms_norm(
@@ -26,6 +28,8 @@ def rms_norm(
         from cadence.kernels.triton.rms_norm import rms_norm as kernel
 
         return kernel(x, weight, eps, residual)
+    if cpu_rms_norm.applies(x, weight, residual):
+        return cpu_rms_norm.rms_norm(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
 
 
