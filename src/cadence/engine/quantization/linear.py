@@ -45,7 +45,7 @@ from cadence.kernels.cpu.int4_layout import (
     matching_block_n,
     unpack_cpu_int4,
 )
-from cadence.kernels.cpu.kernel_names import DENSE, HALF_KERNELS, INT_DOT_LEVELS, KERNELS, PACKED
+from cadence.kernels.cpu.kernel_names import BF16DOT, DENSE, HALF_KERNELS, INT_DOT_LEVELS, KERNELS, PACKED
 from cadence.kernels.formats.quant_formats import (
     SYMMETRIC_ZERO,
     Int4Weight,
@@ -127,10 +127,15 @@ class QuantizedMethod(DenseMethod):
         """Make and keep a half kernel's packed chunks (its format's ``packed_bytes`` each)."""
         chunks = self.dense_chunk_maker(layer, torch.float32)
         layer.cpu_half[kernel] = held_half(kernel, self.chunk_bounds(layer), chunks)
+        if kernel == BF16DOT:  # one packed weight: the layer's forward calls bf16dot itself
+            (held,) = layer.cpu_half[kernel].values()
+            layer.cpu_dot = held.packed  # type: ignore[assignment]
 
     @staticmethod
     def drop_half(layer: LinearLayer, kernel: str) -> None:
         layer.cpu_half.pop(kernel, None)
+        if kernel == BF16DOT:
+            layer.cpu_dot = None
 
     def hold_int_dot(self, layer: LinearLayer, kernel: str) -> None:
         """Make and keep an integer kernel's packed codes (``int8_dot.packed_bytes``)."""

@@ -111,8 +111,9 @@ class LinearLayer(nn.Module):
     cpu_dense_dtype: torch.dtype | None
     cpu_half: dict[str, HeldHalf]  # the packed chunks of the half kernels ("fp16", "bf16") held
     cpu_int_dot: dict[str, DotWeight]  # the packed codes the integer kernels ("int8x2dot", "int8dot") held
-    # CPU, dense method under the bf16 precision (engine/quantization/dense_dot.py): the weight,
-    # packed for bf16dot, which then stands for ``weight``.
+    # CPU: the weight packed for bf16dot, which the forward then runs directly: a dense layer's
+    # under the bf16 precision (engine/quantization/dense_dot.py), where it stands for
+    # ``weight``, or a quantized layer's kept bf16 copy where the planner chose bf16dot.
     cpu_dot: bf16_dot.DotWeight | None
     weights_fixed: bool
 
@@ -154,6 +155,8 @@ class LinearLayer(nn.Module):
         self.processed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_dot is not None and not x.is_cuda:  # bf16dot, whatever the format: no dispatch
+            return bf16_dot.linear(x, self.cpu_dot, self.bias)
         return self.method.apply(self, x)
 
     def load(self, shard: int, name: str, tensor: torch.Tensor) -> None:
