@@ -6,6 +6,7 @@ transformers doing the same roundings."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -13,7 +14,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from cadence.engine.core_setup import kv_layout_of
+from cadence.engine.engine_args import EngineArgs
 from cadence.engine.loader import load_model
+from cadence.engine.model_config import ModelConfig
 from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.models.llama import LlamaForCausalLM
 from cadence.engine.quantization.linear_layer import DenseMethod, LinearLayer
@@ -100,3 +104,27 @@ def test_auto_runs_a_float32_checkpoint_in_bf16_and_float32_keeps_it(tiny_model_
     assert not full.precision.bf16_dot_linears
     assert all(layer.cpu_dot is None for layer in _dense_layers(full.model))
     assert TINY_ENGINE["dtype"] == "float32"  # the tiny engines compare with transformers in fp32
+
+
+def test_load_time_quantization_stages_bf16_and_counts_only_the_weights(tiny_model_dir: Callable[[str], str]) -> None:
+    """Layers quantized at load stage the checkpoint in bf16 (the peak is the bf16 model),
+    and their planner's bf16dot copies are not counted as weights (the KV budget)."""
+    model, _ = load_model(tiny_model_dir("llama"), torch.float32, "cpu", "int8", bf16_dot_linears=True)
+    quantized = [m for m in model.modules() if isinstance(m, LinearLayer) and type(m.method) is not DenseMethod]
+    assert quantized and all(layer.dense_dtype == torch.bfloat16 for layer in quantized)
+    assert all(layer.cpu_kernel == "bf16dot" and layer.cpu_dot is not None for layer in quantized)
+    own = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    dense = sum(layer.cpu_dot.blocks.nbytes for layer in _dense_layers(model) if layer.cpu_dot is not None)
+    assert host_weights_bytes(model) == own + dense
+
+
+def test_a_disaggregated_pair_must_agree_on_the_precision(tiny_model_dir: Callable[[str], str]) -> None:
+    path = tiny_model_dir("llama")
+    args = EngineArgs(model=path, kv_role="prefill")
+    config = ModelConfig.from_pretrained(path)
+    spec = LlamaForCausalLM(config).attention_spec()
+    bf16 = kv_layout_of(args, config, spec, torch.float32, "bf16dot")
+    fp32 = kv_layout_of(args, config, spec, torch.float32, "float32")
+    assert bf16.mismatch(bf16) is None
+    mismatch = fp32.mismatch(bf16)
+    assert mismatch is not None and "precision" in mismatch

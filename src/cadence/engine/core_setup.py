@@ -45,7 +45,9 @@ def kv_connectors(args: EngineArgs) -> tuple[WorkerSideConnector | None, Schedul
     return WorkerSideConnector(transport), SchedulerSideConnector(args.kv_wait_timeout, args.kv_hold_timeout)
 
 
-def kv_layout_of(args: EngineArgs, config: ModelConfig, spec: AttentionSpec, dtype: torch.dtype) -> KVLayout:
+def kv_layout_of(
+    args: EngineArgs, config: ModelConfig, spec: AttentionSpec, dtype: torch.dtype, precision: str = ""
+) -> KVLayout:
     """What another engine must match to read this engine's KV blocks."""
     return KVLayout(
         model=weights_digest(args.model),
@@ -56,4 +58,5 @@ def kv_layout_of(args: EngineArgs, config: ModelConfig, spec: AttentionSpec, dty
         dtype=str(dtype).removeprefix("torch."),
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization or "none",
+        precision=precision,
     )

@@ -83,7 +83,7 @@ class EngineCore:
         self.kv_layout: KVLayout | None = None
         self.kv_source: KVSource | None = None
         if worker_connector is not None:
-            self.kv_layout = kv_layout_of(args, config, spec, self.dtype)
+            self.kv_layout = kv_layout_of(args, config, spec, self.dtype, self.precision.name)
             if args.kv_role == "prefill":
                 self.kv_source = worker_connector.export(self.kv_layout)
         self._forgotten: dict[str, str] = {}  # scheduler id -> client id, until events are taken

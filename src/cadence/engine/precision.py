@@ -17,9 +17,12 @@ products summed in fp32, each row in one fixed order at any batch size).
   bf16 matmuls are then several times slower than fp32 (bench/RESULTS.md); Cadence keeps
   the arithmetic the CPU makes fast.
 
-An explicit ``float32`` is float32 everywhere; ``bfloat16`` is the ``bf16dot`` precision
-where it runs, else bf16 activations and oneDNN's bf16 matmuls; ``float16`` is fp16
-activations. What was chosen, and why, goes to the startup log (``Precision.describe``).
+An explicit ``float32`` keeps dense weights and activations in float32; ``bfloat16`` is the
+``bf16dot`` precision where it runs, else bf16 activations and oneDNN's bf16 matmuls;
+``float16`` is fp16 activations. Quantized layers run the kernel the CPU planner gives them
+under any of these (``engine/quantization/cpu_planner.py``), and ``--kv-cache-dtype`` stores
+the KV cache as it says. What was chosen, and why, goes to the startup log
+(``Precision.describe``); a disaggregated pair must agree on it (``KVLayout.precision``).
 """
 
 from __future__ import annotations
@@ -52,19 +55,26 @@ class Precision:
     asked: str = "auto"
     stored: torch.dtype = torch.float32
 
+    @property
+    def name(self) -> str:
+        """Short: ``bf16dot``, or the activation dtype's name."""
+        return "bf16dot" if self.bf16_dot_linears else _name(self.activations)
+
     def describe(self) -> str:
         """One line for the startup log: what runs, and why."""
         stored = _name(self.stored)
         if self.bf16_dot_linears:
             what = (
-                "bf16: weights rounded to bf16, bf16 dot products summed in fp32 (bf16dot), "
-                "float32 activations and KV cache"
+                "bf16: dense weights rounded to bf16, bf16 dot products summed in fp32 (bf16dot), "
+                "float32 activations (quantized layers: the CPU kernel the planner gives them)"
             )
         else:
             what = _name(self.activations)
         why = f"--dtype {self.asked}, the checkpoint stores {stored}"
         if self.asked == "auto" and self.bf16_dot_linears and self.stored != torch.bfloat16:
-            why += "; this CPU has bf16 arithmetic, and like vLLM, Cadence runs it in bf16 (--dtype float32 keeps fp32)"
+            why += (
+                "; this CPU has bf16 arithmetic, and like vLLM, Cadence runs it in bf16 (--dtype float32: fp32 linears)"
+            )
         elif self.asked == "auto" and self.activations == torch.float32 and self.stored != torch.float32:
             why += "; this CPU has no bf16 arithmetic, where float32 is the faster"
         return f"precision {what} ({why})"

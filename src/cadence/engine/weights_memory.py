@@ -19,6 +19,7 @@ from torch import nn
 
 from cadence.engine.experts.offloaded import OffloadedExperts
 from cadence.engine.models.causal_lm import CausalLM
+from cadence.engine.quantization.linear_layer import DenseMethod, LinearLayer
 from cadence.kernels.cpu.bf16_dot import DotWeight
 
 
@@ -35,7 +36,10 @@ def host_weights_bytes(model: CausalLM | nn.Module) -> int:
     for module in model.modules():
         for tensor in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
             add(tensor)
-        for packed in (getattr(module, "cpu_dot", None), getattr(module, "cpu_head_dot", None)):
+        # A dense layer's packed weight replaces its weight (a quantized layer's is the
+        # planner's copy, not counted).
+        dense = isinstance(module, LinearLayer) and type(module.method) is DenseMethod
+        for packed in (getattr(module, "cpu_dot", None) if dense else None, getattr(module, "cpu_head_dot", None)):
             if isinstance(packed, DotWeight):
                 host[packed.blocks.ctypes.data] = packed.blocks.nbytes
         if isinstance(module, OffloadedExperts):

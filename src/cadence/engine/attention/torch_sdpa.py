@@ -172,7 +172,8 @@ def _copy_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> Non
     """``cache[slots] = x`` for ``[slots, heads, dim]`` rows, through 2-D views: CPU
     index_copy_ over the 3-D shapes walks element by element and took tens of times longer
     for a prompt's rows."""
-    cache.view(cache.shape[0], -1).index_copy_(0, slots, x.reshape(x.shape[0], -1))
+    rows = cache.view(cache.shape[0], -1)
+    rows.index_copy_(0, slots, x.reshape(-1, rows.shape[1]))
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:

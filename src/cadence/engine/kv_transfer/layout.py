@@ -23,6 +23,7 @@ class KVLayout:
     dtype: str  # the values' storage dtype
     kv_cache_dtype: str  # "auto", "int8" or "fp8" (the latter two carry per-slot scales)
     quantization: str = "none"  # weights quantized at load compute other KV from the same checkpoint
+    precision: str = ""  # the arithmetic (engine/precision.py): bf16 linears compute other KV than fp32
 
     @property
     def bytes_per_token(self) -> int:

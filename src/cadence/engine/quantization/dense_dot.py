@@ -6,10 +6,11 @@ multiply bf16 weights by bf16-rounded activations with fp32 sums, in Cadence's o
 size: batch-invariant by construction, with no tile sizes to measure and no padding of a
 batch-1 call (what ``invariant_linear`` needs for BLAS). Activations stay float32.
 
-Memory: ``stage_bf16`` gives the dense layers bf16 weights before storage is allocated, so
-a bf16 checkpoint loads at its own size (not doubled to fp32); ``hold_bf16_dot`` then packs
-each one and drops the unpacked weight, so the weights are held once, in bf16. A dense
-head tied to the embedding is packed beside the embedding table, which lookups still read.
+Memory: ``stage_bf16`` gives the dense layers (and the layers quantized at load) bf16
+weights before storage is allocated, so a bf16 checkpoint loads at its own size (not
+doubled to fp32); ``hold_bf16_dot`` then packs each dense one and drops the unpacked
+weight, so those weights are held once, in bf16. A dense head tied to the embedding is
+packed as a second, bf16 copy beside the float32 embedding table, which lookups read.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from cadence.engine.models.causal_lm import CausalLM
 from cadence.engine.models.llama import LlamaForCausalLM
 from cadence.engine.quantization.linear_layer import DenseMethod, LinearLayer
+from cadence.engine.quantization.lm_head import Int8HeadMethod
 from cadence.kernels.cpu import bf16_dot
 
 
@@ -32,10 +34,14 @@ def _dense_layers(model: CausalLM) -> list[LinearLayer]:
 
 
 def stage_bf16(model: CausalLM) -> None:
-    """Before storage is allocated (``to_empty``): the dense layers' weights in bf16, so the
-    checkpoint is cast to bf16 as it streams in."""
-    for layer in _dense_layers(model):
-        layer.weight.data = layer.weight.data.to(torch.bfloat16)
+    """Before storage is allocated (``to_empty``): the weights that dense layers and
+    load-time quantizing methods stage, in bf16, so the checkpoint is cast to bf16 as it
+    streams in (a quantized model's peak stays the bf16 model, not an fp32 one). The int8
+    head's staging keeps the activations' dtype: its embedding lookups return it."""
+    for layer in model.modules():
+        staged = isinstance(layer, LinearLayer) and isinstance(layer.method, DenseMethod) and layer.weights_fixed
+        if staged and hasattr(layer, "weight") and not isinstance(layer.method, Int8HeadMethod):
+            layer.weight.data = layer.weight.data.to(torch.bfloat16)
 
 
 def hold_bf16_dot(model: CausalLM) -> None:

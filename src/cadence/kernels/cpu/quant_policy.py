@@ -3,9 +3,9 @@ the dtype fp8 codes are decoded to: fp16 where it does (AVX512-FP16 / AMX-FP16),
 fp32, which holds them exactly (``engine/quantization/fp8_linear.py``).
 
 Which kernel a quantized linear layer runs is not decided here but by rule in
-``engine/quantization/cpu_planner.py``; whether the CPU has bf16 instructions, which
-decides the model's activation dtype on CPU (``engine/precision.py``), is
-``half_linear.native_bf16``.
+``engine/quantization/cpu_planner.py``, and the precision a model runs in by
+``engine/precision.py`` (``bf16dot`` where it runs; else ``half_linear.native_bf16``, the
+oneDNN bf16 instructions, decides whether a half-precision checkpoint computes in bf16).
 """
 
 from __future__ import annotations

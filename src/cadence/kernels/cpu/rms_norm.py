@@ -31,7 +31,8 @@ def applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     """Whether ``rms_norm`` serves these tensors (a fact of the call site, not the batch)."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
     plain = all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
-    return plain and x.dim() == 2 and (residual is None or residual.shape == x.shape) and _kernel.function() is not None
+    shapes = x.dim() == 2 and weight.shape == x.shape[1:] and (residual is None or residual.shape == x.shape)
+    return plain and shapes and _kernel.function() is not None
 
 
 def rms_norm(
@@ -39,11 +40,12 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``reference.rms_norm`` for inputs ``applies`` accepts: ``weight * rmsnorm(x)``, or
     with ``residual`` ``(weight * rmsnorm(x + residual), x + residual)``."""
+    x = x.detach()
     out = torch.empty_like(x)
     summed = torch.empty_like(x) if residual is not None else x
     source = residual if residual is not None else torch.zeros(0, x.shape[1], dtype=torch.float32)
     _kernel(
-        x.detach().numpy(),
+        x.numpy(),
         source.detach().numpy(),
         weight.detach().numpy(),
         np.float32(eps),
