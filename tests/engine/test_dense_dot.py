@@ -113,6 +113,7 @@ def test_load_time_quantization_stages_bf16_and_counts_only_the_weights(tiny_mod
     quantized = [m for m in model.modules() if isinstance(m, LinearLayer) and type(m.method) is not DenseMethod]
     assert quantized and all(layer.dense_dtype == torch.bfloat16 for layer in quantized)
     assert all(layer.cpu_kernel == "bf16dot" and layer.cpu_dot is not None for layer in quantized)
+    assert isinstance(model, nn.Module)
     own = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
     dense = sum(layer.cpu_dot.blocks.nbytes for layer in _dense_layers(model) if layer.cpu_dot is not None)
     assert host_weights_bytes(model) == own + dense

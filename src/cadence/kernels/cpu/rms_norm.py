@@ -17,7 +17,7 @@ float32 inputs; a per-head norm's strided views keep the torch ops), never by ba
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -35,6 +35,16 @@ def applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     return plain and shapes and _kernel.function() is not None
 
 
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None) -> torch.Tensor: ...
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
