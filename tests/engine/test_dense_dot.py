@@ -99,7 +99,7 @@ def test_greedy_tokens_and_logprobs_are_the_bf16_arithmetics(tiny_model_dir: Cal
 def test_auto_runs_a_float32_checkpoint_in_bf16_and_float32_keeps_it(tiny_model_dir: Callable[[str], str]) -> None:
     path = tiny_model_dir("llama")  # stored as float32
     auto = make_llm(path, dtype="auto").engine
-    assert auto.precision.bf16_dot_linears and "like vLLM" in auto.precision.describe()
+    assert auto.precision.bf16_dot_linears and "as vLLM does" in auto.precision.describe()
     full = make_llm(path, dtype="float32").engine
     assert not full.precision.bf16_dot_linears
     assert all(layer.cpu_dot is None for layer in _dense_layers(full.model))

@@ -46,7 +46,7 @@ def kv_connectors(args: EngineArgs) -> tuple[WorkerSideConnector | None, Schedul
 
 
 def kv_layout_of(
-    args: EngineArgs, config: ModelConfig, spec: AttentionSpec, dtype: torch.dtype, precision: str = ""
+    args: EngineArgs, config: ModelConfig, spec: AttentionSpec, dtype: torch.dtype, precision: str
 ) -> KVLayout:
     """What another engine must match to read this engine's KV blocks."""
     return KVLayout(

@@ -9,13 +9,11 @@ products summed in fp32, each row in one fixed order at any batch size).
 
 * On CUDA, the checkpoint's dtype.
 * On a CPU where ``bf16dot`` runs (AVX512-BF16): **bf16**, whatever the checkpoint stores
-  (float32, bfloat16 or float16), as vLLM's CPU backend chooses. The linears, which are
-  nearly all of the work, run bf16 dot products; activations stay float32 between them,
-  because the CPU's element-wise ops, attention kernel and sampling are as fast in fp32
-  and every other rounding is one the model need not take.
-* On a CPU without bf16 arithmetic: **float32**. vLLM would take bf16 there too, and its
-  bf16 matmuls are then several times slower than fp32 (bench/RESULTS.md); Cadence keeps
-  the arithmetic the CPU makes fast.
+  (float32, bfloat16 or float16), as vLLM's CPU backend chooses. The linears run bf16 dot
+  products; activations stay float32 between them, which the CPU paged decode kernel
+  reads, and which spares the model every other rounding.
+* On a CPU without bf16 arithmetic: **float32**. vLLM would take bf16 there too, through
+  matmuls that convert to fp32 and back (bench/RESULTS.md measures what that costs).
 
 An explicit ``float32`` keeps dense weights and activations in float32; ``bfloat16`` is the
 ``bf16dot`` precision where it runs, else bf16 activations and oneDNN's bf16 matmuls;
@@ -72,11 +70,9 @@ class Precision:
             what = _name(self.activations)
         why = f"--dtype {self.asked}, the checkpoint stores {stored}"
         if self.asked == "auto" and self.bf16_dot_linears and self.stored != torch.bfloat16:
-            why += (
-                "; this CPU has bf16 arithmetic, and like vLLM, Cadence runs it in bf16 (--dtype float32: fp32 linears)"
-            )
+            why += "; this CPU has AVX512-BF16, so auto takes bf16 as vLLM does (--dtype float32: fp32 linears)"
         elif self.asked == "auto" and self.activations == torch.float32 and self.stored != torch.float32:
-            why += "; this CPU has no bf16 arithmetic, where float32 is the faster"
+            why += "; this CPU lacks AVX512-BF16, so auto takes float32"
         return f"precision {what} ({why})"
 
 

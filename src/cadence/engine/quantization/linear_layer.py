@@ -250,8 +250,7 @@ class DenseMethod(QuantMethod):
             return batch_invariant_dense(x, layer.weight, layer.bias)
         if x.is_cuda:
             return F.linear(x, layer.weight, layer.bias)
-        if layer.cpu_dot is not None:
-            return bf16_dot.linear(x, layer.cpu_dot, layer.bias)
+        # (A layer packed for bf16dot never gets here: LinearLayer.forward runs it.)
         # CPU BLAS sums a row differently at different batch sizes; greedy tokens must not.
         return invariant_linear(x, layer.weight, layer.bias)
 
